@@ -1,0 +1,229 @@
+"""The public entry points: validate arguments, normalize layouts and masks, dispatch to a backend."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Union
+
+import torch
+
+from . import reference
+from .sparsity import BlockSparsity
+
+DEFAULT_BLOCK_SIZE = (128, 64)
+_LAYOUTS = ("bhsd", "bshd", "thd")
+_BACKENDS = ("auto", "triton", "torch")
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MIN_HEAD_DIM, _MAX_HEAD_DIM = 16, 256
+
+
+def _interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _kernel_ops():
+    """The Triton custom ops, imported on first use (Triton decides at import whether it interprets)."""
+    from .kernels import ops
+    return ops
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """'auto' -> 'triton' on CUDA tensors (or on CPU under TRITON_INTERPRET=1), else 'torch'. An explicit choice
+    that cannot run raises; it never falls back."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" or (device.type == "cpu" and _interpret_requested()) else "torch"
+    if backend == "triton":
+        if device.type == "cpu" and not _interpret_requested():
+            raise ValueError('backend="triton" needs CUDA tensors, or TRITON_INTERPRET=1 to run the kernels on the '
+                             f"CPU; got tensors on {device}")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f'backend="triton" runs on CUDA (or CPU under TRITON_INTERPRET=1), got {device}')
+        from .kernels.autotune import is_interpreted
+        from .kernels.forward import attention_fwd_kernel
+        if device.type == "cpu" and not is_interpreted(attention_fwd_kernel):
+            raise ValueError("TRITON_INTERPRET=1 was set after blockattn's kernels were imported; set it before "
+                             "the first call so Triton builds interpreted kernels")
+    return backend
+
+
+def _check_qkv(q, k, v, layout: str):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.ndim != 4:
+            raise ValueError(f"{name} must be 4-D [B, H, S, D] (layout {layout!r}), got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    batch, heads, _, head_dim = q.shape
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise ValueError(f"q, k and v must share the batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must share heads and sequence length, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[1] == 0 or heads % k.shape[1]:
+        raise ValueError(f"the query heads ({heads}) must be a multiple of the key/value heads ({k.shape[1]})")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"q and k must share the head dim, got {head_dim} and {k.shape[3]}")
+    for name, dim in (("q", head_dim), ("v", v.shape[3])):
+        if not _MIN_HEAD_DIM <= dim <= _MAX_HEAD_DIM:
+            raise ValueError(f"{name}'s head dim must be in {_MIN_HEAD_DIM}..{_MAX_HEAD_DIM}, got {dim}")
+    for name, seq in (("q", q.shape[2]), ("k", k.shape[2])):
+        if seq == 0:
+            raise ValueError(f"{name} has an empty sequence (length 0)")
+
+
+def _prepare_blocks(blocks, block_size, seq_q: int, seq_kv: int, batch: int, heads: int, device) -> BlockSparsity:
+    if isinstance(blocks, BlockSparsity):
+        if block_size is not None and tuple(block_size) != blocks.block_size:
+            raise ValueError(f"block_size {tuple(block_size)} disagrees with the BlockSparsity's {blocks.block_size}")
+        if (blocks.seq_q, blocks.seq_kv) != (seq_q, seq_kv):
+            raise ValueError(f"blocks was built for seq_q={blocks.seq_q}, seq_kv={blocks.seq_kv}; the inputs have "
+                             f"seq_q={seq_q}, seq_kv={seq_kv}")
+        if blocks.device != device:
+            raise ValueError(f"blocks is on {blocks.device} but q is on {device}")
+        sparsity = blocks
+    elif blocks is None:
+        sparsity = BlockSparsity.dense(block_size or DEFAULT_BLOCK_SIZE, seq_q, seq_kv, device=device)
+    elif isinstance(blocks, torch.Tensor):
+        if blocks.device != device:
+            raise ValueError(f"the block mask is on {blocks.device} but q is on {device}")
+        sparsity = BlockSparsity.from_mask(blocks, block_size or DEFAULT_BLOCK_SIZE, seq_q, seq_kv)
+    else:
+        raise TypeError(f"blocks must be a block-mask tensor, a BlockSparsity or None, got {type(blocks).__name__}")
+    if sparsity.batch not in (1, batch):
+        raise ValueError(f"the block mask's batch dim must be 1 or {batch}, got {sparsity.batch}")
+    if sparsity.heads not in (1, heads):
+        raise ValueError(f"the block mask's head dim must be 1 or the query heads ({heads}), got {sparsity.heads}")
+    return sparsity
+
+
+def _prepare_token_mask(attn_mask, batch: int, heads: int, seq_q: int, seq_kv: int, device):
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a bool tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool:
+        raise TypeError(f"attn_mask must be bool (True = attend), got {attn_mask.dtype}")
+    if attn_mask.device != device:
+        raise ValueError(f"attn_mask is on {attn_mask.device} but q is on {device}")
+    target = (batch, heads, seq_q, seq_kv)
+    shape = (1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape)
+    if attn_mask.ndim > 4 or any(got not in (1, want) for got, want in zip(shape, target)):
+        raise ValueError(f"attn_mask must broadcast to [B, H, Sq, Sk] = {list(target)}, got {tuple(attn_mask.shape)}")
+    return attn_mask.reshape(shape).expand(target)
+
+
+def _prepare_kv_valid(kv_valid, batch: int, nk: int, device):
+    if kv_valid is None:
+        return None
+    if not isinstance(kv_valid, torch.Tensor) or kv_valid.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"kv_valid must be an int32 tensor [nk] or [B, nk], got "
+                        f"{getattr(kv_valid, 'dtype', type(kv_valid).__name__)}")
+    if kv_valid.device != device:
+        raise ValueError(f"kv_valid is on {kv_valid.device} but q is on {device}")
+    if kv_valid.ndim == 1:
+        kv_valid = kv_valid.unsqueeze(0)
+    if kv_valid.ndim != 2 or kv_valid.shape[1] != nk or kv_valid.shape[0] not in (1, batch):
+        raise ValueError(f"kv_valid must have shape [nk={nk}] or [B={batch}, nk={nk}], got {tuple(kv_valid.shape)}")
+    return kv_valid.to(torch.int32).contiguous()
+
+
+def _check_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return head_dim ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    return float(scale)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              blocks: Union[torch.Tensor, BlockSparsity, None] = None, block_size=None, *,
+              layout: str = "bhsd", cu_seqlens_q=None, cu_seqlens_kv=None, scale: Optional[float] = None,
+              attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+              kv_valid: Optional[torch.Tensor] = None, quant: Optional[str] = None, return_lse: bool = False,
+              backend: str = "auto"):
+    """Exact attention over the kept (query block, key block) pairs.
+
+    q: [B, Hq, Sq, D], k: [B, Hkv, Sk, D], v: [B, Hkv, Sk, Dv] for layout "bhsd" ([B, S, H, D] for "bshd");
+    Hq a multiple of Hkv (GQA/MQA); D, Dv in 16..256; fp16, bf16 or fp32 (fp64 on the torch backend).
+    blocks: block mask (bool/int8/uint8, nonzero = keep) shaped [nq, nk], [H|1, nq, nk] or [B|1, H|1, nq, nk]
+    with nq = ceil(Sq / block_q), nk = ceil(Sk / block_kv); or a prepared BlockSparsity; or None (dense).
+    block_size: (block_q, block_kv), default (128, 64) for a mask tensor; a BlockSparsity carries its own.
+    attn_mask: bool token mask broadcastable to [B, Hq, Sq, Sk], AND-ed with the blocks. is_causal: key j visible
+    from query i only if j <= i (top-left aligned). kv_valid: int32 [nk] or [B, nk], valid tokens at the start of
+    each key block (the rest is padding). A row that sees no key gives zeros and LSE -inf.
+    Returns out shaped like q with Dv last (and lse float32 [B, Hq, Sq], natural log, if return_lse).
+    backend: "auto" (Triton on CUDA, PyTorch on CPU unless TRITON_INTERPRET=1), "triton" or "torch".
+    """
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
+    if layout == "thd" or cu_seqlens_q is not None or cu_seqlens_kv is not None:
+        raise NotImplementedError("layout 'thd' with cu_seqlens is not implemented yet (packed variable-length "
+                                  "batches are tracked as their own issue)")
+    if quant is not None:
+        raise NotImplementedError(f"quant={quant!r}: quantized forwards are not implemented yet")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if layout == "bshd":
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.ndim != 4:
+                raise ValueError(f"{name} must be a 4-D tensor [B, S, H, D] for layout 'bshd'")
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    _check_qkv(q, k, v, layout)
+    batch, heads, seq_q, head_dim = q.shape
+    seq_kv = k.shape[2]
+    device = q.device
+    backend = resolve_backend(backend, device)
+    if backend == "triton" and q.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f'backend="triton" takes fp16, bf16 or fp32 inputs, got {q.dtype}')
+    scale = _check_scale(scale, head_dim)
+    sparsity = _prepare_blocks(blocks, block_size, seq_q, seq_kv, batch, heads, device)
+    token_mask = _prepare_token_mask(attn_mask, batch, heads, seq_q, seq_kv, device)
+    kv_valid = _prepare_kv_valid(kv_valid, batch, sparsity.num_blocks[1], device)
+
+    if backend == "torch":
+        out, lse = reference.block_sparse_attention(q, k, v, sparsity, scale, token_mask, is_causal, kv_valid)
+    else:
+        out, lse = _triton_attention(q, k, v, sparsity, scale, token_mask, is_causal, kv_valid)
+    if layout == "bshd":
+        out, lse = out.transpose(1, 2), lse
+    return (out, lse) if return_lse else out
+
+
+def _kernel_inputs(sparsity: BlockSparsity, is_causal: bool):
+    """The lists the kernels walk and, for block shapes no tile nests in, the block mask to test per element."""
+    if is_causal:
+        sparsity = sparsity.causal()
+    block_q, block_kv = sparsity.block_size
+    if block_q % 16 == 0 and block_kv % 16 == 0:
+        return sparsity, None
+    tile_q, tile_kv = (min(64, _tile_side(sparsity.seq_q)), min(64, _tile_side(sparsity.seq_kv)))
+    mask = sparsity.mask.to(torch.uint8)
+    return sparsity.tiled(tile_q, tile_kv), mask
+
+
+def _tile_side(seq: int) -> int:
+    side = 16
+    while side < 64 and side < seq:
+        side *= 2
+    return side
+
+
+def _triton_attention(q, k, v, sparsity: BlockSparsity, scale, token_mask, is_causal, kv_valid):
+    ops = _kernel_ops()
+    lists, gather_mask = _kernel_inputs(sparsity, is_causal)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    q_count, q_index = lists.q_lists() if needs_grad else (None, None)
+    if token_mask is not None:
+        token_mask = token_mask.view(torch.uint8)
+    block_q, block_kv = lists.block_size
+    mask_block_q, mask_block_kv = sparsity.block_size
+    return ops.sparse_attention_fwd(q, k, v, lists.kv_count, lists.kv_index, q_count, q_index, token_mask,
+                                    gather_mask, kv_valid, scale, block_q, block_kv, mask_block_q, mask_block_kv,
+                                    is_causal)

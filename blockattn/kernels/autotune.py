@@ -1,0 +1,124 @@
+"""Tile candidates, the nesting filter and the launch through Triton's autotuner.
+
+Environment variables (this is the one place they are documented; they are read at call time, never at import):
+
+========================================  =========================================================
+``BLOCKATTN_{KERNEL}_BLOCK_M``            comma list of tile heights to try, e.g. ``64,128``
+``BLOCKATTN_{KERNEL}_BLOCK_N``            comma list of tile widths to try
+``BLOCKATTN_{KERNEL}_NUM_WARPS``          comma list of warp counts
+``BLOCKATTN_{KERNEL}_NUM_STAGES``         comma list of software-pipelining depths
+========================================  =========================================================
+
+``{KERNEL}`` is ``FWD`` (forward), ``BWD_DQ`` (dQ) or ``BWD_DKDV`` (dK/dV). Setting any of the four replaces the
+built-in candidate list by the product of the four lists (unset ones keep their defaults: 64,128 / 32,64,128 /
+4,8 / 2,3). Every candidate must nest in the block: its tile height divides ``block_q`` and its tile width divides
+``block_kv``; candidates that do not are dropped, and if none is left a ValueError names these variables.
+Setting one value for each pins the autotuner to one tile (tests do this for bitwise comparisons).
+Under ``TRITON_INTERPRET=1`` the first candidate that nests runs, without benchmarking.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+
+import triton
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages), best first: the interpreter takes the first that nests.
+_DEFAULTS = {
+    "FWD": [(128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3),
+            (64, 64, 4, 3), (64, 32, 4, 3), (64, 16, 4, 3), (32, 32, 4, 2), (32, 16, 4, 2), (16, 16, 4, 2)],
+    "BWD_DQ": [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (128, 128, 8, 2),
+               (32, 32, 4, 2), (64, 16, 4, 2), (32, 16, 4, 2), (16, 16, 4, 2)],
+    "BWD_DKDV": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3), (128, 128, 8, 2),
+                 (32, 32, 4, 2), (16, 64, 4, 2), (16, 32, 4, 2), (16, 16, 4, 2)],
+}
+_LIST_DEFAULTS = {"BLOCK_M": "64,128", "BLOCK_N": "32,64,128", "NUM_WARPS": "4,8", "NUM_STAGES": "2,3"}
+# Shared memory a config may plan for (bytes); Hopper allows 227 KiB per program.
+_SMEM_BUDGET = 200 * 1024
+
+
+def env_names(kernel: str) -> list[str]:
+    return [f"BLOCKATTN_{kernel}_{field}" for field in _LIST_DEFAULTS]
+
+
+def _env_list(name: str, default: str) -> list[int]:
+    raw = os.environ.get(name, default)
+    try:
+        values = [int(part) for part in raw.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise ValueError(f"{name} must be a comma list of ints, got {raw!r}") from None
+    if not values or any(value <= 0 for value in values):
+        raise ValueError(f"{name} must list positive ints, got {raw!r}")
+    return values
+
+
+def candidates(kernel: str) -> list[tuple[int, int, int, int]]:
+    """The candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) list for a kernel, env overrides applied."""
+    names = env_names(kernel)
+    if not any(name in os.environ for name in names):
+        return list(_DEFAULTS[kernel])
+    lists = [_env_list(name, _LIST_DEFAULTS[field]) for name, field in zip(names, _LIST_DEFAULTS)]
+    return [(m, n, w, s) for m in lists[0] for n in lists[1] for w in lists[2] for s in lists[3]]
+
+
+def nesting(kernel: str, block_m_of: int, block_n_of: int, smem_per_stage, fixed_smem) -> list[triton.Config]:
+    """Candidates whose tile nests in the block (BLOCK_M | block_m_of, BLOCK_N | block_n_of) and fits shared memory.
+
+    smem_per_stage(BLOCK_M, BLOCK_N) and fixed_smem(BLOCK_M, BLOCK_N) estimate the bytes a config plans for."""
+    kept = []
+    for block_m, block_n, warps, stages in candidates(kernel):
+        if block_m_of % block_m or block_n_of % block_n or block_m < 16 or block_n < 16:
+            continue
+        if stages * smem_per_stage(block_m, block_n) + fixed_smem(block_m, block_n) > _SMEM_BUDGET:
+            continue
+        kept.append(triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages))
+    if not kept:
+        raise ValueError(
+            f"no {kernel} tile candidate nests in the block {block_m_of}x{block_n_of} (tile sides must divide the "
+            f"block sides and be at least 16) within shared memory; candidates {candidates(kernel)}; adjust "
+            f"{', '.join(env_names(kernel))}")
+    return kept
+
+
+@functools.lru_cache(maxsize=None)
+def _tuner(kernel_fn, configs: tuple, key: tuple):
+    options = {}
+    if "cache_results" in inspect.signature(triton.autotune).parameters:
+        options["cache_results"] = True  # tuning results persist on disk: a user pays tuning once per shape
+    return triton.autotune(configs=list(configs), key=list(key), **options)(kernel_fn)
+
+
+def _config_key(config: triton.Config):
+    return tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages
+
+
+class _HashableConfigs(tuple):
+    def __hash__(self):
+        return hash(tuple(_config_key(c) for c in self))
+
+    def __eq__(self, other):
+        return [_config_key(c) for c in self] == [_config_key(c) for c in other]
+
+
+def launch(kernel_fn, grid, configs: list[triton.Config], key: tuple, **kwargs):
+    """Run kernel_fn over grid(meta) with the best of configs (the first, under the interpreter)."""
+    if is_interpreted(kernel_fn):
+        config = configs[0]
+        meta = dict(kwargs, **config.kwargs)
+        kernel_fn[grid(meta)](**meta)
+        return
+    _tuner(kernel_fn, _HashableConfigs(configs), key)[grid](**kwargs)
+
+
+def is_interpreted(kernel_fn) -> bool:
+    """Whether kernel_fn was decorated under TRITON_INTERPRET=1 (Triton decides at decoration time)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(kernel_fn, InterpretedFunction)
+
+
+def seq_bucket(length: int) -> int:
+    """Autotune key for a sequence length: its power-of-two bucket, so nearby lengths share a tuning."""
+    return triton.next_power_of_2(max(int(length), 16))

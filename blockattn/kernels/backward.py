@@ -1,0 +1,291 @@
+"""Block-sparse attention backward: a delta preprocess, a dQ kernel over the kv lists and a dK/dV kernel over the
+q lists, and their launcher. Derivation notes: kernels/README.md."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import autotune
+from .forward import LOG2E, fp32_precision, head_dims, stride_args, strides
+from .primitives import dot, element_keep
+
+
+@triton.jit
+def attention_bwd_preprocess_kernel(Out, DO, GradLse, Delta, seq_q, num_heads,
+                                    stride_ob, stride_oh, stride_os, stride_od,
+                                    stride_db, stride_dh, stride_ds, stride_dd,
+                                    stride_gb, stride_gh,
+                                    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
+                                    BLOCK_M: tl.constexpr):
+    """Delta [B, H, Sq] fp32 = rowsum(dO * O) - dLSE: the softmax-backward row term (dLSE folds in here because
+    d lse / d s = p, the same shape as the dO term)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // num_heads
+    off_h = pid_bh % num_heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    ok = (offs_m[:, None] < seq_q) & (offs_dv[None, :] < HEAD_DIM_V)
+    rows = offs_m[:, None].to(tl.int64)
+    o = tl.load(Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + rows * stride_os
+                + offs_dv[None, :] * stride_od, mask=ok, other=0.0)
+    do = tl.load(DO + off_b.to(tl.int64) * stride_db + off_h.to(tl.int64) * stride_dh + rows * stride_ds
+                 + offs_dv[None, :] * stride_dd, mask=ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BM]
+    row_ptr = off_b.to(tl.int64) * stride_gb + off_h.to(tl.int64) * stride_gh + offs_m
+    if HAS_GRAD_LSE:
+        delta -= tl.load(GradLse + row_ptr, mask=offs_m < seq_q, other=0.0)
+    tl.store(Delta + row_ptr, delta, mask=offs_m < seq_q)
+
+
+@triton.jit
+def _row_stats(Lse, Delta, row_ptr, rows_ok):
+    """LSE in log2 units (a row that saw nothing gets +inf, so its p = exp2(s - lse) is exactly 0) and delta."""
+    lse = tl.load(Lse + row_ptr, mask=rows_ok, other=float("inf")) * 1.4426950408889634
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    delta = tl.load(Delta + row_ptr, mask=rows_ok, other=0.0)
+    return lse, delta
+
+
+@triton.jit(do_not_specialize=["seq_bucket"])
+def attention_bwd_dq_kernel(
+    Q, K, V, DO, DQ, Lse, Delta, KV_COUNT, KV_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID,
+    scale_log2, scale, seq_q, seq_kv, num_heads, group_size, mask_block_q, mask_block_kv, seq_bucket,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dqb, stride_dqh, stride_dqs, stride_dqd,
+    stride_lb, stride_lh,
+    stride_cb, stride_ch,
+    stride_ib, stride_ih, stride_iq,
+    stride_tb, stride_th, stride_tq, stride_tk,
+    stride_mb, stride_mh, stride_mq,
+    stride_vvb,
+    BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
+    GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program: dQ [BM, D] of one query tile of one (batch, head), walking its query block's kv list."""
+    tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
+    tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
+    TILES_PER_BLOCK: tl.constexpr = BLOCK_KV // BLOCK_N
+    MASKED: tl.constexpr = (not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID
+
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // num_heads
+    off_h = pid_bh % num_heads
+    off_hkv = off_h // group_size
+    start_m = pid_m * BLOCK_M
+    q_block = start_m // BLOCK_Q
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
+    m_ok = offs_m < seq_q
+    rows = offs_m[:, None].to(tl.int64)
+
+    q = tl.load(Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + rows * stride_qs
+                + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
+    do = tl.load(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh + rows * stride_dos
+                 + offs_dv[None, :] * stride_dod, mask=m_ok[:, None] & dv_ok[None, :], other=0.0)  # [BM, BDV]
+    lse, delta = _row_stats(Lse, Delta, off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m,
+                            m_ok)
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
+
+    count = tl.load(KV_COUNT + off_b * stride_cb + off_h * stride_ch + q_block)
+    index_row = KV_INDEX + off_b.to(tl.int64) * stride_ib + off_h.to(tl.int64) * stride_ih + q_block * stride_iq
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for it in range(0, count * TILES_PER_BLOCK):
+        kv_block = tl.load(index_row + it // TILES_PER_BLOCK)
+        offs_n = kv_block * BLOCK_KV + (it % TILES_PER_BLOCK) * BLOCK_N + offs_n0
+        n_ok = offs_n < seq_kv
+        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd,
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BN, BD]
+        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vs + offs_dv[None, :] * stride_vd,
+                    mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # [BN, BDV]
+        qk = dot(q, tl.trans(k), None, FP32_PRECISION)  # [BM, BN]
+        p = tl.math.exp2(qk * scale_log2 - lse[:, None])
+        if MASKED:
+            keep = element_keep(offs_m[:, None], offs_n[None, :], seq_q, seq_kv, off_b, off_h,
+                                TOKEN_MASK, stride_tb, stride_th, stride_tq, stride_tk,
+                                BLOCK_MASK, stride_mb, stride_mh, stride_mq, mask_block_q, mask_block_kv,
+                                KV_VALID, stride_vvb,
+                                EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK, HAS_KV_VALID)
+            p = tl.where(keep, p, 0.0)
+        dp = dot(do, tl.trans(v), None, FP32_PRECISION)  # [BM, BN]
+        ds = p * (dp - delta[:, None])
+        dq = dot(ds.to(k.dtype), k, dq, FP32_PRECISION)  # [BM, BD]
+    dq = dq * scale
+    tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh + rows * stride_dqs
+             + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["seq_bucket"])
+def attention_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, Lse, Delta, Q_COUNT, Q_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID,
+    scale_log2, scale, seq_q, seq_kv, kv_heads, group_size, mask_block_q, mask_block_kv, seq_bucket,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dkb, stride_dkh, stride_dks, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvs, stride_dvd,
+    stride_lb, stride_lh,
+    stride_cb, stride_ch,
+    stride_ib, stride_ih, stride_iq,
+    stride_tb, stride_th, stride_tq, stride_tk,
+    stride_mb, stride_mh, stride_mq,
+    stride_vvb,
+    BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
+    GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program: dK [BN, D] and dV [BN, Dv] of one key tile of one (batch, kv head), summed over the query heads
+    of its group in a fixed order (deterministic, no atomics), each walking its q list for this key block."""
+    tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
+    tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
+    TILES_PER_BLOCK: tl.constexpr = BLOCK_Q // BLOCK_M
+    MASKED: tl.constexpr = (not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID
+
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // kv_heads
+    off_hkv = pid_bh % kv_heads
+    start_n = pid_n * BLOCK_N
+    kv_block = start_n // BLOCK_KV
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
+    n_ok = offs_n < seq_kv
+    keys = offs_n[:, None].to(tl.int64)
+
+    k = tl.load(K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh + keys * stride_ks
+                + offs_d[None, :] * stride_kd, mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BN, BD]
+    v = tl.load(V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh + keys * stride_vs
+                + offs_dv[None, :] * stride_vd, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # [BN, BDV]
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+
+    for g in range(0, group_size):
+        off_h = off_hkv * group_size + g
+        q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+        do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+        row_base = off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
+        count = tl.load(Q_COUNT + off_b * stride_cb + off_h * stride_ch + kv_block)
+        index_row = Q_INDEX + off_b.to(tl.int64) * stride_ib + off_h.to(tl.int64) * stride_ih + kv_block * stride_iq
+        for it in range(0, count * TILES_PER_BLOCK):
+            q_block = tl.load(index_row + it // TILES_PER_BLOCK)
+            offs_m = q_block * BLOCK_Q + (it % TILES_PER_BLOCK) * BLOCK_M + offs_m0
+            m_ok = offs_m < seq_q
+            rows = offs_m[:, None].to(tl.int64)
+            q = tl.load(q_base + rows * stride_qs + offs_d[None, :] * stride_qd,
+                        mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
+            do = tl.load(do_base + rows * stride_dos + offs_dv[None, :] * stride_dod,
+                         mask=m_ok[:, None] & dv_ok[None, :], other=0.0)  # [BM, BDV]
+            lse, delta = _row_stats(Lse, Delta, row_base + offs_m, m_ok)
+            kq = dot(k, tl.trans(q), None, FP32_PRECISION)  # [BN, BM]
+            p_t = tl.math.exp2(kq * scale_log2 - lse[None, :])
+            if MASKED:
+                keep = element_keep(offs_m[None, :], offs_n[:, None], seq_q, seq_kv, off_b, off_h,
+                                    TOKEN_MASK, stride_tb, stride_th, stride_tq, stride_tk,
+                                    BLOCK_MASK, stride_mb, stride_mh, stride_mq, mask_block_q, mask_block_kv,
+                                    KV_VALID, stride_vvb,
+                                    EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK, HAS_KV_VALID)
+                p_t = tl.where(keep, p_t, 0.0)
+            dv = dot(p_t.to(do.dtype), do, dv, FP32_PRECISION)  # [BN, BDV]
+            dp_t = dot(v, tl.trans(do), None, FP32_PRECISION)  # [BN, BM]
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = dot(ds_t.to(q.dtype), q, dk, FP32_PRECISION)  # [BN, BD]
+    dk = dk * scale
+    n_store = n_ok[:, None]
+    tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hkv.to(tl.int64) * stride_dkh + keys * stride_dks
+             + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=n_store & d_ok[None, :])
+    tl.store(DV + off_b.to(tl.int64) * stride_dvb + off_hkv.to(tl.int64) * stride_dvh + keys * stride_dvs
+             + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=n_store & dv_ok[None, :])
+
+
+def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count, q_index, block_q: int,
+                       block_kv: int, scale: float, grad_lse: Optional[torch.Tensor] = None,
+                       token_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                       block_mask: Optional[torch.Tensor] = None, mask_block_q: int = 0, mask_block_kv: int = 0,
+                       kv_valid: Optional[torch.Tensor] = None):
+    """Launch the backward: (dq, dk, dv) shaped like (q, k, v), from the forward's out and lse (natural log).
+
+    Lists and masks as in forward.attention_forward; q_count int32 [Bm, Hm, nk], q_index int32 [Bm, Hm, nk, L]."""
+    batch, heads, seq_q, _ = q.shape
+    kv_heads, seq_kv = k.shape[1], k.shape[2]
+    head_dim, head_dim_v, block_d, block_dv = head_dims(q, v)
+    gather = block_mask is not None
+    if not gather:
+        mask_block_q, mask_block_kv = block_q, block_kv
+    device = q.device
+
+    delta = torch.empty(batch, heads, seq_q, device=device, dtype=torch.float32)
+    if grad_lse is not None:
+        grad_lse = grad_lse.float().contiguous()
+    preprocess_rows = 64
+    attention_bwd_preprocess_kernel[(triton.cdiv(seq_q, preprocess_rows), batch * heads)](
+        out, grad_out, grad_lse if grad_lse is not None else delta, delta, seq_q, heads,
+        *out.stride(), *grad_out.stride(), delta.stride(0), delta.stride(1),
+        HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, HAS_GRAD_LSE=grad_lse is not None, BLOCK_M=preprocess_rows)
+
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    elt = q.element_size()
+    lse = lse.contiguous()
+    common = dict(
+        Q=q, K=k, V=v, DO=grad_out, Lse=lse, Delta=delta,
+        TOKEN_MASK=token_mask if token_mask is not None else lse,
+        BLOCK_MASK=block_mask if gather else lse,
+        KV_VALID=kv_valid if kv_valid is not None else lse,
+        scale_log2=scale * LOG2E, scale=scale, seq_q=seq_q, seq_kv=seq_kv, group_size=heads // kv_heads,
+        mask_block_q=mask_block_q, mask_block_kv=mask_block_kv,
+        seq_bucket=autotune.seq_bucket(max(seq_q, seq_kv)),
+        **stride_args("q", q, "bhsd"), **stride_args("k", k, "bhsd"), **stride_args("v", v, "bhsd"),
+        **stride_args("do", grad_out, "bhsd"), stride_lb=lse.stride(0), stride_lh=lse.stride(1),
+        **stride_args("t", token_mask, "bhqk"), **stride_args("m", block_mask, "bhq"),
+        stride_vvb=strides(kv_valid, 1)[0],
+        BLOCK_Q=block_q, BLOCK_KV=block_kv, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d,
+        BLOCK_DV=block_dv, EVEN_KV=seq_kv % block_kv == 0, IS_CAUSAL=bool(is_causal),
+        HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather, HAS_KV_VALID=kv_valid is not None,
+        FP32_PRECISION=fp32_precision(q.dtype, attention_bwd_dq_kernel))
+    key = ("BLOCK_Q", "BLOCK_KV", "HEAD_DIM", "HEAD_DIM_V", "EVEN_KV", "IS_CAUSAL", "HAS_TOKEN_MASK",
+           "GATHER_BLOCK_MASK", "HAS_KV_VALID", "seq_bucket")
+
+    dq_configs = autotune.nesting(
+        "BWD_DQ", block_q, block_kv,
+        smem_per_stage=lambda bm, bn: bn * (block_d + block_dv) * elt,
+        fixed_smem=lambda bm, bn: bm * (block_d + block_dv) * elt)
+    autotune.launch(
+        attention_bwd_dq_kernel, lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads), dq_configs,
+        key, DQ=dq, KV_COUNT=kv_count, KV_INDEX=kv_index, num_heads=heads,
+        **stride_args("dq", dq, "bhsd"), **stride_args("c", kv_count, "bh"),
+        **stride_args("i", kv_index, "bhq"), **common)
+
+    dkdv_configs = autotune.nesting(
+        "BWD_DKDV", block_q, block_kv,
+        smem_per_stage=lambda bm, bn: bm * (block_d + block_dv) * elt,
+        fixed_smem=lambda bm, bn: bn * (block_d + block_dv) * elt)
+    autotune.launch(
+        attention_bwd_dkdv_kernel, lambda meta: (triton.cdiv(seq_kv, meta["BLOCK_N"]), batch * kv_heads),
+        dkdv_configs, key, DK=dk, DV=dv, Q_COUNT=q_count, Q_INDEX=q_index, kv_heads=kv_heads,
+        **stride_args("dk", dk, "bhsd"), **stride_args("dv", dv, "bhsd"), **stride_args("c", q_count, "bh"),
+        **stride_args("i", q_index, "bhq"), **common)
+    return dq, dk, dv

@@ -1,0 +1,192 @@
+"""Block-sparse attention forward: kernel and launcher. Derivation notes: kernels/README.md."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import autotune
+from .primitives import dot, element_keep
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit(do_not_specialize=["seq_bucket"])
+def attention_fwd_kernel(
+    Q, K, V, Out, Lse, KV_COUNT, KV_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID,
+    scale_log2, seq_q, seq_kv, num_heads, group_size, mask_block_q, mask_block_kv, seq_bucket,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_lb, stride_lh,
+    stride_cb, stride_ch,
+    stride_ib, stride_ih, stride_iq,
+    stride_tb, stride_th, stride_tq, stride_tk,
+    stride_mb, stride_mh, stride_mq,
+    stride_vvb,
+    BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
+    GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program: a BLOCK_M query tile of one (batch, head), walking only the key blocks its query block kept.
+
+    Q [B, H, Sq, D], K [B, Hkv, Sk, D], V [B, Hkv, Sk, Dv], Out [B, H, Sq, Dv], Lse fp32 [B, H, Sq] (natural log);
+    KV_COUNT int32 [Bm, Hm, nq], KV_INDEX int32 [Bm, Hm, nq, L] (size-1 mask dims come with stride 0)."""
+    tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
+    tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
+    TILES_PER_BLOCK: tl.constexpr = BLOCK_KV // BLOCK_N
+    MASKED: tl.constexpr = (not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID
+
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // num_heads
+    off_h = pid_bh % num_heads
+    off_hkv = off_h // group_size
+    start_m = pid_m * BLOCK_M
+    q_block = start_m // BLOCK_Q
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
+
+    q_ptrs = (Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+              + offs_m[:, None].to(tl.int64) * stride_qs + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=(offs_m[:, None] < seq_q) & d_ok[None, :], other=0.0)  # [BM, BD]
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
+
+    count = tl.load(KV_COUNT + off_b * stride_cb + off_h * stride_ch + q_block)
+    index_row = KV_INDEX + off_b.to(tl.int64) * stride_ib + off_h.to(tl.int64) * stride_ih + q_block * stride_iq
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max of scaled scores, log2 units
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    for it in range(0, count * TILES_PER_BLOCK):
+        kv_block = tl.load(index_row + it // TILES_PER_BLOCK)
+        start_n = kv_block * BLOCK_KV + (it % TILES_PER_BLOCK) * BLOCK_N
+        offs_n = start_n + offs_n0
+        n_ok = offs_n < seq_kv
+        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd,
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BN, BD]
+        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vs + offs_dv[None, :] * stride_vd,
+                    mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # [BN, BDV]
+        qk = dot(q, tl.trans(k), None, FP32_PRECISION)  # [BM, BN]
+        if MASKED:
+            keep = element_keep(offs_m[:, None], offs_n[None, :], seq_q, seq_kv, off_b, off_h,
+                                TOKEN_MASK, stride_tb, stride_th, stride_tq, stride_tk,
+                                BLOCK_MASK, stride_mb, stride_mh, stride_mq, mask_block_q, mask_block_kv,
+                                KV_VALID, stride_vvb,
+                                EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK, HAS_KV_VALID)
+            qk = tl.where(keep, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+            # A row that has seen only masked keys keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+            m_shift = m_new
+        p = tl.math.exp2(qk * scale_log2 - m_shift[:, None])  # [BM, BN]
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = dot(p.to(v.dtype), v, acc, FP32_PRECISION)  # [BM, BDV]
+        m_i = m_new
+
+    seen = l_i > 0
+    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+    m_ok = offs_m < seq_q
+    o_ptrs = (Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+              + offs_m[:, None].to(tl.int64) * stride_os + offs_dv[None, :] * stride_od)
+    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
+    tl.store(Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m, lse, mask=m_ok)
+
+
+def strides(tensor: Optional[torch.Tensor], ndim: int) -> tuple:
+    """The first ndim strides of an optional tensor, 0 for size-1 dims (they broadcast) and for an absent one."""
+    if tensor is None:
+        return (0,) * ndim
+    return tuple(st if n > 1 else 0 for st, n in zip(tensor.stride()[:ndim], tensor.shape[:ndim]))
+
+
+def stride_args(prefix: str, tensor: Optional[torch.Tensor], suffixes: str) -> dict:
+    """Keyword stride arguments ``stride_<prefix><suffix>`` for a kernel, from strides()."""
+    return {f"stride_{prefix}{s}": st for s, st in zip(suffixes, strides(tensor, len(suffixes)))}
+
+
+def fp32_precision(dtype: torch.dtype, kernel_fn):
+    """The kernels' FP32_PRECISION flag (see primitives.dot): tf32 only where PyTorch allows it for matmuls."""
+    if dtype == torch.bfloat16 and autotune.is_interpreted(kernel_fn):
+        return "upcast"
+    if dtype != torch.float32:
+        return None
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+def head_dims(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    return head_dim, head_dim_v, max(16, triton.next_power_of_2(head_dim)), max(16, triton.next_power_of_2(head_dim_v))
+
+
+def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, scale: float,
+                      token_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                      block_mask: Optional[torch.Tensor] = None, mask_block_q: int = 0, mask_block_kv: int = 0,
+                      kv_valid: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward. q [B, H, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any strides, last dim dense
+    preferred) -> (out [B, H, Sq, Dv], lse fp32 [B, H, Sq]).
+
+    kv lists at (block_q, block_kv) granularity. block_mask (uint8 [Bm, Hm, nq', nk'] at mask_block_q x
+    mask_block_kv) is given only when the lists are a tile view of a block shape no tile nests in; every
+    element is then tested against it. token_mask: uint8, expanded to [B, H, Sq, Sk] (stride 0 broadcasts);
+    kv_valid: int32 [B|1, nk'] expanded to [B, nk']."""
+    batch, heads, seq_q, _ = q.shape
+    kv_heads, seq_kv = k.shape[1], k.shape[2]
+    head_dim, head_dim_v, block_d, block_dv = head_dims(q, v)
+    out = torch.empty(batch, heads, seq_q, head_dim_v, device=q.device, dtype=q.dtype)
+    lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
+    gather = block_mask is not None
+    if not gather:
+        mask_block_q, mask_block_kv = block_q, block_kv
+    elt = q.element_size()
+    configs = autotune.nesting(
+        "FWD", block_q, block_kv,
+        smem_per_stage=lambda bm, bn: bn * (block_d + block_dv) * elt,
+        fixed_smem=lambda bm, bn: bm * block_d * elt)
+    flags = dict(
+        BLOCK_Q=block_q, BLOCK_KV=block_kv, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d,
+        BLOCK_DV=block_dv, EVEN_KV=seq_kv % block_kv == 0,
+        IS_CAUSAL=bool(is_causal), HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather,
+        HAS_KV_VALID=kv_valid is not None, FP32_PRECISION=fp32_precision(q.dtype, attention_fwd_kernel))
+    dummy = kv_count
+    autotune.launch(
+        attention_fwd_kernel,
+        lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads),
+        configs,
+        key=("BLOCK_Q", "BLOCK_KV", "HEAD_DIM", "HEAD_DIM_V", "EVEN_KV", "IS_CAUSAL", "HAS_TOKEN_MASK",
+             "GATHER_BLOCK_MASK", "HAS_KV_VALID", "seq_bucket"),
+        Q=q, K=k, V=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index,
+        TOKEN_MASK=token_mask if token_mask is not None else dummy,
+        BLOCK_MASK=block_mask if gather else dummy,
+        KV_VALID=kv_valid if kv_valid is not None else dummy,
+        scale_log2=scale * LOG2E, seq_q=seq_q, seq_kv=seq_kv, num_heads=heads, group_size=heads // kv_heads,
+        mask_block_q=mask_block_q, mask_block_kv=mask_block_kv,
+        seq_bucket=autotune.seq_bucket(max(seq_q, seq_kv)),
+        **stride_args("q", q, "bhsd"), **stride_args("k", k, "bhsd"), **stride_args("v", v, "bhsd"),
+        **stride_args("o", out, "bhsd"), stride_lb=lse.stride(0), stride_lh=lse.stride(1),
+        **stride_args("c", kv_count, "bh"), **stride_args("i", kv_index, "bhq"),
+        **stride_args("t", token_mask, "bhqk"), **stride_args("m", block_mask, "bhq"),
+        stride_vvb=strides(kv_valid, 1)[0],
+        **flags,
+    )
+    return out, lse
+

@@ -1,0 +1,51 @@
+"""Triton helpers shared by the forward and backward kernels."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def dot(a, b, acc, FP32_PRECISION: tl.constexpr):
+    """a @ b (+ acc) in fp32. FP32_PRECISION: None for fp16/bf16 operands; "ieee" or "tf32" for fp32 operands;
+    "upcast" for bf16 operands under Triton's interpreter, whose dot multiplies bf16's raw bits: fp32 products
+    of bf16 values are exact, so the upcast computes what the GPU's bf16 dot computes."""
+    if FP32_PRECISION == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif FP32_PRECISION is None:
+        return tl.dot(a, b, acc)
+    else:
+        return tl.dot(a, b, acc, input_precision=FP32_PRECISION)
+
+
+@triton.jit
+def element_keep(q_pos, k_pos, seq_q, seq_kv, off_b, off_h,
+                 TOKEN_MASK, stride_tb, stride_th, stride_tq, stride_tk,
+                 BLOCK_MASK, stride_mb, stride_mh, stride_mq, mask_block_q, mask_block_kv,
+                 KV_VALID, stride_vb,
+                 EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
+                 GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr):
+    """Per-element visibility of a tile: q_pos and k_pos are broadcastable index tensors ([BM, 1] with [1, BN],
+    or transposed); the result has their broadcast shape. Only the tests the constexpr flags ask for are emitted.
+
+    The block mask itself is applied by the lists; this handles what lies inside a kept block: keys past the
+    sequence end, the causal diagonal, a token mask, kv_valid and, for block shapes no tile nests in, the
+    original block mask gathered per element."""
+    keep = (q_pos >= 0) & (k_pos >= 0)
+    in_kv = k_pos < seq_kv
+    if not EVEN_KV:
+        keep = keep & in_kv
+    if IS_CAUSAL:
+        keep = keep & (k_pos <= q_pos)
+    in_bounds = (q_pos < seq_q) & in_kv
+    if HAS_TOKEN_MASK:
+        token_ptr = (TOKEN_MASK + off_b.to(tl.int64) * stride_tb + off_h.to(tl.int64) * stride_th
+                     + q_pos.to(tl.int64) * stride_tq + k_pos.to(tl.int64) * stride_tk)
+        keep = keep & (tl.load(token_ptr, mask=in_bounds, other=0) != 0)
+    if GATHER_BLOCK_MASK:
+        block_ptr = (BLOCK_MASK + off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh
+                     + (q_pos // mask_block_q) * stride_mq + k_pos // mask_block_kv)
+        keep = keep & (tl.load(block_ptr, mask=in_bounds, other=0) != 0)
+    if HAS_KV_VALID:
+        valid = tl.load(KV_VALID + off_b.to(tl.int64) * stride_vb + k_pos // mask_block_kv, mask=in_kv, other=0)
+        keep = keep & ((k_pos % mask_block_kv) < valid)
+    return keep

@@ -1,0 +1,227 @@
+"""BlockSparsity: a block mask in the forms the kernels read.
+
+Vocabulary (see DESIGN.md): a *block* is the mask granularity ``block_q x block_kv``; ``nq = ceil(Sq / block_q)``
+and ``nk = ceil(Sk / block_kv)``. The *kv lists* give, per query block, the count and the ascending indices of
+its kept key blocks; the *q lists* give the same per key block. Lists are padded to the full axis length so a
+kernel reads them by shape. Everything here runs on the mask's device with no host synchronization.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+_MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
+
+
+def _check_block_size(block_size) -> tuple[int, int]:
+    if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
+        raise TypeError(f"block_size must be a pair (block_q, block_kv), got {block_size!r}")
+    for side in block_size:
+        if isinstance(side, bool) or not isinstance(side, int):
+            raise TypeError(f"block_size must hold two ints, got {block_size!r}")
+        if side <= 0:
+            raise ValueError(f"block_size sides must be positive, got {tuple(block_size)}")
+    return int(block_size[0]), int(block_size[1])
+
+
+def _check_seq(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+def build_lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Count and ascending indices of the kept columns of each row.
+
+    keep: bool [..., R, C]. Returns count int32 [..., R] and index int32 [..., R, C] (contiguous); entries of
+    ``index`` past ``count`` are the dropped columns, ascending: kernels never read them.
+    """
+    count = keep.sum(-1, dtype=torch.int32)
+    # A stable sort on "dropped" puts the kept columns first, each group in ascending order.
+    index = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices.to(torch.int32)
+    return count.contiguous(), index.contiguous()
+
+
+def _mask_from_lists(count: torch.Tensor, index: torch.Tensor, columns: int) -> torch.Tensor:
+    """Inverse of build_lists: bool [..., R, columns] with the listed columns set."""
+    slot = torch.arange(index.shape[-1], device=index.device, dtype=torch.int32)
+    listed = slot < count.unsqueeze(-1)
+    # Unlisted slots write into a spare column that is cut off afterwards.
+    target = torch.where(listed, index, torch.full_like(index, columns)).long()
+    keep = torch.zeros(*index.shape[:-1], columns + 1, dtype=torch.bool, device=index.device)
+    keep.scatter_(-1, target, True)
+    return keep[..., :columns].contiguous()
+
+
+class BlockSparsity:
+    """A block mask prepared for attention(): kv lists (built once), q lists and variants built lazily and cached.
+
+    Build it with :meth:`from_mask`, or from lists you already have::
+
+        BlockSparsity(kv_count, kv_index, block_size=(128, 64), seq_q=Sq, seq_kv=Sk)
+
+    kv_count: int32 [Bm, Hm, nq]; kv_index: int32 [Bm, Hm, nq, L] with ``L >= nk`` and the first ``kv_count``
+    entries of each row the kept key blocks in ascending order. ``Bm`` is 1 or the batch, ``Hm`` is 1 or the
+    number of query heads (size-1 dims broadcast). Reuse one object across calls and layers: attention() then
+    does no conversion.
+    """
+
+    def __init__(self, kv_count: torch.Tensor, kv_index: torch.Tensor, block_size, seq_q: int, seq_kv: int,
+                 *, _mask: Optional[torch.Tensor] = None):
+        if block_size is None:
+            raise ValueError("block_size is required: the (block_q, block_kv) the lists were built for")
+        self.block_size = _check_block_size(block_size)
+        self.seq_q = _check_seq("seq_q", seq_q)
+        self.seq_kv = _check_seq("seq_kv", seq_kv)
+        if kv_count is None or kv_index is None:
+            missing = "kv_index" if kv_index is None else "kv_count"
+            raise ValueError(f"{missing} is missing: a BlockSparsity needs both kv_count and kv_index")
+        for name, lists in (("kv_count", kv_count), ("kv_index", kv_index)):
+            if not isinstance(lists, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(lists).__name__}")
+            if lists.dtype != torch.int32:
+                raise ValueError(f"{name} must be int32, got {lists.dtype}")
+            if not lists.is_contiguous():
+                raise ValueError(f"{name} must be contiguous (kernels read it by shape), got strides {lists.stride()}")
+        nq, nk = self.num_blocks
+        if kv_count.ndim != 3 or kv_count.shape[-1] != nq:
+            raise ValueError(f"kv_count must have shape [Bm, Hm, nq={nq}], got {tuple(kv_count.shape)}")
+        if kv_index.ndim != 4 or tuple(kv_index.shape[:3]) != tuple(kv_count.shape) or kv_index.shape[-1] < nk:
+            raise ValueError(
+                f"kv_index must have shape [{kv_count.shape[0]}, {kv_count.shape[1]}, {nq}, L >= nk={nk}] "
+                f"(padded to the key-block count), got {tuple(kv_index.shape)}")
+        if kv_index.device != kv_count.device:
+            raise ValueError(f"kv_count is on {kv_count.device} but kv_index is on {kv_index.device}")
+        self.kv_count = kv_count
+        self.kv_index = kv_index
+        self._mask = _mask
+        self._cache: dict = {}
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor, block_size, seq_q: int, seq_kv: int) -> "BlockSparsity":
+        """Prepare a block mask: bool/int8/uint8 (nonzero = keep) shaped [nq, nk], [H|1, nq, nk] or
+        [B|1, H|1, nq, nk], with ``nq = ceil(seq_q / block_q)`` and ``nk = ceil(seq_kv / block_kv)``."""
+        block_q, block_kv = _check_block_size(block_size)
+        seq_q, seq_kv = _check_seq("seq_q", seq_q), _check_seq("seq_kv", seq_kv)
+        keep = normalize_block_mask(mask, math.ceil(seq_q / block_q), math.ceil(seq_kv / block_kv))
+        count, index = build_lists(keep)
+        return cls(count, index, (block_q, block_kv), seq_q, seq_kv, _mask=keep)
+
+    @classmethod
+    def dense(cls, block_size, seq_q: int, seq_kv: int, device=None) -> "BlockSparsity":
+        """Every block kept."""
+        block_q, block_kv = _check_block_size(block_size)
+        nq, nk = math.ceil(seq_q / block_q), math.ceil(seq_kv / block_kv)
+        return cls.from_mask(torch.ones(1, 1, nq, nk, dtype=torch.bool, device=device), block_size, seq_q, seq_kv)
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def num_blocks(self) -> tuple[int, int]:
+        """(nq, nk)."""
+        return math.ceil(self.seq_q / self.block_size[0]), math.ceil(self.seq_kv / self.block_size[1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_count.device
+
+    @property
+    def batch(self) -> int:
+        return self.kv_count.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.kv_count.shape[1]
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """The block mask, bool [Bm, Hm, nq, nk]."""
+        if self._mask is None:
+            self._mask = _mask_from_lists(self.kv_count, self.kv_index, self.num_blocks[1])
+        return self._mask
+
+    def density(self) -> float:
+        """Kept blocks / all blocks, averaged over the mask's batch and heads (reads the device: a sync)."""
+        return float(self.kv_count.sum().item()) / self.kv_count.numel() / self.num_blocks[1]
+
+    def to(self, device) -> "BlockSparsity":
+        return BlockSparsity(self.kv_count.to(device), self.kv_index.to(device), self.block_size, self.seq_q,
+                             self.seq_kv, _mask=None if self._mask is None else self._mask.to(device))
+
+    def __repr__(self) -> str:
+        nq, nk = self.num_blocks
+        return (f"BlockSparsity(block_size={self.block_size}, seq_q={self.seq_q}, seq_kv={self.seq_kv}, "
+                f"mask=[{self.batch}, {self.heads}, {nq}, {nk}], device={self.device})")
+
+    # ---------------------------------------------------------------- derived forms (cached)
+    def q_lists(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per key block, the count int32 [Bm, Hm, nk] and ascending indices int32 [Bm, Hm, nk, nq] of the
+        query blocks that kept it: the transpose of the kv lists, for the dK/dV walk."""
+        if "q_lists" not in self._cache:
+            self._cache["q_lists"] = build_lists(self.mask.transpose(-1, -2))
+        return self._cache["q_lists"]
+
+    def causal(self) -> "BlockSparsity":
+        """The same mask without the blocks that lie wholly above the diagonal (key > query for every pair,
+        top-left aligned). Blocks crossing the diagonal stay; the kernels resolve them per element."""
+        if "causal" not in self._cache:
+            nq, nk = self.num_blocks
+            block_q, block_kv = self.block_size
+            device = self.device
+            last_row = torch.clamp(torch.arange(1, nq + 1, device=device) * block_q, max=self.seq_q) - 1
+            first_key = torch.arange(nk, device=device) * block_kv
+            reachable = first_key[None, :] <= last_row[:, None]
+            keep = self.mask & reachable
+            count, index = build_lists(keep)
+            self._cache["causal"] = BlockSparsity(count, index, self.block_size, self.seq_q, self.seq_kv, _mask=keep)
+        return self._cache["causal"]
+
+    def tiled(self, tile_q: int, tile_kv: int) -> "BlockSparsity":
+        """The mask at tile granularity: a ``tile_q x tile_kv`` tile is kept when any block it overlaps is kept.
+
+        This serves block shapes that no kernel tile nests in (8x128, 100x100): the kernel walks these tile
+        lists and tests each element against the original block mask."""
+        key = ("tiled", tile_q, tile_kv)
+        if key not in self._cache:
+            block_q, block_kv = self.block_size
+            device = self.device
+            keep = self.mask.to(torch.int32)
+            # Summed-area table with a zero first row and column: any block rectangle's count in four reads.
+            table = torch.nn.functional.pad(keep.cumsum(-2).cumsum(-1), (1, 0, 1, 0))
+
+            def block_span(seq, tile, block):
+                starts = torch.arange(0, seq, tile, device=device)
+                ends = torch.clamp(starts + tile, max=seq) - 1
+                return starts // block, ends // block + 1
+
+            q_lo, q_hi = block_span(self.seq_q, tile_q, block_q)
+            k_lo, k_hi = block_span(self.seq_kv, tile_kv, block_kv)
+
+            def corner(rows, cols):
+                return table[..., rows[:, None], cols[None, :]]
+
+            kept = corner(q_hi, k_hi) - corner(q_lo, k_hi) - corner(q_hi, k_lo) + corner(q_lo, k_lo)
+            tile_keep = kept > 0
+            count, index = build_lists(tile_keep)
+            self._cache[key] = BlockSparsity(count, index, (tile_q, tile_kv), self.seq_q, self.seq_kv, _mask=tile_keep)
+        return self._cache[key]
+
+
+def normalize_block_mask(mask: torch.Tensor, nq: int, nk: int) -> torch.Tensor:
+    """Check a block mask's type and shape and return it as bool [Bm, Hm, nq, nk] (contiguous)."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"blocks must be a block-mask tensor, a BlockSparsity or None, got {type(mask).__name__}")
+    if mask.dtype not in _MASK_DTYPES:
+        raise TypeError(f"the block mask must be bool, int8 or uint8 (nonzero = keep), got {mask.dtype}")
+    if mask.ndim not in (2, 3, 4) or tuple(mask.shape[-2:]) != (nq, nk):
+        raise ValueError(
+            f"the block mask must have shape [nq, nk], [H|1, nq, nk] or [B|1, H|1, nq, nk] with nq={nq}, nk={nk} "
+            f"(ceil of sequence / block), got {tuple(mask.shape)}")
+    while mask.ndim < 4:
+        mask = mask.unsqueeze(0)
+    return (mask != 0).contiguous()
