@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -142,25 +142,20 @@ def _check_scale(scale, head_dim: int) -> float:
     return float(scale)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              blocks: Union[torch.Tensor, BlockSparsity, None] = None, block_size=None, *,
-              layout: str = "bhsd", cu_seqlens_q=None, cu_seqlens_kv=None, scale: Optional[float] = None,
-              attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
-              kv_valid: Optional[torch.Tensor] = None, quant: Optional[str] = None, return_lse: bool = False,
-              backend: str = "auto"):
-    """Exact attention over the kept (query block, key block) pairs.
+class _Prepared(NamedTuple):
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    sparsity: BlockSparsity
+    scale: float
+    token_mask: Optional[torch.Tensor]
+    kv_valid: Optional[torch.Tensor]
+    backend: str
 
-    q: [B, Hq, Sq, D], k: [B, Hkv, Sk, D], v: [B, Hkv, Sk, Dv] for layout "bhsd" ([B, S, H, D] for "bshd");
-    Hq a multiple of Hkv (GQA/MQA); D, Dv in 16..256; fp16, bf16 or fp32 (fp64 on the torch backend).
-    blocks: block mask (bool/int8/uint8, nonzero = keep) shaped [nq, nk], [H|1, nq, nk] or [B|1, H|1, nq, nk]
-    with nq = ceil(Sq / block_q), nk = ceil(Sk / block_kv); or a prepared BlockSparsity; or None (dense).
-    block_size: (block_q, block_kv), default (128, 64) for a mask tensor; a BlockSparsity carries its own.
-    attn_mask: bool token mask broadcastable to [B, Hq, Sq, Sk], AND-ed with the blocks. is_causal: key j visible
-    from query i only if j <= i (top-left aligned). kv_valid: int32 [nk] or [B, nk], valid tokens at the start of
-    each key block (the rest is padding). A row that sees no key gives zeros and LSE -inf.
-    Returns out shaped like q with Dv last (and lse float32 [B, Hq, Sq], natural log, if return_lse).
-    backend: "auto" (Triton on CUDA, PyTorch on CPU unless TRITON_INTERPRET=1), "triton" or "torch".
-    """
+
+def _prepare(q, k, v, blocks, block_size, layout, cu_seqlens_q, cu_seqlens_kv, scale, attn_mask, is_causal,
+             kv_valid, quant, backend) -> _Prepared:
+    """Validate every argument and bring the inputs to "bhsd" views (no copies)."""
     if layout not in _LAYOUTS:
         raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
     if layout == "thd" or cu_seqlens_q is not None or cu_seqlens_kv is not None:
@@ -186,14 +181,79 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sparsity = _prepare_blocks(blocks, block_size, seq_q, seq_kv, batch, heads, device)
     token_mask = _prepare_token_mask(attn_mask, batch, heads, seq_q, seq_kv, device)
     kv_valid = _prepare_kv_valid(kv_valid, batch, sparsity.num_blocks[1], device)
+    return _Prepared(q, k, v, sparsity, scale, token_mask, kv_valid, backend)
 
-    if backend == "torch":
-        out, lse = reference.block_sparse_attention(q, k, v, sparsity, scale, token_mask, is_causal, kv_valid)
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              blocks: Union[torch.Tensor, BlockSparsity, None] = None, block_size=None, *,
+              layout: str = "bhsd", cu_seqlens_q=None, cu_seqlens_kv=None, scale: Optional[float] = None,
+              attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+              kv_valid: Optional[torch.Tensor] = None, quant: Optional[str] = None, return_lse: bool = False,
+              backend: str = "auto"):
+    """Exact attention over the kept (query block, key block) pairs.
+
+    q: [B, Hq, Sq, D], k: [B, Hkv, Sk, D], v: [B, Hkv, Sk, Dv] for layout "bhsd" ([B, S, H, D] for "bshd");
+    Hq a multiple of Hkv (GQA/MQA); D, Dv in 16..256; fp16, bf16 or fp32 (fp64 on the torch backend).
+    blocks: block mask (bool/int8/uint8, nonzero = keep) shaped [nq, nk], [H|1, nq, nk] or [B|1, H|1, nq, nk]
+    with nq = ceil(Sq / block_q), nk = ceil(Sk / block_kv); or a prepared BlockSparsity; or None (dense).
+    block_size: (block_q, block_kv), default (128, 64) for a mask tensor; a BlockSparsity carries its own.
+    attn_mask: bool token mask broadcastable to [B, Hq, Sq, Sk], AND-ed with the blocks. is_causal: key j visible
+    from query i only if j <= i (top-left aligned). kv_valid: int32 [nk] or [B, nk], valid tokens at the start of
+    each key block (the rest is padding). A row that sees no key gives zeros and LSE -inf.
+    Returns out shaped like q with Dv last (and lse float32 [B, Hq, Sq], natural log, if return_lse).
+    backend: "auto" (Triton on CUDA, PyTorch on CPU unless TRITON_INTERPRET=1), "triton" or "torch".
+    Differentiable on every backend (gradients for q, k, v, and through lse).
+    """
+    p = _prepare(q, k, v, blocks, block_size, layout, cu_seqlens_q, cu_seqlens_kv, scale, attn_mask, is_causal,
+                 kv_valid, quant, backend)
+    if p.backend == "torch":
+        out, lse = reference.block_sparse_attention(p.q, p.k, p.v, p.sparsity, p.scale, p.token_mask, is_causal,
+                                                    p.kv_valid)
     else:
-        out, lse = _triton_attention(q, k, v, sparsity, scale, token_mask, is_causal, kv_valid)
+        out, lse = _triton_attention(p, is_causal)
     if layout == "bshd":
-        out, lse = out.transpose(1, 2), lse
+        out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
+
+
+def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor,
+                       blocks: Union[torch.Tensor, BlockSparsity, None] = None, block_size=None, *,
+                       layout: str = "bhsd", scale: Optional[float] = None, attn_mask: Optional[torch.Tensor] = None,
+                       is_causal: bool = False, kv_valid: Optional[torch.Tensor] = None, backend: str = "auto"):
+    """Gradients (dq, dk, dv) of attention() from its saved output and LSE, without autograd.
+
+    grad_out and out: shaped like attention()'s output; lse: float32 [B, Hq, Sq] from return_lse=True. The other
+    arguments must be those of the forward call. Returns tensors shaped like q, k, v."""
+    p = _prepare(q, k, v, blocks, block_size, layout, None, None, scale, attn_mask, is_causal, kv_valid, None,
+                 backend)
+    if layout == "bshd":
+        grad_out, out = grad_out.transpose(1, 2), out.transpose(1, 2)
+    expected = (*p.q.shape[:3], p.v.shape[-1])
+    for name, t in (("grad_out", grad_out), ("out", out)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != expected:
+            raise ValueError(f"{name} must have the output's shape {list(expected)}, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != expected[:3] or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be float32 {list(expected[:3])}, got "
+                         f"{(lse.dtype, tuple(lse.shape)) if isinstance(lse, torch.Tensor) else type(lse).__name__}")
+    if p.backend == "torch":
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(True) for t in (p.q, p.k, p.v)]
+            recomputed, _ = reference.block_sparse_attention(*inputs, p.sparsity, p.scale, p.token_mask, is_causal,
+                                                             p.kv_valid)
+            grads = torch.autograd.grad(recomputed, inputs, grad_out.to(recomputed.dtype))
+    else:
+        ops = _kernel_ops()
+        lists, gather_mask = _kernel_inputs(p.sparsity, is_causal)
+        q_count, q_index = lists.q_lists()
+        token_mask = p.token_mask.view(torch.uint8) if p.token_mask is not None else None
+        grads = ops.sparse_attention_bwd(grad_out.contiguous(), None, p.q, p.k, p.v, out, lse, lists.kv_count,
+                                         lists.kv_index, q_count, q_index, token_mask, gather_mask, p.kv_valid,
+                                         p.scale, *lists.block_size, *p.sparsity.block_size, is_causal)
+    if layout == "bshd":
+        grads = tuple(g.transpose(1, 2) for g in grads)
+    return tuple(grads)
 
 
 def _kernel_inputs(sparsity: BlockSparsity, is_causal: bool):
@@ -215,15 +275,12 @@ def _tile_side(seq: int) -> int:
     return side
 
 
-def _triton_attention(q, k, v, sparsity: BlockSparsity, scale, token_mask, is_causal, kv_valid):
+def _triton_attention(p: _Prepared, is_causal: bool):
     ops = _kernel_ops()
-    lists, gather_mask = _kernel_inputs(sparsity, is_causal)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    lists, gather_mask = _kernel_inputs(p.sparsity, is_causal)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (p.q, p.k, p.v))
     q_count, q_index = lists.q_lists() if needs_grad else (None, None)
-    if token_mask is not None:
-        token_mask = token_mask.view(torch.uint8)
-    block_q, block_kv = lists.block_size
-    mask_block_q, mask_block_kv = sparsity.block_size
-    return ops.sparse_attention_fwd(q, k, v, lists.kv_count, lists.kv_index, q_count, q_index, token_mask,
-                                    gather_mask, kv_valid, scale, block_q, block_kv, mask_block_q, mask_block_kv,
+    token_mask = p.token_mask.view(torch.uint8) if p.token_mask is not None else None
+    return ops.sparse_attention_fwd(p.q, p.k, p.v, lists.kv_count, lists.kv_index, q_count, q_index, token_mask,
+                                    gather_mask, p.kv_valid, p.scale, *lists.block_size, *p.sparsity.block_size,
                                     is_causal)

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import autotune
+from . import autotune, buffers
 from .forward import LOG2E, fp32_precision, head_dims, stride_args, strides
 from .primitives import dot, element_keep
 
@@ -236,7 +236,7 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         mask_block_q, mask_block_kv = block_q, block_kv
     device = q.device
 
-    delta = torch.empty(batch, heads, seq_q, device=device, dtype=torch.float32)
+    delta = buffers.empty(batch, heads, seq_q, device=device, dtype=torch.float32)
     if grad_lse is not None:
         grad_lse = grad_lse.float().contiguous()
     preprocess_rows = 64
@@ -245,9 +245,9 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         *out.stride(), *grad_out.stride(), delta.stride(0), delta.stride(1),
         HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, HAS_GRAD_LSE=grad_lse is not None, BLOCK_M=preprocess_rows)
 
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dq = buffers.empty(*q.shape, dtype=q.dtype, device=device)
+    dk = buffers.empty(*k.shape, dtype=k.dtype, device=device)
+    dv = buffers.empty(*v.shape, dtype=v.dtype, device=device)
     elt = q.element_size()
     lse = lse.contiguous()
     common = dict(

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import autotune
+from . import autotune, buffers
 from .primitives import dot, element_keep
 
 LOG2E = 1.4426950408889634
@@ -152,8 +152,8 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
     batch, heads, seq_q, _ = q.shape
     kv_heads, seq_kv = k.shape[1], k.shape[2]
     head_dim, head_dim_v, block_d, block_dv = head_dims(q, v)
-    out = torch.empty(batch, heads, seq_q, head_dim_v, device=q.device, dtype=q.dtype)
-    lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
+    out = buffers.empty(batch, heads, seq_q, head_dim_v, device=q.device, dtype=q.dtype)
+    lse = buffers.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
     gather = block_mask is not None
     if not gather:
         mask_block_q, mask_block_kv = block_q, block_kv

@@ -1,0 +1,9 @@
+"""Output allocation for the launchers, in one place so tests can poison it (fill with NaN) to catch unwritten
+elements."""
+
+import torch
+
+
+def empty(*shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.empty; tests replace this function to hand the launchers NaN-filled buffers."""
+    return torch.empty(*shape, dtype=dtype, device=device)

@@ -1,0 +1,143 @@
+"""Shared test machinery: the fp64 oracle, the sizes per device, NaN-poisoned buffers and pinned tiles.
+
+On a machine without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here before
+blockattn's kernels are imported) at small sizes; on a GPU the same tests run at full size.
+"""
+
+import math
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import blockattn  # noqa: E402
+from blockattn.kernels import buffers  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_GPU = DEVICE.type == "cuda"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Sizes for this device: the GPU runs the reference suites' sizes, the CPU interpreter scaled copies with the
+    same structure (ragged tails, a sub tile wholly past the end, several blocks per axis)."""
+    batch: int
+    heads: int
+    dim: int
+    block: tuple          # (block_q, block_kv)
+    tile: tuple           # pinned (BLOCK_M, BLOCK_N): nests in block, narrower than it
+    seqs: tuple           # ragged lengths
+    sub_tile_seq: int     # divisible by the tile width, not by the block width
+
+
+GEOMETRY = (Geometry(2, 4, 64, (128, 64), (64, 32), (1000, 970), 992) if ON_GPU
+            else Geometry(1, 2, 32, (64, 32), (32, 16), (250, 230), 240))
+
+
+@pytest.fixture
+def geometry() -> Geometry:
+    return GEOMETRY
+
+
+def make_generator(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEVICE).manual_seed(seed)
+
+
+def randn(*shape, dtype=torch.bfloat16, gen=None):
+    gen = gen if gen is not None else make_generator(0)
+    return torch.randn(*shape, generator=gen, device=DEVICE, dtype=torch.float32).to(dtype)
+
+
+def qkv(batch, heads, seq_q, dim, *, kv_heads=None, seq_kv=None, dim_v=None, dtype=torch.bfloat16, seed=0):
+    gen = make_generator(seed)
+    kv_heads, seq_kv, dim_v = kv_heads or heads, seq_kv or seq_q, dim_v or dim
+    return (randn(batch, heads, seq_q, dim, dtype=dtype, gen=gen), randn(batch, kv_heads, seq_kv, dim, dtype=dtype, gen=gen),
+            randn(batch, kv_heads, seq_kv, dim_v, dtype=dtype, gen=gen))
+
+
+def random_keep(batch, heads, seq_q, seq_kv, block, density=0.4, seed=1):
+    """A random block mask with the block diagonal kept (so no row is empty unless a test empties it)."""
+    nq, nk = math.ceil(seq_q / block[0]), math.ceil(seq_kv / block[1])
+    keep = torch.rand(batch, heads, nq, nk, generator=make_generator(seed), device=DEVICE) < density
+    rows = torch.arange(nq, device=DEVICE)[:, None] * block[0]
+    cols = torch.arange(nk, device=DEVICE)[None, :] * block[1]
+    diagonal = (cols < rows + block[0]) & (rows < cols + block[1])
+    return keep | diagonal
+
+
+def expand(keep, block, seq_q, seq_kv):
+    """The token mask [.., Sq, Sk] a block mask stands for."""
+    while keep.ndim < 4:
+        keep = keep.unsqueeze(0)
+    return keep.bool().repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)[..., :seq_q, :seq_kv]
+
+
+def oracle(q, k, v, token_mask=None, scale=None, is_causal=False):
+    """fp64 dense attention over a token mask; rows that see nothing give zeros and LSE -inf (the contract).
+    Returns (out, lse); differentiable in q, k, v (autograd gives the oracle's gradients)."""
+    group = q.shape[1] // k.shape[1]
+    qd, kd, vd = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = qd @ kd.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    visible = torch.ones(scores.shape, dtype=torch.bool, device=q.device)
+    if token_mask is not None:
+        visible = visible & token_mask
+    if is_causal:
+        visible = visible & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    seen = visible.any(-1, keepdim=True)
+    # Rows that see nothing get all-zero scores (a harmless softmax) and are then zeroed: finite gradients.
+    scores = torch.where(seen, scores.masked_fill(~visible, -math.inf), torch.zeros_like(scores))
+    out = (torch.softmax(scores, -1) * seen) @ vd
+    lse = torch.where(seen[..., 0], torch.logsumexp(scores, -1), torch.full_like(scores[..., 0], -math.inf))
+    return out, lse
+
+
+def rel_error(got, want, rows=None):
+    """||got - want|| / ||want|| over the given rows (a bool [.., S] selection) or all."""
+    diff, ref = got.double() - want.double(), want.double()
+    if rows is not None:
+        diff, ref = diff[rows], ref[rows]
+    return (diff.norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def assert_one_ulp(got, want, label=""):
+    """Elementwise within one unit in the last place of the value, plus one ulp of the tensor's scale (the floor
+    for values near zero, where a different rounding order moves the last bit of a much smaller number)."""
+    if torch.equal(got, want):
+        return
+    eps = torch.finfo(got.dtype).eps
+    gap = (got.float() - want.float()).abs()
+    bound = eps * want.float().abs() + eps * want.float().abs().max()
+    worst = (gap - bound).max().item()
+    assert worst <= 0, (f"{label}: max gap {gap.max().item():.3e} over {int((got != want).sum())} elements exceeds "
+                        f"one ulp")
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """The launchers' outputs start as NaN, so an element a kernel never wrote shows up."""
+    def empty(*shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    monkeypatch.setattr(buffers, "empty", empty)
+
+
+def pin(monkeypatch, tile, kernels=("FWD", "BWD_DQ", "BWD_DKDV")):
+    """Pin every kernel's autotuner to one tile, so two arms of a bitwise comparison compile the same code."""
+    for kernel in kernels:
+        monkeypatch.setenv(f"BLOCKATTN_{kernel}_BLOCK_M", str(tile[0]))
+        monkeypatch.setenv(f"BLOCKATTN_{kernel}_BLOCK_N", str(tile[1]))
+        monkeypatch.setenv(f"BLOCKATTN_{kernel}_NUM_WARPS", "4")
+        monkeypatch.setenv(f"BLOCKATTN_{kernel}_NUM_STAGES", "2")
+
+
+@pytest.fixture
+def pinned(monkeypatch, geometry):
+    pin(monkeypatch, geometry.tile)
+    return geometry.tile
+
+
+def kernel(q, k, v, blocks=None, block_size=None, **kwargs):
+    return blockattn.attention(q, k, v, blocks, block_size, backend="triton", **kwargs)

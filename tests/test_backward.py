@@ -1,0 +1,188 @@
+"""Backward: gradients through the kernels against the token-mask arm, fp32 autograd and the fp64 oracle; exact
+zeros where nothing was kept; determinism; the explicit backward function; the PyTorch backend's autograd."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import blockattn
+from conftest import DEVICE, ON_GPU, assert_one_ulp, expand, oracle, qkv, random_keep
+
+
+def upstream(shape, dtype, seed=17):
+    return torch.randn(shape, generator=torch.Generator(device=DEVICE).manual_seed(seed), device=DEVICE).to(dtype)
+
+
+def grads(q, k, v, blocks=None, block_size=None, grad_out=None, lse_weight=0.0, **kwargs):
+    """(out, dq, dk, dv) of sum(out * grad_out) (+ lse_weight * sum(lse))."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out, lse = blockattn.attention(*leaves, blocks, block_size, return_lse=True, **kwargs)
+    grad_out = upstream(out.shape, out.dtype) if grad_out is None else grad_out
+    loss = (out.float() * grad_out.float()).sum()
+    if lse_weight:
+        loss = loss + lse_weight * torch.where(torch.isinf(lse), 0, lse).sum()
+    loss.backward()
+    return (out.detach(),) + tuple(t.grad for t in leaves)
+
+
+def oracle_grads(q, k, v, visible, grad_out, **kwargs):
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    out, _ = oracle(*leaves, visible, **kwargs)
+    out.backward(grad_out.double())
+    return [t.grad for t in leaves]
+
+
+def assert_grads_close(got, want, tolerance, label):
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert torch.isfinite(g).all(), f"{label} {name} not finite"
+        scale = w.abs().max().item()
+        gap = (g.double() - w.double()).abs().max().item()
+        assert gap <= tolerance * scale, f"{label} {name}: gap {gap:.3e} is {gap / scale:.2%} of scale {scale:.3e}"
+
+
+@pytest.mark.parametrize("which", ["ragged", "sub_tile"])
+def test_backward_matches_the_expanded_token_mask(geometry, pinned, poisoned, which):
+    g = geometry
+    seq = g.seqs[0] if which == "ragged" else g.sub_tile_seq
+    q, k, v = qkv(g.batch, g.heads, seq, g.dim)
+    keep = random_keep(g.batch, g.heads, seq, seq, g.block)
+    block = grads(q, k, v, keep, g.block, backend="triton")
+    token = grads(q, k, v, None, g.block, attn_mask=expand(keep, g.block, seq, seq), backend="triton")
+    dense = grads(q, k, v, None, g.block, backend="triton")
+    for name, got, want, other in zip(("out", "dq", "dk", "dv"), block, token, dense):
+        assert torch.isfinite(got).all(), f"{name} not finite"
+        assert_one_ulp(got, want, f"seq {seq} {name}")
+        assert not torch.equal(got, other), f"{name} equals the dense result: the mask never reached it"
+
+
+BLOCKS = [(128, 128), (128, 64), (64, 64), (64, 128)]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("group", [1, 4])
+def test_fp32_backward_matches_autograd_through_sdpa(poisoned, head_dim, block, group):
+    """Within 0.5% of the gradient scale of PyTorch autograd through fp32 SDPA on the same selection."""
+    batch, kv_heads, seq = (2, 2, 1000) if ON_GPU else (1, 1, 200)
+    heads = kv_heads * group
+    q, k, v = qkv(batch, heads, seq, head_dim, kv_heads=kv_heads, dtype=torch.float32, seed=head_dim + group)
+    keep = random_keep(batch, heads, seq, seq, block)
+    grad_out = upstream((batch, heads, seq, head_dim), torch.float32)
+    _, *got = grads(q, k, v, keep, block, grad_out=grad_out, backend="triton")
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    ref_out = F.scaled_dot_product_attention(leaves[0], leaves[1].repeat_interleave(group, 1),
+                                             leaves[2].repeat_interleave(group, 1),
+                                             attn_mask=expand(keep, block, seq, seq))
+    ref_out.backward(grad_out)
+    assert_grads_close(got, [t.grad for t in leaves], 5e-3, f"D{head_dim} {block} group {group}")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_dropped_blocks_get_exactly_zero_gradients(geometry, poisoned, backend):
+    g = geometry
+    seq = g.seqs[0]
+    q, k, v = qkv(g.batch, 2 * g.heads, seq, g.dim, kv_heads=g.heads)
+    keep = random_keep(g.batch, 1, seq, seq, g.block)
+    keep[..., 1, :] = False  # query block 1 sees nothing
+    keep[..., :, 2] = False  # key block 2 is seen by nobody
+    _, dq, dk, dv = grads(q, k, v, keep, g.block, backend=backend)
+    rows, keys = slice(g.block[0], 2 * g.block[0]), slice(2 * g.block[1], 3 * g.block[1])
+    assert (dq[:, :, rows] == 0).all(), "an empty query block got a gradient"
+    assert (dk[:, :, keys] == 0).all() and (dv[:, :, keys] == 0).all(), "a dropped key block got a gradient"
+    assert dq[:, :, :g.block[0]].abs().max() > 0 and dk[:, :, :g.block[1]].abs().max() > 0
+
+
+def test_gqa_gradients_are_deterministic(geometry):
+    g = geometry
+    seq = g.seqs[1]
+    q, k, v = qkv(g.batch, 2 * g.heads, seq, g.dim, kv_heads=g.heads // 2)
+    keep = random_keep(g.batch, 2 * g.heads, seq, seq, g.block)
+    first = grads(q, k, v, keep, g.block, backend="triton")
+    second = grads(q, k, v, keep, g.block, backend="triton")
+    for a, b in zip(first, second):
+        assert torch.equal(a, b), "two identical backward runs differ"
+
+
+FEATURES = {
+    "causal_token_mask": dict(is_causal=True, token=True),
+    "cross_dv": dict(cross=True),
+    "kv_valid": dict(kv_valid=True),
+    "odd_block": dict(block=(8, 40) if not ON_GPU else (8, 128)),
+    "gqa_broadcast": dict(gqa=True),
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gradients_match_the_fp64_oracle(geometry, poisoned, feature, backend):
+    """Every forward feature reaches the backward: gradients within 1% of the fp64 oracle's scale in bf16-free
+    fp32 arithmetic (the kernels use full fp32 dots unless PyTorch allows tf32)."""
+    g = geometry
+    spec = FEATURES[feature]
+    block = spec.get("block", g.block)
+    seq_q = g.seqs[0]
+    seq_kv = g.seqs[1] if spec.get("cross") else seq_q
+    heads, kv_heads = (2 * g.heads, g.heads // 2) if spec.get("gqa") else (g.heads, g.heads)
+    dim_v = 2 * g.dim if spec.get("cross") else g.dim
+    q, k, v = qkv(g.batch, heads, seq_q, g.dim, kv_heads=kv_heads, seq_kv=seq_kv, dim_v=dim_v,
+                  dtype=torch.float32, seed=21)
+    keep = random_keep(1 if spec.get("gqa") else g.batch, 1 if spec.get("gqa") else heads, seq_q, seq_kv, block)
+    visible = expand(keep, block, seq_q, seq_kv)
+    kwargs = {}
+    if spec.get("token"):
+        token = torch.rand(seq_q, seq_kv, generator=torch.Generator(device=DEVICE).manual_seed(2), device=DEVICE) < 0.8
+        kwargs["attn_mask"] = token
+        visible = visible & token
+    if spec.get("kv_valid"):
+        nk = math.ceil(seq_kv / block[1])
+        valid = torch.randint(0, block[1] + 1, (nk,), generator=torch.Generator(device=DEVICE).manual_seed(3),
+                              device=DEVICE, dtype=torch.int32)
+        kwargs["kv_valid"] = valid
+        visible = visible & ((torch.arange(seq_kv, device=DEVICE) % block[1]) <
+                             valid.repeat_interleave(block[1])[:seq_kv])
+    is_causal = spec.get("is_causal", False)
+    grad_out = upstream((g.batch, heads, seq_q, dim_v), torch.float32)
+    _, *got = grads(q, k, v, keep, block, grad_out=grad_out, is_causal=is_causal, backend=backend, **kwargs)
+    want = oracle_grads(q, k, v, visible, grad_out, is_causal=is_causal)
+    assert_grads_close(got, want, 1e-2, feature)
+
+
+def test_gradient_through_lse_matches_the_torch_backend(geometry):
+    g = geometry
+    seq = g.seqs[1]
+    q, k, v = qkv(g.batch, g.heads, seq, g.dim, dtype=torch.float32, seed=5)
+    keep = random_keep(g.batch, g.heads, seq, seq, g.block)
+    keep[..., 0, :] = False
+    _, *got = grads(q, k, v, keep, g.block, lse_weight=0.7, backend="triton")
+    _, *want = grads(q, k, v, keep, g.block, lse_weight=0.7, backend="torch")
+    assert_grads_close(got, want, 1e-3, "lse")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_explicit_backward_from_saved_output_and_lse(geometry, poisoned, backend):
+    """The forward's out and LSE handed to attention_backward give autograd's gradients."""
+    g = geometry
+    seq = g.seqs[0]
+    q, k, v = qkv(g.batch, g.heads, seq, g.dim, kv_heads=g.heads // 2, seed=6)
+    keep = random_keep(g.batch, g.heads, seq, seq, g.block)
+    grad_out = upstream((g.batch, g.heads, seq, g.dim), q.dtype)
+    out, *auto = grads(q, k, v, keep, g.block, grad_out=grad_out, is_causal=True, backend=backend)
+    out, lse = blockattn.attention(q, k, v, keep, g.block, is_causal=True, return_lse=True, backend=backend)
+    explicit = blockattn.attention_backward(grad_out, q, k, v, out, lse, keep, g.block, is_causal=True,
+                                            backend=backend)
+    for name, a, b in zip(("dq", "dk", "dv"), explicit, auto):
+        assert a.shape == b.shape
+        assert_one_ulp(a, b, name)
+
+
+def test_gradcheck_torch_backend_fp64():
+    q, k, v = (t.requires_grad_(True) for t in qkv(1, 2, 13, 16, kv_heads=1, seq_kv=11, dtype=torch.float64))
+    keep = torch.tensor([[1, 0, 1], [0, 1, 1]], dtype=torch.bool, device=DEVICE)
+    token = torch.rand(13, 11, generator=torch.Generator(device=DEVICE).manual_seed(0), device=DEVICE) < 0.8
+
+    def fn(q, k, v):
+        return blockattn.attention(q, k, v, keep, (8, 4), attn_mask=token, backend="torch")
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))

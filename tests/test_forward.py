@@ -1,0 +1,237 @@
+"""Forward: the kernel contract (block mask against the token-expanded mask), every backend against the fp64
+oracle, and the features of the semantics (GQA, broadcasts, ragged tails, causal, token masks, odd blocks)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import blockattn
+from conftest import (DEVICE, ON_GPU, assert_one_ulp, expand, kernel, oracle, qkv, random_keep, rel_error)
+
+BACKENDS = ("torch", "triton")
+
+
+def sdpa_error(q, k, v, visible, want, rows):
+    """Error of dense SDPA in the inputs' dtype on the same token mask: the yardstick for every backend."""
+    group = q.shape[1] // k.shape[1]
+    got = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                         attn_mask=visible)
+    return rel_error(got, want, rows)
+
+
+def check_against_oracle(out, lse, q, k, v, visible, *, scale=None, is_causal=False, factor=4.0):
+    """out within `factor` times dense SDPA's error (same dtype) of the fp64 oracle on rows that see a key;
+    rows that see nothing are exactly zero with LSE -inf."""
+    want, want_lse = oracle(q, k, v, visible, scale=scale, is_causal=is_causal)
+    if is_causal:
+        visible = visible & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    rows = visible.expand(*want.shape[:3], k.shape[2]).any(-1)
+    assert torch.isfinite(out).all(), "non-finite output"
+    assert (out[~rows] == 0).all(), "a row that sees no key is not zero"
+    assert torch.isneginf(lse[~rows]).all(), "a row that sees no key has LSE other than -inf"
+    if scale is None:
+        baseline = sdpa_error(q, k, v, visible, want, rows)
+    else:
+        baseline = sdpa_error(q * (scale * q.shape[-1] ** 0.5), k, v, visible, want, rows)
+    floor = 8 * torch.finfo(q.dtype).eps
+    err = rel_error(out, want, rows)
+    assert err <= factor * baseline + floor, f"error {err:.3e} vs dense SDPA's {baseline:.3e} (factor {factor})"
+    lse_err = (lse[rows].double() - want_lse[rows]).abs().max().item()
+    assert lse_err <= 1e-3 * max(1.0, want_lse[rows].abs().max().item()), f"LSE off by {lse_err:.3e}"
+
+
+# ---------------------------------------------------------------- kernel contract (pinned tile)
+
+@pytest.mark.parametrize("which", ["ragged", "ragged2", "sub_tile"])
+def test_block_mask_matches_the_expanded_token_mask(geometry, pinned, poisoned, which):
+    seq = {"ragged": geometry.seqs[0], "ragged2": geometry.seqs[1], "sub_tile": geometry.sub_tile_seq}[which]
+    g = geometry
+    q, k, v = qkv(g.batch, g.heads, seq, g.dim)
+    keep = random_keep(g.batch, g.heads, seq, seq, g.block)
+    got = kernel(q, k, v, keep, g.block)
+    want = kernel(q, k, v, None, g.block, attn_mask=expand(keep, g.block, seq, seq))
+    assert torch.isfinite(got).all()
+    assert_one_ulp(got, want, f"seq {seq}")
+    assert not torch.equal(got, kernel(q, k, v, None, g.block)), "a 40% block mask left the output dense"
+
+
+def test_all_ones_block_mask_matches_no_mask(geometry, pinned, poisoned):
+    g = geometry
+    for seq in (g.seqs[0], g.sub_tile_seq):
+        q, k, v = qkv(g.batch, g.heads, seq, g.dim)
+        nq, nk = math.ceil(seq / g.block[0]), math.ceil(seq / g.block[1])
+        ones = torch.ones(nq, nk, dtype=torch.int8, device=DEVICE)
+        assert_one_ulp(kernel(q, k, v, ones, g.block), kernel(q, k, v, None, g.block), f"seq {seq}")
+        # and the sub tile past the end did not inflate the softmax: dense truth holds
+        check_against_oracle(*kernel(q, k, v, ones, g.block, return_lse=True), q, k, v,
+                             torch.ones(seq, seq, dtype=torch.bool, device=DEVICE))
+
+
+def test_empty_block_row_gives_zeros_and_finite_values_elsewhere(geometry, pinned, poisoned):
+    g = geometry
+    seq = g.seqs[0]
+    q, k, v = qkv(g.batch, g.heads, seq, g.dim)
+    keep = random_keep(g.batch, g.heads, seq, seq, g.block)
+    keep[..., 1, :] = False
+    out, lse = kernel(q, k, v, keep, g.block, return_lse=True)
+    rows = slice(g.block[0], 2 * g.block[0])
+    assert (out[:, :, rows] == 0).all() and torch.isneginf(lse[:, :, rows]).all()
+    assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, :g.block[0]]).all()
+    assert out[:, :, :g.block[0]].abs().max() > 0
+    assert_one_ulp(out, kernel(q, k, v, None, g.block, attn_mask=expand(keep, g.block, seq, seq)))
+
+
+def test_token_mask_composes_with_the_block_mask_bitwise(geometry, pinned, poisoned):
+    g = geometry
+    seq = g.seqs[0]
+    q, k, v = qkv(g.batch, g.heads, seq, g.dim)
+    keep = random_keep(g.batch, g.heads, seq, seq, g.block)
+    padding = torch.ones(g.batch, 1, seq, seq, dtype=torch.bool, device=DEVICE)
+    padding[..., -37:] = False  # trailing keys are padding
+    got = kernel(q, k, v, keep, g.block, attn_mask=padding)
+    want = kernel(q, k, v, None, g.block, attn_mask=padding & expand(keep, g.block, seq, seq))
+    assert torch.equal(got, want), "both arms carry a token mask, so they must agree bitwise"
+    assert not torch.equal(got, kernel(q, k, v, keep, g.block)), "the token mask was ignored"
+
+
+@pytest.mark.parametrize("mask_heads", ["query_heads", "one"])
+def test_gqa_block_mask_indexes_query_heads(geometry, pinned, poisoned, mask_heads):
+    g = geometry
+    seq, heads, kv_heads = g.seqs[0], 2 * g.heads, g.heads // 2
+    q, k, v = qkv(g.batch, heads, seq, g.dim, kv_heads=kv_heads)
+    keep = random_keep(g.batch, heads if mask_heads == "query_heads" else 1, seq, seq, g.block)
+    got = kernel(q, k, v, keep, g.block)
+    assert_one_ulp(got, kernel(q, k, v, None, g.block, attn_mask=expand(keep, g.block, seq, seq)))
+    check_against_oracle(*kernel(q, k, v, keep, g.block, return_lse=True), q, k, v, expand(keep, g.block, seq, seq))
+
+
+@pytest.mark.parametrize("mask_shape", [(1, 1), (1, "H"), ("B", 1), ("B", "H")])
+def test_block_mask_broadcasts_over_batch_and_heads(geometry, pinned, poisoned, mask_shape):
+    g = geometry
+    seq, batch = g.seqs[1], max(g.batch, 2)
+    q, k, v = qkv(batch, g.heads, seq, g.dim)
+    mb = batch if mask_shape[0] == "B" else 1
+    mh = g.heads if mask_shape[1] == "H" else 1
+    keep = random_keep(mb, mh, seq, seq, g.block)
+    assert_one_ulp(kernel(q, k, v, keep, g.block),
+                   kernel(q, k, v, None, g.block, attn_mask=expand(keep, g.block, seq, seq)), f"mask {mask_shape}")
+
+
+def test_bool_int8_uint8_and_3d_masks_agree(geometry, pinned):
+    g = geometry
+    seq = g.seqs[1]
+    q, k, v = qkv(1, g.heads, seq, g.dim)
+    keep = random_keep(1, g.heads, seq, seq, g.block)
+    want = kernel(q, k, v, keep, g.block)
+    for variant in (keep.to(torch.int8), keep.to(torch.uint8) * 7, keep[0]):
+        assert torch.equal(kernel(q, k, v, variant, g.block), want)
+
+
+# ---------------------------------------------------------------- every backend against the fp64 oracle
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_backend_matches_the_oracle(geometry, poisoned, backend, dtype):
+    g = geometry
+    seq = g.seqs[0]
+    q, k, v = qkv(g.batch, g.heads, seq, g.dim, dtype=dtype, seed=3)
+    keep = random_keep(g.batch, g.heads, seq, seq, g.block)
+    keep[..., 0, :] = False
+    out, lse = blockattn.attention(q, k, v, keep, g.block, backend=backend, return_lse=True)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (g.batch, g.heads, seq)
+    check_against_oracle(out, lse, q, k, v, expand(keep, g.block, seq, seq))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_causal_composes_with_block_and_token_masks(geometry, poisoned, backend):
+    g = geometry
+    seq_q, seq_kv = g.seqs[0], g.seqs[1]
+    q, k, v = qkv(g.batch, g.heads, seq_q, g.dim, seq_kv=seq_kv, seed=4)
+    keep = random_keep(g.batch, g.heads, seq_q, seq_kv, g.block, density=0.6)
+    token = torch.rand(seq_q, seq_kv, generator=torch.Generator(device=DEVICE).manual_seed(5), device=DEVICE) < 0.9
+    out, lse = blockattn.attention(q, k, v, keep, g.block, attn_mask=token, is_causal=True, backend=backend,
+                                   return_lse=True)
+    check_against_oracle(out, lse, q, k, v, expand(keep, g.block, seq_q, seq_kv) & token, is_causal=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cross_attention_with_value_dim_unlike_key_dim(geometry, poisoned, backend):
+    g = geometry
+    seq_q, seq_kv = g.seqs[1], g.seqs[0] + 17
+    q, k, v = qkv(g.batch, g.heads, seq_q, g.dim, seq_kv=seq_kv, dim_v=2 * g.dim, seed=6)
+    keep = random_keep(g.batch, g.heads, seq_q, seq_kv, g.block)
+    out, lse = blockattn.attention(q, k, v, keep, g.block, backend=backend, return_lse=True, scale=0.3)
+    assert out.shape == (g.batch, g.heads, seq_q, 2 * g.dim)
+    check_against_oracle(out, lse, q, k, v, expand(keep, g.block, seq_q, seq_kv), scale=0.3)
+
+
+@pytest.mark.parametrize("head_dim", [16, 72, 96, 160, 256] + ([64, 80, 128, 192] if ON_GPU else []))
+def test_head_dims(poisoned, head_dim):
+    seq, block = (1000, (128, 64)) if ON_GPU else (97, (32, 32))
+    q, k, v = qkv(1, 2, seq, head_dim, seed=head_dim)
+    keep = random_keep(1, 2, seq, seq, block)
+    out, lse = kernel(q, k, v, keep, block, return_lse=True)
+    check_against_oracle(out, lse, q, k, v, expand(keep, block, seq, seq))
+
+
+ODD_BLOCKS = [(8, 128), (100, 100), (32, 128), (48, 80)] if ON_GPU else [(8, 40), (50, 30), (24, 64)]
+
+
+@pytest.mark.parametrize("block", ODD_BLOCKS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_block_shapes_no_tile_nests_in(poisoned, block, backend):
+    seq_q, seq_kv = (1000, 777) if ON_GPU else (150, 130)
+    q, k, v = qkv(2, 2, seq_q, 64 if ON_GPU else 32, seq_kv=seq_kv, seed=7)
+    keep = random_keep(2, 2, seq_q, seq_kv, block, density=0.3)
+    keep[1, :, 2, :] = False
+    out, lse = blockattn.attention(q, k, v, keep, block, backend=backend, return_lse=True)
+    check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kv_valid_masks_the_padding_of_each_key_block(geometry, poisoned, backend):
+    g = geometry
+    seq = g.seqs[0]
+    q, k, v = qkv(g.batch, g.heads, seq, g.dim, seed=8)
+    keep = random_keep(g.batch, g.heads, seq, seq, g.block)
+    nk = math.ceil(seq / g.block[1])
+    valid = torch.randint(0, g.block[1] + 1, (g.batch, nk), generator=torch.Generator(device=DEVICE).manual_seed(9),
+                          device=DEVICE, dtype=torch.int32)
+    out, lse = blockattn.attention(q, k, v, keep, g.block, kv_valid=valid, backend=backend, return_lse=True)
+    within = torch.arange(seq, device=DEVICE) % g.block[1]
+    token = within[None, :] < valid.repeat_interleave(g.block[1], 1)[:, :seq]  # [B, Sk]
+    check_against_oracle(out, lse, q, k, v, expand(keep, g.block, seq, seq) & token[:, None, None, :])
+
+
+def test_bshd_layout_matches_bhsd(geometry):
+    g = geometry
+    seq = g.seqs[1]
+    q, k, v = qkv(g.batch, g.heads, seq, g.dim, seed=10)
+    keep = random_keep(g.batch, g.heads, seq, seq, g.block)
+    for backend in BACKENDS:
+        want = blockattn.attention(q, k, v, keep, g.block, backend=backend)
+        got = blockattn.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keep, g.block,
+                                  layout="bshd", backend=backend)
+        assert torch.equal(got.transpose(1, 2), want), backend
+
+
+def test_dense_when_blocks_is_none(geometry):
+    g = geometry
+    seq = g.seqs[1]
+    q, k, v = qkv(g.batch, g.heads, seq, g.dim, seed=11)
+    for backend in BACKENDS:
+        out, lse = blockattn.attention(q, k, v, backend=backend, return_lse=True)
+        check_against_oracle(out, lse, q, k, v, torch.ones(seq, seq, dtype=torch.bool, device=DEVICE))
+
+
+def test_prepared_sparsity_gives_the_same_answer_as_the_mask(geometry, pinned):
+    g = geometry
+    seq = g.seqs[0]
+    q, k, v = qkv(g.batch, g.heads, seq, g.dim, seed=12)
+    keep = random_keep(g.batch, g.heads, seq, seq, g.block)
+    prepared = blockattn.BlockSparsity.from_mask(keep, g.block, seq, seq)
+    for backend in BACKENDS:
+        assert torch.equal(blockattn.attention(q, k, v, prepared, backend=backend),
+                           blockattn.attention(q, k, v, keep, g.block, backend=backend))
