@@ -1,0 +1,91 @@
+"""Every bad input to the public functions raises the right error, naming the argument."""
+
+import pytest
+import torch
+
+import blockattn
+from blockattn.api import resolve_backend
+from conftest import DEVICE, qkv
+
+
+def base():
+    q, k, v = qkv(2, 4, 100, 32, kv_heads=2)
+    return dict(q=q, k=k, v=v)
+
+
+def call(**overrides):
+    args = base()
+    args.update(overrides)
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    return blockattn.attention(q, k, v, **args)
+
+
+def t(*shape, dtype=torch.bfloat16):
+    return torch.zeros(*shape, dtype=dtype, device=DEVICE)
+
+
+CASES = [
+    ("q not a tensor", dict(q=[1.0]), TypeError, "q must be a torch.Tensor"),
+    ("integer q", dict(q=t(2, 4, 100, 32, dtype=torch.int32)), TypeError, "q must be a floating-point"),
+    ("3-D q", dict(q=t(4, 100, 32)), ValueError, "q must be 4-D"),
+    ("dtype mismatch", dict(k=t(2, 2, 100, 32, dtype=torch.float16)), TypeError, "share a dtype"),
+    ("batch mismatch", dict(k=t(3, 2, 100, 32), v=t(3, 2, 100, 32)), ValueError, "batch"),
+    ("heads not a multiple", dict(k=t(2, 3, 100, 32), v=t(2, 3, 100, 32)), ValueError, "query heads"),
+    ("k and v lengths differ", dict(v=t(2, 2, 90, 32)), ValueError, "k and v"),
+    ("head dims differ", dict(k=t(2, 2, 100, 64)), ValueError, "head dim"),
+    ("head dim too small", dict(q=t(2, 4, 100, 8), k=t(2, 2, 100, 8), v=t(2, 2, 100, 8)), ValueError, "16..256"),
+    ("head dim too large", dict(v=t(2, 2, 100, 512)), ValueError, "v's head dim"),
+    ("bad layout", dict(layout="bsdh"), ValueError, "layout"),
+    ("thd not built yet", dict(layout="thd"), NotImplementedError, "thd"),
+    ("bad backend", dict(backend="cuda"), ValueError, "backend"),
+    ("float token mask", dict(attn_mask=t(100, 100, dtype=torch.float32)), TypeError, "attn_mask"),
+    ("token mask shape", dict(attn_mask=t(100, 99, dtype=torch.bool)), ValueError, "attn_mask"),
+    ("blocks of a wrong type", dict(blocks=[[1]]), TypeError, "blocks"),
+    ("mask batch", dict(blocks=t(3, 1, 1, 2, dtype=torch.bool)), ValueError, "batch"),
+    ("mask heads", dict(blocks=t(1, 2, 1, 2, dtype=torch.bool)), ValueError, "head"),
+    ("mask shape", dict(blocks=t(1, 3, dtype=torch.bool)), ValueError, "nq=1, nk=2"),
+    ("kv_valid dtype", dict(blocks=t(1, 2, dtype=torch.bool), kv_valid=t(2, dtype=torch.float32)), TypeError,
+     "kv_valid"),
+    ("kv_valid shape", dict(blocks=t(1, 2, dtype=torch.bool), kv_valid=t(3, dtype=torch.int32)), ValueError,
+     "kv_valid"),
+    ("nan scale", dict(scale=float("nan")), TypeError, "scale"),
+    ("non-bool is_causal", dict(is_causal=1), TypeError, "is_causal"),
+    ("quant not built yet", dict(quant="int8"), NotImplementedError, "quant"),
+    ("fp64 on the kernels", dict(q=t(2, 4, 100, 32, dtype=torch.float64), k=t(2, 2, 100, 32, dtype=torch.float64),
+                                 v=t(2, 2, 100, 32, dtype=torch.float64), backend="triton"), TypeError, "triton"),
+]
+
+
+@pytest.mark.parametrize("label, overrides, error, message", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_raises_naming_the_argument(label, overrides, error, message):
+    with pytest.raises(error, match=message):
+        call(**overrides)
+
+
+def test_sparsity_for_other_lengths_is_refused():
+    blocks = blockattn.BlockSparsity.dense((64, 64), 128, 128, device=DEVICE)
+    with pytest.raises(ValueError, match="seq_q=128"):
+        call(blocks=blocks)
+
+
+def test_block_size_disagreeing_with_the_sparsity_is_refused():
+    blocks = blockattn.BlockSparsity.dense((64, 64), 100, 100, device=DEVICE)
+    with pytest.raises(ValueError, match="block_size"):
+        call(blocks=blocks, block_size=(128, 64))
+
+
+def test_explicit_triton_backend_on_cpu_without_the_interpreter_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match='backend="triton"'):
+        resolve_backend("triton", torch.device("cpu"))
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+
+
+def test_backward_checks_the_saved_tensors():
+    args = base()
+    out = blockattn.attention(**args, backend="torch")
+    lse = torch.zeros(2, 4, 99, device=DEVICE)
+    with pytest.raises(ValueError, match="lse"):
+        blockattn.attention_backward(out, args["q"], args["k"], args["v"], out, lse, backend="torch")
+    with pytest.raises(ValueError, match="grad_out"):
+        blockattn.attention_backward(out[..., :16], args["q"], args["k"], args["v"], out, lse, backend="torch")

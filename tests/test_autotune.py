@@ -1,0 +1,63 @@
+"""The tile candidates: the nesting filter, the environment overrides, and the error when nothing nests."""
+
+import pytest
+import torch
+
+import blockattn
+from blockattn.kernels import autotune
+from conftest import DEVICE, qkv
+
+
+def no_smem(bm, bn):
+    return 0
+
+
+def set_lists(monkeypatch, kernel="FWD", m="32,64,128,256", n="16,32,64,128", warps="4", stages="2"):
+    for field, value in (("BLOCK_M", m), ("BLOCK_N", n), ("NUM_WARPS", warps), ("NUM_STAGES", stages)):
+        monkeypatch.setenv(f"BLOCKATTN_{kernel}_{field}", value)
+
+
+def test_the_filter_keeps_exactly_the_tiles_that_nest(monkeypatch):
+    set_lists(monkeypatch)
+    kept = autotune.nesting("FWD", 128, 64, no_smem, no_smem)
+    tiles = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in kept]
+    want = [(m, n) for m in (32, 64, 128, 256) for n in (16, 32, 64, 128) if 128 % m == 0 and 64 % n == 0]
+    assert tiles == want
+
+
+def test_defaults_always_offer_a_tile_for_multiples_of_16(monkeypatch):
+    for name in autotune.env_names("FWD"):
+        monkeypatch.delenv(name, raising=False)
+    for block in ((16, 16), (48, 80), (128, 128), (256, 256), (112, 16)):
+        assert autotune.nesting("FWD", *block, no_smem, no_smem)
+
+
+def test_nothing_nesting_raises_naming_the_variables(monkeypatch):
+    set_lists(monkeypatch, m="256", n="128")
+    with pytest.raises(ValueError, match="BLOCKATTN_FWD_BLOCK_M"):
+        autotune.nesting("FWD", 128, 64, no_smem, no_smem)
+
+
+def test_attention_reports_a_pin_that_cannot_nest(monkeypatch):
+    set_lists(monkeypatch, m="32", n="32")
+    q, k, v = qkv(1, 1, 96, 16)
+    with pytest.raises(ValueError, match="BLOCKATTN_FWD_BLOCK_N"):
+        blockattn.attention(q, k, v, torch.ones(2, 6, dtype=torch.bool, device=DEVICE), (48, 16), backend="triton")
+
+
+def test_a_malformed_list_is_named(monkeypatch):
+    monkeypatch.setenv("BLOCKATTN_BWD_DQ_NUM_WARPS", "four")
+    with pytest.raises(ValueError, match="BLOCKATTN_BWD_DQ_NUM_WARPS"):
+        autotune.candidates("BWD_DQ")
+
+
+def test_a_pin_leaves_one_candidate(monkeypatch):
+    set_lists(monkeypatch, kernel="BWD_DKDV", m="64", n="32", warps="8", stages="3")
+    assert autotune.candidates("BWD_DKDV") == [(64, 32, 8, 3)]
+    assert len(autotune.nesting("BWD_DKDV", 128, 64, no_smem, no_smem)) == 1
+
+
+def test_shared_memory_budget_drops_oversized_tiles(monkeypatch):
+    set_lists(monkeypatch, m="128", n="64,128", stages="2")
+    kept = autotune.nesting("FWD", 128, 128, lambda bm, bn: bn * 512 * 2, lambda bm, bn: bm * 256 * 2)
+    assert [c.kwargs["BLOCK_N"] for c in kept] == [64]

@@ -1,0 +1,59 @@
+"""The Triton path as custom ops: torch.library.opcheck, and torch.compile without graph breaks."""
+
+import torch
+
+import blockattn
+from blockattn.kernels import ops
+from conftest import DEVICE, ON_GPU, qkv, random_keep
+
+
+def op_args(requires_grad):
+    q, k, v = qkv(1, 4, 70, 32, kv_heads=2, dtype=torch.float32)
+    for t in (q, k, v):
+        t.requires_grad_(requires_grad)
+    blocks = blockattn.BlockSparsity.from_mask(random_keep(1, 4, 70, 70, (32, 16)), (32, 16), 70, 70)
+    q_count, q_index = blocks.q_lists()
+    return (q, k, v, blocks.kv_count, blocks.kv_index, q_count, q_index, None, None, None, 0.2, 32, 16, 32, 16,
+            True)
+
+
+def test_opcheck_forward_op():
+    torch.library.opcheck(ops.sparse_attention_fwd, op_args(requires_grad=True))
+
+
+def test_opcheck_backward_op():
+    args = op_args(requires_grad=False)
+    out, lse = ops.sparse_attention_fwd(*args)
+    q, k, v, kv_count, kv_index, q_count, q_index = args[:7]
+    bwd_args = (torch.randn_like(out), None, q, k, v, out, lse, kv_count, kv_index, q_count, q_index, None, None,
+                None, *args[10:])
+    torch.library.opcheck(ops.sparse_attention_bwd, bwd_args)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = blocks
+
+    def forward(self, q, k, v):
+        out = blockattn.attention(q, k, v, self.blocks, is_causal=True, backend="triton")
+        return out * 2
+
+
+def test_compiled_model_has_no_graph_break_and_matches_eager():
+    q, k, v = qkv(1, 4, 70, 32, kv_heads=2, dtype=torch.float32, seed=3)
+    blocks = blockattn.BlockSparsity.from_mask(random_keep(1, 4, 70, 70, (32, 16)), (32, 16), 70, 70)
+    model = Block(blocks)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    eager = model(*leaves)
+    eager.sum().backward()
+    eager_grads = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    out = compiled(*leaves)
+    out.sum().backward()
+    assert torch.equal(out, eager)
+    for got, want in zip((t.grad for t in leaves), eager_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
