@@ -149,6 +149,11 @@ class BlockSparsity:
         """Kept blocks / all blocks, averaged over the mask's batch and heads (reads the device: a sync)."""
         return float(self.kv_count.sum().item()) / self.kv_count.numel() / self.num_blocks[1]
 
+    def plot(self, path, *, batch: int = 0, max_heads: int = 16, title: str = ""):
+        """Write a PNG picture of the block mask (a panel per head, with densities); returns the path."""
+        from .plot import plot_block_mask
+        return plot_block_mask(self.mask, path, batch=batch, max_heads=max_heads, title=title)
+
     def to(self, device) -> "BlockSparsity":
         return BlockSparsity(self.kv_count.to(device), self.kv_index.to(device), self.block_size, self.seq_q,
                              self.seq_kv, _mask=None if self._mask is None else self._mask.to(device))

@@ -11,7 +11,8 @@ Environment variables (this is the one place they are documented; they are read 
 
 ``{KERNEL}`` is ``FWD`` (forward), ``BWD_DQ`` (dQ) or ``BWD_DKDV`` (dK/dV). Setting any of the four replaces the
 built-in candidate list by the product of the four lists (unset ones keep their defaults: 64,128 / 32,64,128 /
-4,8 / 2,3). Every candidate must nest in the block: its tile height divides ``block_q`` and its tile width divides
+4,8 / 2,3), and every candidate of that product that nests is benchmarked; without them, the first four built-in
+candidates that nest and fit shared memory are. Every candidate must nest in the block: its tile height divides ``block_q`` and its tile width divides
 ``block_kv``; candidates that do not are dropped, and if none is left a ValueError names these variables.
 Setting one value for each pins the autotuner to one tile (tests do this for bitwise comparisons).
 Under ``TRITON_INTERPRET=1`` the first candidate that nests runs, without benchmarking.
@@ -26,18 +27,20 @@ import os
 import triton
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages), best first: the interpreter takes the first that nests.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages), best first. Of those that nest and fit, the first _MAX_TUNED are
+# benchmarked (the interpreter takes the first); the small tiles at the end serve small or odd blocks.
 _DEFAULTS = {
-    "FWD": [(128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3),
-            (64, 64, 4, 3), (64, 32, 4, 3), (64, 16, 4, 3), (32, 32, 4, 2), (32, 16, 4, 2), (16, 16, 4, 2)],
-    "BWD_DQ": [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (128, 128, 8, 2),
-               (32, 32, 4, 2), (64, 16, 4, 2), (32, 16, 4, 2), (16, 16, 4, 2)],
-    "BWD_DKDV": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3), (128, 128, 8, 2),
-                 (32, 32, 4, 2), (16, 64, 4, 2), (16, 32, 4, 2), (16, 16, 4, 2)],
+    "FWD": [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3),
+            (64, 64, 4, 2), (64, 32, 4, 3), (32, 32, 4, 2), (32, 16, 4, 2), (16, 16, 4, 2)],
+    "BWD_DQ": [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3), (32, 32, 4, 2),
+               (32, 16, 4, 2), (16, 16, 4, 2)],
+    "BWD_DKDV": [(64, 128, 8, 2), (128, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3), (32, 32, 4, 2),
+                 (16, 32, 4, 2), (16, 16, 4, 2)],
 }
+_MAX_TUNED = 4
 _LIST_DEFAULTS = {"BLOCK_M": "64,128", "BLOCK_N": "32,64,128", "NUM_WARPS": "4,8", "NUM_STAGES": "2,3"}
 # Shared memory a config may plan for (bytes); Hopper allows 227 KiB per program.
-_SMEM_BUDGET = 200 * 1024
+_SMEM_BUDGET = 227 * 1024
 
 
 def env_names(kernel: str) -> list[str]:
@@ -69,6 +72,7 @@ def nesting(kernel: str, block_m_of: int, block_n_of: int, smem_per_stage, fixed
 
     smem_per_stage(BLOCK_M, BLOCK_N) and fixed_smem(BLOCK_M, BLOCK_N) estimate the bytes a config plans for."""
     kept = []
+    overridden = any(name in os.environ for name in env_names(kernel))
     for block_m, block_n, warps, stages in candidates(kernel):
         if block_m_of % block_m or block_n_of % block_n or block_m < 16 or block_n < 16:
             continue
@@ -80,7 +84,7 @@ def nesting(kernel: str, block_m_of: int, block_n_of: int, smem_per_stage, fixed
             f"no {kernel} tile candidate nests in the block {block_m_of}x{block_n_of} (tile sides must divide the "
             f"block sides and be at least 16) within shared memory; candidates {candidates(kernel)}; adjust "
             f"{', '.join(env_names(kernel))}")
-    return kept
+    return kept if overridden else kept[:_MAX_TUNED]
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,228 @@
+"""Benchmarks: blockattn against FlexAttention (compiled, same block mask) and dense SDPA (cuDNN, flash), forward
+and forward+backward, in one run. Used by `blockattn bench` and benchmarks/bench_attention.py.
+
+Effective TFLOP/s count only the kept work: 4 * B * Hq * Sq * Sk * D * density for the forward, 2.5 times that for
+the backward (so fwd+bwd is 3.5 times). SDPA rows are dense: density 1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from .api import attention
+from .sparsity import BlockSparsity
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int = 1
+    heads: int = 24
+    kv_heads: int = 24
+    seq: int = 32768
+    dim: int = 128
+    block: tuple = (128, 128)
+    density: float = 0.25
+    dtype: str = "bf16"
+    pattern: str = "random"  # "random": every query block keeps the same count; "skewed": a few keep everything
+
+    @property
+    def label(self) -> str:
+        gqa = f"/{self.kv_heads}" if self.kv_heads != self.heads else ""
+        return (f"B{self.batch} H{self.heads}{gqa} S{self.seq} D{self.dim} {self.dtype} block {self.block[0]}x"
+                f"{self.block[1]} {self.pattern} d={self.density:g}")
+
+
+@dataclass
+class Row:
+    case: str
+    impl: str
+    mode: str          # "fwd", "fwd+bwd" or "bwd" (the difference)
+    density: float     # actual kept fraction
+    ms: float
+    tflops: float
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def block_mask(case: Case, device, seed: int = 0) -> torch.Tensor:
+    """bool [1, H, nq, nk] at the case's density: each query block keeps round(density * nk) blocks (its diagonal
+    block among them); "skewed" gives a tenth of the query blocks every block and spreads the rest evenly."""
+    nq, nk = math.ceil(case.seq / case.block[0]), math.ceil(case.seq / case.block[1])
+    gen = torch.Generator(device=device).manual_seed(seed)
+    scores = torch.rand(1, case.heads, nq, nk, generator=gen, device=device)
+    diagonal = (torch.arange(nq, device=device)[:, None] * case.block[0]) // case.block[1]
+    scores.scatter_(-1, diagonal.clamp(max=nk - 1).expand(1, case.heads, nq, 1), 2.0)
+    if case.pattern == "skewed":
+        heavy = max(1, nq // 10)
+        light_keep = max(1, round((case.density * nq * nk - heavy * nk) / max(nq - heavy, 1)))
+        keep_per_row = torch.full((nq,), light_keep, device=device)
+        keep_per_row[torch.randperm(nq, generator=gen, device=device)[:heavy]] = nk
+    else:
+        keep_per_row = torch.full((nq,), max(1, round(case.density * nk)), device=device)
+    rank = scores.argsort(-1, descending=True).argsort(-1)
+    return rank < keep_per_row[None, None, :, None]
+
+
+def _time_ms(fn: Callable) -> float:
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+
+
+def _flops(case: Case, density: float) -> float:
+    return 4.0 * case.batch * case.heads * case.seq * case.seq * case.dim * density
+
+
+def _inputs(case: Case, device, requires_grad: bool):
+    dtype = _DTYPES[case.dtype]
+    gen = torch.Generator(device=device).manual_seed(1)
+    shapes = [(case.batch, case.heads, case.seq, case.dim)] + [(case.batch, case.kv_heads, case.seq, case.dim)] * 2
+    return [torch.randn(s, generator=gen, device=device, dtype=dtype).requires_grad_(requires_grad) for s in shapes]
+
+
+def _runners(case: Case, keep: torch.Tensor, device):
+    """name -> (forward fn(q, k, v), density) for every implementation available."""
+    runners = {}
+    blocks = BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
+    density = blocks.density()
+    runners["blockattn"] = (lambda q, k, v: attention(q, k, v, blocks), density)
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+        empty = torch.zeros_like(blocks.kv_count)
+        flex_mask = BlockMask.from_kv_blocks(empty, blocks.kv_index, blocks.kv_count, blocks.kv_index,
+                                             BLOCK_SIZE=case.block, seq_lengths=(case.seq, case.seq))
+        compiled = torch.compile(flex_attention, dynamic=False)
+        gqa = case.kv_heads != case.heads
+        options = None if case.block == (128, 128) else {"BLOCK_M": min(case.block[0], 128),
+                                                          "BLOCK_N": min(case.block[1], 128)}
+        runners["flex"] = (lambda q, k, v: compiled(q, k, v, block_mask=flex_mask, enable_gqa=gqa,
+                                                     kernel_options=options), density)
+    except Exception as error:  # FlexAttention missing in this torch: report, keep going
+        runners["flex"] = (error, density)
+    if device.type == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        gqa = case.kv_heads != case.heads
+        for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+            def run(q, k, v, backend=backend):
+                with sdpa_kernel(backend):
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+            runners[name] = (run, 1.0)
+    return runners
+
+
+def bench_case(case: Case, device, *, backward: bool = True, sdpa: bool = True) -> list[Row]:
+    keep = block_mask(case, device)
+    rows = []
+    q, k, v = _inputs(case, device, requires_grad=backward)
+    grad = torch.randn_like(q)
+    for name, (fn, density) in _runners(case, keep, device).items():
+        if name.startswith("sdpa") and not sdpa:
+            continue
+        if isinstance(fn, Exception):
+            rows.append(Row(case.label, name, "fwd", density, float("nan"), float("nan"), f"unavailable: {fn}"))
+            continue
+        flops = _flops(case, density)
+        try:
+            with torch.no_grad():
+                fwd = _time_ms(lambda: fn(q, k, v))
+            rows.append(Row(case.label, name, "fwd", density, fwd, flops / fwd / 1e9))
+            if backward:
+                both = _time_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad))
+                rows.append(Row(case.label, name, "fwd+bwd", density, both, 3.5 * flops / both / 1e9))
+                rows.append(Row(case.label, name, "bwd", density, both - fwd, 2.5 * flops / (both - fwd) / 1e9))
+        except Exception as error:  # a failing implementation is a result too
+            rows.append(Row(case.label, name, "fwd", density, float("nan"), float("nan"),
+                            f"failed: {type(error).__name__}: {str(error)[:160]}"))
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    return rows
+
+
+def ratios(rows: list[Row]) -> dict:
+    """(case, mode) -> blockattn time / FlexAttention time's inverse (>1: blockattn faster)."""
+    table = {(r.case, r.impl, r.mode): r.ms for r in rows}
+    out = {}
+    for (case, impl, mode), ms in table.items():
+        if impl == "blockattn" and (case, "flex", mode) in table:
+            out[(case, mode)] = table[(case, "flex", mode)] / ms
+    return out
+
+
+def markdown(rows: list[Row]) -> str:
+    ratio = ratios(rows)
+    lines = ["| case | impl | pass | kept density | ms | effective TFLOP/s | vs flex | note |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        vs = ratio.get((r.case, r.mode)) if r.impl == "blockattn" else None
+        lines.append(f"| {r.case} | {r.impl} | {r.mode} | {r.density:.3f} | {r.ms:.3f} | {r.tflops:.0f} | "
+                     f"{'' if vs is None else f'{vs:.2f}x'} | {r.note} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path) -> None:
+    """TFLOP/s against density per implementation and pass, one panel per (case without density, pass)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = {}
+    for r in rows:
+        if r.mode == "fwd+bwd" or not math.isfinite(r.tflops):
+            continue
+        base = r.case.rsplit(" d=", 1)[0]
+        groups.setdefault((base, r.mode), {}).setdefault(r.impl, []).append((r.density, r.tflops))
+    if not groups:
+        return
+    fig, axes = plt.subplots(len(groups), 1, figsize=(7, 3.2 * len(groups)), squeeze=False)
+    for ax, ((base, mode), impls) in zip(axes[:, 0], sorted(groups.items())):
+        for impl, points in sorted(impls.items()):
+            points.sort()
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=impl)
+        ax.set_xscale("log")
+        ax.set_title(f"{base} - {mode}", fontsize=9)
+        ax.set_xlabel("kept density")
+        ax.set_ylabel("effective TFLOP/s")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def environment() -> dict:
+    import platform
+
+    import triton
+    info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+            "triton": triton.__version__, "python": platform.python_version()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def run(cases: list[Case], *, backward: bool = True, out_prefix: Optional[str] = None, progress: bool = True,
+        sdpa_once: bool = True) -> list[Row]:
+    """Benchmark every case (SDPA once per shape when sdpa_once: it does not depend on the mask), print a table,
+    and write <out_prefix>.md, .json and .png."""
+    from tqdm import tqdm
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows, seen_shapes = [], set()
+    for case in tqdm(cases, disable=not progress, desc="bench"):
+        shape = (case.batch, case.heads, case.kv_heads, case.seq, case.dim, case.dtype)
+        rows += bench_case(case, device, backward=backward, sdpa=not (sdpa_once and shape in seen_shapes))
+        seen_shapes.add(shape)
+    table = markdown(rows)
+    print(table)
+    if out_prefix:
+        with open(f"{out_prefix}.md", "w") as f:
+            f.write(f"{json.dumps(environment())}\n\n{table}\n")
+        with open(f"{out_prefix}.json", "w") as f:
+            json.dump({"environment": environment(), "rows": [asdict(r) for r in rows]}, f, indent=1)
+        plot(rows, f"{out_prefix}.png")
+    return rows
