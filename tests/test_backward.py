@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import blockattn
+from blockattn.kernels import backward
 from conftest import DEVICE, ON_GPU, assert_one_ulp, expand, oracle, qkv, random_keep
 
 
@@ -94,15 +95,41 @@ def test_dropped_blocks_get_exactly_zero_gradients(geometry, poisoned, backend):
     assert dq[:, :, :g.block[0]].abs().max() > 0 and dk[:, :, :g.block[1]].abs().max() > 0
 
 
-def test_gqa_gradients_are_deterministic(geometry):
+@pytest.mark.parametrize("atomic_dq", [False, True])
+def test_gqa_gradients_are_bitwise_repeatable_in_deterministic_mode(geometry, monkeypatch, atomic_dq):
+    """With deterministic algorithms asked for, dQ never uses atomics, so two runs agree bitwise."""
+    monkeypatch.setattr(backward, "ATOMIC_DQ_DEFAULT", atomic_dq)
     g = geometry
     seq = g.seqs[1]
     q, k, v = qkv(g.batch, 2 * g.heads, seq, g.dim, kv_heads=g.heads // 2)
     keep = random_keep(g.batch, 2 * g.heads, seq, seq, g.block)
-    first = grads(q, k, v, keep, g.block, backend="triton")
-    second = grads(q, k, v, keep, g.block, backend="triton")
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first = grads(q, k, v, keep, g.block, backend="triton")
+        second = grads(q, k, v, keep, g.block, backend="triton")
+    finally:
+        torch.use_deterministic_algorithms(previous)
     for a, b in zip(first, second):
         assert torch.equal(a, b), "two identical backward runs differ"
+
+
+def test_atomic_dq_matches_the_dq_kernel(geometry, poisoned, monkeypatch):
+    """The atomic dQ path (accumulated in the dK/dV kernel) against the dQ kernel: the same sums in another
+    order, with GQA, causal and a token mask."""
+    g = geometry
+    seq = g.seqs[0]
+    q, k, v = qkv(g.batch, 2 * g.heads, seq, g.dim, kv_heads=g.heads // 2, dtype=torch.float32, seed=9)
+    keep = random_keep(g.batch, 2 * g.heads, seq, seq, g.block)
+    keep[..., 1, :] = False
+    token = torch.rand(seq, seq, generator=torch.Generator(device=DEVICE).manual_seed(4), device=DEVICE) < 0.9
+    runs = {}
+    for atomic in (False, True):
+        monkeypatch.setattr(backward, "ATOMIC_DQ_DEFAULT", atomic)
+        runs[atomic] = grads(q, k, v, keep, g.block, attn_mask=token, is_causal=True, backend="triton")
+    assert torch.equal(runs[True][2], runs[False][2]) and torch.equal(runs[True][3], runs[False][3]), "dk/dv moved"
+    assert (runs[True][1][:, :, g.block[0]:2 * g.block[0]] == 0).all()
+    assert_grads_close(runs[True][1:2], runs[False][1:2], 1e-5, "atomic dq")
 
 
 FEATURES = {

@@ -20,7 +20,6 @@ Under ``TRITON_INTERPRET=1`` the first candidate that nests runs, without benchm
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 
@@ -30,11 +29,11 @@ import triton
 # (BLOCK_M, BLOCK_N, num_warps, num_stages), best first. Of those that nest and fit, the first _MAX_TUNED are
 # benchmarked (the interpreter takes the first); the small tiles at the end serve small or odd blocks.
 _DEFAULTS = {
-    "FWD": [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3),
-            (64, 64, 4, 2), (64, 32, 4, 3), (32, 32, 4, 2), (32, 16, 4, 2), (16, 16, 4, 2)],
-    "BWD_DQ": [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3), (32, 32, 4, 2),
+    "FWD": [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 2),
+            (64, 32, 4, 3), (32, 32, 4, 2), (32, 16, 4, 2), (16, 16, 4, 2)],
+    "BWD_DQ": [(128, 128, 8, 2), (128, 32, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2),
                (32, 16, 4, 2), (16, 16, 4, 2)],
-    "BWD_DKDV": [(64, 128, 8, 2), (128, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3), (32, 32, 4, 2),
+    "BWD_DKDV": [(64, 128, 8, 2), (64, 64, 4, 2), (64, 128, 8, 3), (32, 64, 4, 3), (32, 128, 4, 3), (32, 32, 4, 2),
                  (16, 32, 4, 2), (16, 16, 4, 2)],
 }
 _MAX_TUNED = 4
@@ -87,9 +86,23 @@ def nesting(kernel: str, block_m_of: int, block_n_of: int, smem_per_stage, fixed
     return kept if overridden else kept[:_MAX_TUNED]
 
 
-@functools.lru_cache(maxsize=None)
-def _tuner(kernel_fn, configs: tuple, key: tuple):
-    options = {}
+_TUNERS: dict = {}
+
+
+def tuners() -> dict:
+    """The autotuners built so far, keyed by (kernel name, configs): their .configs_timings show what was measured."""
+    return _TUNERS
+
+
+def _tuner(kernel_fn, configs: tuple, key: tuple, reset_to_zero: tuple):
+    name = (getattr(kernel_fn, "__name__", str(kernel_fn)), configs, key, reset_to_zero)
+    if name not in _TUNERS:
+        _TUNERS[name] = _build_tuner(kernel_fn, configs, key, reset_to_zero)
+    return _TUNERS[name]
+
+
+def _build_tuner(kernel_fn, configs: tuple, key: tuple, reset_to_zero: tuple):
+    options = {"reset_to_zero": list(reset_to_zero)} if reset_to_zero else {}
     if "cache_results" in inspect.signature(triton.autotune).parameters:
         options["cache_results"] = True  # tuning results persist on disk: a user pays tuning once per shape
     return triton.autotune(configs=list(configs), key=list(key), **options)(kernel_fn)
@@ -107,14 +120,15 @@ class _HashableConfigs(tuple):
         return [_config_key(c) for c in self] == [_config_key(c) for c in other]
 
 
-def launch(kernel_fn, grid, configs: list[triton.Config], key: tuple, **kwargs):
-    """Run kernel_fn over grid(meta) with the best of configs (the first, under the interpreter)."""
+def launch(kernel_fn, grid, configs: list[triton.Config], key: tuple, reset_to_zero: tuple = (), **kwargs):
+    """Run kernel_fn over grid(meta) with the best of configs (the first, under the interpreter). reset_to_zero
+    names the arguments a kernel accumulates into, zeroed before each benchmarked run."""
     if is_interpreted(kernel_fn):
         config = configs[0]
         meta = dict(kwargs, **config.kwargs)
         kernel_fn[grid(meta)](**meta)
         return
-    _tuner(kernel_fn, _HashableConfigs(configs), key)[grid](**kwargs)
+    _tuner(kernel_fn, _HashableConfigs(configs), key, tuple(reset_to_zero))[grid](**kwargs)
 
 
 def is_interpreted(kernel_fn) -> bool:

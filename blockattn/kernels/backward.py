@@ -13,6 +13,10 @@ from . import autotune, buffers
 from .forward import LOG2E, fp32_precision, head_dims, stride_args, strides
 from .primitives import dot, element_keep
 
+# Whether the backward accumulates dQ with atomics in the dK/dV kernel (one kernel, no recomputation of P and dP
+# for dQ) rather than running the separate, deterministic dQ kernel. Chosen by measurement: BENCHMARKS.md.
+ATOMIC_DQ_DEFAULT = False
+
 
 @triton.jit
 def attention_bwd_preprocess_kernel(Out, DO, GradLse, Delta, seq_q, num_heads,
@@ -133,7 +137,7 @@ def attention_bwd_dq_kernel(
 
 @triton.jit(do_not_specialize=["seq_bucket"])
 def attention_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, Lse, Delta, Q_COUNT, Q_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID,
+    Q, K, V, DO, DK, DV, DQ_ACC, Lse, Delta, Q_COUNT, Q_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID,
     scale_log2, scale, seq_q, seq_kv, kv_heads, group_size, mask_block_q, mask_block_kv, seq_bucket,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -141,6 +145,7 @@ def attention_bwd_dkdv_kernel(
     stride_dob, stride_doh, stride_dos, stride_dod,
     stride_dkb, stride_dkh, stride_dks, stride_dkd,
     stride_dvb, stride_dvh, stride_dvs, stride_dvd,
+    stride_qab, stride_qah, stride_qas,
     stride_lb, stride_lh,
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
@@ -151,10 +156,14 @@ def attention_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
     GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: dK [BN, D] and dV [BN, Dv] of one key tile of one (batch, kv head), summed over the query heads
-    of its group in a fixed order (deterministic, no atomics), each walking its q list for this key block."""
+    of its group in a fixed order, each walking its q list for this key block.
+
+    ATOMIC_DQ: also add this tile's share of dQ into DQ_ACC (fp32 [B, H, Sq, D], zeroed) with atomics, which saves
+    the dQ kernel's recomputation of P and dP but makes dQ's summation order vary between runs."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     TILES_PER_BLOCK: tl.constexpr = BLOCK_Q // BLOCK_M
@@ -212,6 +221,11 @@ def attention_bwd_dkdv_kernel(
             dp_t = dot(v, tl.trans(do), None, FP32_PRECISION)  # [BN, BM]
             ds_t = p_t * (dp_t - delta[None, :])
             dk = dot(ds_t.to(q.dtype), q, dk, FP32_PRECISION)  # [BN, BD]
+            if ATOMIC_DQ:
+                dq_part = dot(tl.trans(ds_t.to(k.dtype)), k, None, FP32_PRECISION) * scale  # [BM, BD]
+                dq_ptrs = (DQ_ACC + off_b.to(tl.int64) * stride_qab + off_h.to(tl.int64) * stride_qah
+                           + rows * stride_qas + offs_d[None, :])
+                tl.atomic_add(dq_ptrs, dq_part, mask=m_ok[:, None] & d_ok[None, :], sem="relaxed")
     dk = dk * scale
     n_store = n_ok[:, None]
     tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hkv.to(tl.int64) * stride_dkh + keys * stride_dks
@@ -224,10 +238,12 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
                        block_kv: int, scale: float, grad_lse: Optional[torch.Tensor] = None,
                        token_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                        block_mask: Optional[torch.Tensor] = None, mask_block_q: int = 0, mask_block_kv: int = 0,
-                       kv_valid: Optional[torch.Tensor] = None):
+                       kv_valid: Optional[torch.Tensor] = None, atomic_dq: Optional[bool] = None):
     """Launch the backward: (dq, dk, dv) shaped like (q, k, v), from the forward's out and lse (natural log).
 
-    Lists and masks as in forward.attention_forward; q_count int32 [Bm, Hm, nk], q_index int32 [Bm, Hm, nk, L]."""
+    Lists and masks as in forward.attention_forward; q_count int32 [Bm, Hm, nk], q_index int32 [Bm, Hm, nk, L].
+    atomic_dq: accumulate dQ inside the dK/dV kernel with fp32 atomics instead of running the dQ kernel; None
+    takes ATOMIC_DQ_DEFAULT, and torch.are_deterministic_algorithms_enabled() always turns it off."""
     batch, heads, seq_q, _ = q.shape
     kv_heads, seq_kv = k.shape[1], k.shape[2]
     head_dim, head_dim_v, block_d, block_dv = head_dims(q, v)
@@ -269,15 +285,22 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
     key = ("BLOCK_Q", "BLOCK_KV", "HEAD_DIM", "HEAD_DIM_V", "EVEN_KV", "IS_CAUSAL", "HAS_TOKEN_MASK",
            "GATHER_BLOCK_MASK", "HAS_KV_VALID", "seq_bucket")
 
-    dq_configs = autotune.nesting(
-        "BWD_DQ", block_q, block_kv,
-        smem_per_stage=lambda bm, bn: bn * (block_d + block_dv) * elt,
-        fixed_smem=lambda bm, bn: bm * (block_d + block_dv) * elt)
-    autotune.launch(
-        attention_bwd_dq_kernel, lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads), dq_configs,
-        key, DQ=dq, KV_COUNT=kv_count, KV_INDEX=kv_index, num_heads=heads,
-        **stride_args("dq", dq, "bhsd"), **stride_args("c", kv_count, "bh"),
-        **stride_args("i", kv_index, "bhq"), **common)
+    if atomic_dq is None:
+        atomic_dq = ATOMIC_DQ_DEFAULT
+    atomic_dq = atomic_dq and not torch.are_deterministic_algorithms_enabled()
+    if atomic_dq:
+        dq_acc = torch.zeros(batch, heads, seq_q, head_dim, device=device, dtype=torch.float32)
+    else:
+        dq_acc = delta  # unused
+        dq_configs = autotune.nesting(
+            "BWD_DQ", block_q, block_kv,
+            smem_per_stage=lambda bm, bn: bn * (block_d + block_dv) * elt,
+            fixed_smem=lambda bm, bn: bm * (block_d + block_dv) * elt)
+        autotune.launch(
+            attention_bwd_dq_kernel, lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads), dq_configs,
+            key, DQ=dq, KV_COUNT=kv_count, KV_INDEX=kv_index, num_heads=heads,
+            **stride_args("dq", dq, "bhsd"), **stride_args("c", kv_count, "bh"),
+            **stride_args("i", kv_index, "bhq"), **common)
 
     dkdv_configs = autotune.nesting(
         "BWD_DKDV", block_q, block_kv,
@@ -285,7 +308,10 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         fixed_smem=lambda bm, bn: bn * (block_d + block_dv) * elt)
     autotune.launch(
         attention_bwd_dkdv_kernel, lambda meta: (triton.cdiv(seq_kv, meta["BLOCK_N"]), batch * kv_heads),
-        dkdv_configs, key, DK=dk, DV=dv, Q_COUNT=q_count, Q_INDEX=q_index, kv_heads=kv_heads,
+        dkdv_configs, key + ("ATOMIC_DQ",), DK=dk, DV=dv, DQ_ACC=dq_acc, Q_COUNT=q_count, Q_INDEX=q_index,
+        kv_heads=kv_heads, ATOMIC_DQ=atomic_dq, reset_to_zero=("DQ_ACC",) if atomic_dq else (),
         **stride_args("dk", dk, "bhsd"), **stride_args("dv", dv, "bhsd"), **stride_args("c", q_count, "bh"),
-        **stride_args("i", q_index, "bhq"), **common)
+        **stride_args("i", q_index, "bhq"), **stride_args("qa", dq_acc if atomic_dq else None, "bhs"), **common)
+    if atomic_dq:
+        dq.copy_(dq_acc)
     return dq, dk, dv
