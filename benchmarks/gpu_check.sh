@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=cs
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -q -x -n 8 -p no:cacheprovider tests 2>&1 | tee "$out/tests.log" | tail -40
+  python3 -m pytest -q -n 8 -p no:cacheprovider tests 2>&1 | tee "$out/tests.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

@@ -114,7 +114,7 @@ def test_gqa_gradients_are_bitwise_repeatable_in_deterministic_mode(geometry, mo
         assert torch.equal(a, b), "two identical backward runs differ"
 
 
-def test_atomic_dq_matches_the_dq_kernel(geometry, poisoned, monkeypatch):
+def test_atomic_dq_matches_the_dq_kernel(geometry, pinned, poisoned, monkeypatch):
     """The atomic dQ path (accumulated in the dK/dV kernel) against the dQ kernel: the same sums in another
     order, with GQA, causal and a token mask."""
     g = geometry
@@ -127,9 +127,8 @@ def test_atomic_dq_matches_the_dq_kernel(geometry, poisoned, monkeypatch):
     for atomic in (False, True):
         monkeypatch.setattr(backward, "ATOMIC_DQ_DEFAULT", atomic)
         runs[atomic] = grads(q, k, v, keep, g.block, attn_mask=token, is_causal=True, backend="triton")
-    assert torch.equal(runs[True][2], runs[False][2]) and torch.equal(runs[True][3], runs[False][3]), "dk/dv moved"
     assert (runs[True][1][:, :, g.block[0]:2 * g.block[0]] == 0).all()
-    assert_grads_close(runs[True][1:2], runs[False][1:2], 1e-5, "atomic dq")
+    assert_grads_close(runs[True][1:], runs[False][1:], 1e-5, "atomic dq")
 
 
 FEATURES = {
