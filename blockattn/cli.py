@@ -1,4 +1,4 @@
-"""The `blockattn` command line: `demo` (the main job) and `bench`."""
+"""The `blockattn` command line: `demo` (the main job), `bench` and `show`."""
 
 from __future__ import annotations
 
@@ -122,6 +122,38 @@ def bench(args) -> int:
     return 0
 
 
+def _ints(text: str) -> tuple:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def show(args) -> int:
+    """Draw a block-mask pattern to a PNG."""
+    from blockattn import masks
+    from blockattn.bench import Case, block_mask
+    from blockattn.sparsity import BlockSparsity
+
+    seq_q, seq_kv = args.seq, args.seq_kv or args.seq
+    if args.pattern == "causal":
+        blocks = masks.causal(seq_q, seq_kv, args.block)
+    elif args.pattern == "window":
+        blocks = masks.sliding_window(seq_q, seq_kv, args.block, args.window, causal=args.causal)
+    elif args.pattern == "global":
+        blocks = masks.union(masks.global_tokens(seq_q, seq_kv, args.block, args.tokens),
+                             masks.sliding_window(seq_q, seq_kv, args.block, args.window))
+    elif args.pattern == "tile":
+        blocks = masks.sliding_tile(args.grid, args.tile, args.tile_window)
+    else:
+        keep = block_mask(Case(heads=args.heads, kv_heads=args.heads, seq=seq_q, block=args.block,
+                               density=args.density), torch.device("cpu"))
+        blocks = BlockSparsity.from_mask(keep, args.block, seq_q, seq_q)
+    path = blocks.plot(args.out, title=args.pattern)
+    print(f"{blocks} density {blocks.density():.3f} -> {path}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="blockattn", description="Exact block-sparse attention for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -151,6 +183,22 @@ def main(argv=None) -> int:
     p.add_argument("--forward-only", action="store_true")
     p.add_argument("--out", default="blockattn-bench", help="prefix of the .md, .json and .png written")
     p.set_defaults(func=bench)
+
+    p = sub.add_parser("show", help="draw a block-mask pattern to a PNG")
+    p.add_argument("pattern", choices=("causal", "window", "global", "tile", "random"))
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--seq-kv", type=int, default=None)
+    p.add_argument("--block", type=_block, default=(128, 128))
+    p.add_argument("--window", type=int, default=1024, help="tokens, for window and global")
+    p.add_argument("--causal", action="store_true", help="one-sided window")
+    p.add_argument("--tokens", type=int, default=128, help="global tokens, for global")
+    p.add_argument("--grid", type=_ints, default=(16, 32, 32), help="T,H,W tokens, for tile")
+    p.add_argument("--tile", type=_ints, default=(4, 8, 8), help="t,h,w tokens per tile, for tile")
+    p.add_argument("--tile-window", type=_ints, default=(3, 3, 3), help="window in tiles per axis, for tile")
+    p.add_argument("--density", type=_density, default=0.25, help="for random")
+    p.add_argument("--heads", type=int, default=4, help="for random")
+    p.add_argument("--out", default="blockattn-mask.png")
+    p.set_defaults(func=show)
 
     args = parser.parse_args(argv)
     return args.func(args)

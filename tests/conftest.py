@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -114,6 +115,35 @@ def assert_one_ulp(got, want, label=""):
     worst = (gap - bound).max().item()
     assert worst <= 0, (f"{label}: max gap {gap.max().item():.3e} over {int((got != want).sum())} elements exceeds "
                         f"one ulp")
+
+
+def sdpa_error(q, k, v, visible, want, rows):
+    """Error of dense SDPA in the inputs' dtype on the same token mask: the yardstick for every backend."""
+    group = q.shape[1] // k.shape[1]
+    got = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                         attn_mask=visible)
+    return rel_error(got, want, rows)
+
+
+def check_against_oracle(out, lse, q, k, v, visible, *, scale=None, is_causal=False, factor=4.0):
+    """out within `factor` times dense SDPA's error (same dtype) of the fp64 oracle on rows that see a key;
+    rows that see nothing are exactly zero with LSE -inf."""
+    want, want_lse = oracle(q, k, v, visible, scale=scale, is_causal=is_causal)
+    if is_causal:
+        visible = visible & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    rows = visible.expand(*want.shape[:3], k.shape[2]).any(-1)
+    assert torch.isfinite(out).all(), "non-finite output"
+    assert (out[~rows] == 0).all(), "a row that sees no key is not zero"
+    assert torch.isneginf(lse[~rows]).all(), "a row that sees no key has LSE other than -inf"
+    if scale is None:
+        baseline = sdpa_error(q, k, v, visible, want, rows)
+    else:
+        baseline = sdpa_error(q * (scale * q.shape[-1] ** 0.5), k, v, visible, want, rows)
+    floor = 8 * torch.finfo(q.dtype).eps
+    err = rel_error(out, want, rows)
+    assert err <= factor * baseline + floor, f"error {err:.3e} vs dense SDPA's {baseline:.3e} (factor {factor})"
+    lse_err = (lse[rows].double() - want_lse[rows]).abs().max().item()
+    assert lse_err <= 1e-3 * max(1.0, want_lse[rows].abs().max().item()), f"LSE off by {lse_err:.3e}"
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ import torch
 
 import blockattn
 from blockattn.kernels import ops
-from conftest import DEVICE, ON_GPU, qkv, random_keep
+from conftest import ON_GPU, qkv, random_keep
 
 
 def op_args(requires_grad):
