@@ -9,6 +9,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from . import reference
+from .kernels.varlen import Varlen
 from .sparsity import BlockSparsity
 
 DEFAULT_BLOCK_SIZE = (128, 64)
@@ -143,14 +144,40 @@ def _check_scale(scale, head_dim: int) -> float:
 
 
 class _Prepared(NamedTuple):
-    q: torch.Tensor
+    q: torch.Tensor          # "bhsd" views; for "thd" [1, H, T, D] views of the packed tensors
     k: torch.Tensor
     v: torch.Tensor
-    sparsity: BlockSparsity
+    sparsity: BlockSparsity  # for "thd": per sequence, at the longest lengths
     scale: float
     token_mask: Optional[torch.Tensor]
     kv_valid: Optional[torch.Tensor]
     backend: str
+    varlen: Optional[Varlen]  # "thd" only
+    lengths: Optional[list]   # "thd" only: [(start_q, len_q, start_kv, len_kv)] per sequence (host values)
+
+
+def _prepare_offsets(cu_seqlens_q, cu_seqlens_kv, tokens_q: int, tokens_kv: int, device):
+    """Check the "thd" offsets (a host read) and return (Varlen, per-sequence spans)."""
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, tokens_q), ("cu_seqlens_kv", cu_seqlens_kv, tokens_kv)):
+        if cu is None:
+            raise ValueError(f'layout "thd" needs {name} (int32 offsets [N + 1] of each sequence\'s first token)')
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.ndim != 1 or cu.shape[0] < 2:
+            raise ValueError(f"{name} must be a 1-D int32 tensor [N + 1] with N >= 1, got "
+                             f"{(cu.dtype, tuple(cu.shape)) if isinstance(cu, torch.Tensor) else type(cu).__name__}")
+        if cu.device != device:
+            raise ValueError(f"{name} is on {cu.device} but q is on {device}")
+    if cu_seqlens_q.shape != cu_seqlens_kv.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_kv must describe the same number of sequences, got "
+                         f"{cu_seqlens_q.shape[0] - 1} and {cu_seqlens_kv.shape[0] - 1}")
+    host_q, host_kv = cu_seqlens_q.tolist(), cu_seqlens_kv.tolist()
+    for name, cu, total in (("cu_seqlens_q", host_q, tokens_q), ("cu_seqlens_kv", host_kv, tokens_kv)):
+        if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] != total:
+            raise ValueError(f"{name} must start at 0, never decrease and end at the token count {total}, got {cu}")
+    spans = [(host_q[i], host_q[i + 1] - host_q[i], host_kv[i], host_kv[i + 1] - host_kv[i])
+             for i in range(len(host_q) - 1)]
+    max_q = max(1, max(span[1] for span in spans))
+    max_kv = max(1, max(span[3] for span in spans))
+    return Varlen(cu_seqlens_q.contiguous(), cu_seqlens_kv.contiguous(), max_q, max_kv), spans
 
 
 def _prepare(q, k, v, blocks, block_size, layout, cu_seqlens_q, cu_seqlens_kv, scale, attn_mask, is_causal,
@@ -158,18 +185,22 @@ def _prepare(q, k, v, blocks, block_size, layout, cu_seqlens_q, cu_seqlens_kv, s
     """Validate every argument and bring the inputs to "bhsd" views (no copies)."""
     if layout not in _LAYOUTS:
         raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
-    if layout == "thd" or cu_seqlens_q is not None or cu_seqlens_kv is not None:
-        raise NotImplementedError("layout 'thd' with cu_seqlens is not implemented yet (packed variable-length "
-                                  "batches are tracked as their own issue)")
+    if layout != "thd" and (cu_seqlens_q is not None or cu_seqlens_kv is not None):
+        raise ValueError(f'cu_seqlens_q / cu_seqlens_kv belong to layout "thd", got layout {layout!r}')
     if quant is not None:
         raise NotImplementedError(f"quant={quant!r}: quantized forwards are not implemented yet")
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    if layout == "bshd":
+    if layout in ("bshd", "thd"):
+        rank, shape = (4, "[B, S, H, D]") if layout == "bshd" else (3, "[T, H, D]")
         for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor) or t.ndim != 4:
-                raise ValueError(f"{name} must be a 4-D tensor [B, S, H, D] for layout 'bshd'")
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            if not isinstance(t, torch.Tensor) or t.ndim != rank:
+                raise ValueError(f"{name} must be a {rank}-D tensor {shape} for layout {layout!r}, got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if layout == "bshd":
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v))
     _check_qkv(q, k, v, layout)
     batch, heads, seq_q, head_dim = q.shape
     seq_kv = k.shape[2]
@@ -178,10 +209,54 @@ def _prepare(q, k, v, blocks, block_size, layout, cu_seqlens_q, cu_seqlens_kv, s
     if backend == "triton" and q.dtype not in _KERNEL_DTYPES:
         raise TypeError(f'backend="triton" takes fp16, bf16 or fp32 inputs, got {q.dtype}')
     scale = _check_scale(scale, head_dim)
+    varlen = spans = None
+    if layout == "thd":
+        if attn_mask is not None:
+            raise NotImplementedError('attn_mask with layout "thd" is not supported yet: use blocks, is_causal '
+                                      "and kv_valid")
+        varlen, spans = _prepare_offsets(cu_seqlens_q, cu_seqlens_kv, seq_q, seq_kv, device)
+        batch, seq_q, seq_kv = varlen.batch, varlen.max_q, varlen.max_kv
     sparsity = _prepare_blocks(blocks, block_size, seq_q, seq_kv, batch, heads, device)
     token_mask = _prepare_token_mask(attn_mask, batch, heads, seq_q, seq_kv, device)
     kv_valid = _prepare_kv_valid(kv_valid, batch, sparsity.num_blocks[1], device)
-    return _Prepared(q, k, v, sparsity, scale, token_mask, kv_valid, backend)
+    return _Prepared(q, k, v, sparsity, scale, token_mask, kv_valid, backend, varlen, spans)
+
+
+def _reference(p: _Prepared, is_causal: bool, q=None, k=None, v=None):
+    """The PyTorch backend on prepared inputs (q, k, v override p's, for autograd on detached copies)."""
+    q, k, v = (p.q if q is None else q), (p.k if k is None else k), (p.v if v is None else v)
+    if p.varlen is None:
+        return reference.block_sparse_attention(q, k, v, p.sparsity, p.scale, p.token_mask, is_causal, p.kv_valid)
+    # a packed batch: one sequence at a time, each with its own slice of the block mask
+    outs, lses = [], []
+    mask = p.sparsity.mask
+    block_q, block_kv = p.sparsity.block_size
+    for index, (start_q, len_q, start_kv, len_kv) in enumerate(p.lengths):
+        if len_q == 0:
+            continue
+        q_i = q[:, :, start_q:start_q + len_q]
+        if len_kv == 0:
+            outs.append(q_i.new_zeros(*q_i.shape[:3], v.shape[-1]))
+            lses.append(torch.full(q_i.shape[:3], float("-inf"), device=q.device))
+            continue
+        nq, nk = math.ceil(len_q / block_q), math.ceil(len_kv / block_kv)
+        keep = mask[index if mask.shape[0] > 1 else 0][None, :, :nq, :nk]
+        valid = p.kv_valid[index if p.kv_valid.shape[0] > 1 else 0, :nk][None] if p.kv_valid is not None else None
+        out, lse = reference.block_sparse_attention(
+            q_i, k[:, :, start_kv:start_kv + len_kv], v[:, :, start_kv:start_kv + len_kv],
+            BlockSparsity.from_mask(keep, (block_q, block_kv), len_q, len_kv), p.scale, None, is_causal, valid)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def _to_layout(out: torch.Tensor, lse: torch.Tensor, layout: str):
+    """Kernel-side [B, H, S, Dv] / [B, H, S] to the caller's layout (views, no copies)."""
+    if layout == "bshd":
+        return out.transpose(1, 2), lse
+    if layout == "thd":
+        return out.squeeze(0).permute(1, 0, 2), lse.squeeze(0).t()
+    return out, lse
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -192,56 +267,71 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               backend: str = "auto"):
     """Exact attention over the kept (query block, key block) pairs.
 
-    q: [B, Hq, Sq, D], k: [B, Hkv, Sk, D], v: [B, Hkv, Sk, Dv] for layout "bhsd" ([B, S, H, D] for "bshd");
-    Hq a multiple of Hkv (GQA/MQA); D, Dv in 16..256; fp16, bf16 or fp32 (fp64 on the torch backend).
+    q: [B, Hq, Sq, D], k: [B, Hkv, Sk, D], v: [B, Hkv, Sk, Dv] for layout "bhsd"; [B, S, H, D] for "bshd";
+    packed [T, H, D] for "thd" with cu_seqlens_q / cu_seqlens_kv (int32 offsets [N + 1]; a sequence's query and
+    key lengths may differ). Hq a multiple of Hkv (GQA/MQA); D, Dv in 16..256; fp16, bf16 or fp32 (fp64 on the
+    torch backend).
     blocks: block mask (bool/int8/uint8, nonzero = keep) shaped [nq, nk], [H|1, nq, nk] or [B|1, H|1, nq, nk]
-    with nq = ceil(Sq / block_q), nk = ceil(Sk / block_kv); or a prepared BlockSparsity; or None (dense).
+    with nq = ceil(Sq / block_q), nk = ceil(Sk / block_kv) ("thd": [N|1, H|1, nq, nk] at the longest lengths, each
+    sequence's blocks starting at its own first token); or a prepared BlockSparsity; or None (dense).
     block_size: (block_q, block_kv), default (128, 64) for a mask tensor; a BlockSparsity carries its own.
-    attn_mask: bool token mask broadcastable to [B, Hq, Sq, Sk], AND-ed with the blocks. is_causal: key j visible
-    from query i only if j <= i (top-left aligned). kv_valid: int32 [nk] or [B, nk], valid tokens at the start of
-    each key block (the rest is padding). A row that sees no key gives zeros and LSE -inf.
-    Returns out shaped like q with Dv last (and lse float32 [B, Hq, Sq], natural log, if return_lse).
-    backend: "auto" (Triton on CUDA, PyTorch on CPU unless TRITON_INTERPRET=1), "triton" or "torch".
-    Differentiable on every backend (gradients for q, k, v, and through lse).
+    attn_mask: bool token mask broadcastable to [B, Hq, Sq, Sk], AND-ed with the blocks (not with "thd").
+    is_causal: key j visible from query i only if j <= i (top-left aligned, per sequence). kv_valid: int32 [nk] or
+    [B, nk], valid tokens at the start of each key block (the rest is padding). A row that sees no key gives zeros
+    and LSE -inf.
+    Returns out in the input layout with Dv last (and lse float32 [B, Hq, Sq], or [T, Hq] for "thd", natural log,
+    if return_lse). backend: "auto" (Triton on CUDA, PyTorch on CPU unless TRITON_INTERPRET=1), "triton" or
+    "torch". Differentiable on every backend (gradients for q, k, v, and through lse).
     """
     p = _prepare(q, k, v, blocks, block_size, layout, cu_seqlens_q, cu_seqlens_kv, scale, attn_mask, is_causal,
                  kv_valid, quant, backend)
     if p.backend == "torch":
-        out, lse = reference.block_sparse_attention(p.q, p.k, p.v, p.sparsity, p.scale, p.token_mask, is_causal,
-                                                    p.kv_valid)
+        out, lse = _reference(p, is_causal)
     else:
         out, lse = _triton_attention(p, is_causal)
-    if layout == "bshd":
-        out = out.transpose(1, 2)
+    out, lse = _to_layout(out, lse, layout)
     return (out, lse) if return_lse else out
+
+
+def _from_layout(t: torch.Tensor, layout: str, is_lse: bool = False) -> torch.Tensor:
+    """The inverse of _to_layout for one output (is_lse: the LSE, which "bshd" keeps as [B, H, S])."""
+    if layout == "bshd" and not is_lse:
+        return t.transpose(1, 2)
+    if layout == "thd":
+        return t.t().unsqueeze(0) if is_lse else t.permute(1, 0, 2).unsqueeze(0)
+    return t
 
 
 def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor,
                        blocks: Union[torch.Tensor, BlockSparsity, None] = None, block_size=None, *,
-                       layout: str = "bhsd", scale: Optional[float] = None, attn_mask: Optional[torch.Tensor] = None,
-                       is_causal: bool = False, kv_valid: Optional[torch.Tensor] = None, backend: str = "auto"):
+                       layout: str = "bhsd", cu_seqlens_q=None, cu_seqlens_kv=None, scale: Optional[float] = None,
+                       attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                       kv_valid: Optional[torch.Tensor] = None, backend: str = "auto"):
     """Gradients (dq, dk, dv) of attention() from its saved output and LSE, without autograd.
 
-    grad_out and out: shaped like attention()'s output; lse: float32 [B, Hq, Sq] from return_lse=True. The other
-    arguments must be those of the forward call. Returns tensors shaped like q, k, v."""
-    p = _prepare(q, k, v, blocks, block_size, layout, None, None, scale, attn_mask, is_causal, kv_valid, None,
-                 backend)
-    if layout == "bshd":
-        grad_out, out = grad_out.transpose(1, 2), out.transpose(1, 2)
+    grad_out and out: shaped like attention()'s output; lse: float32 from return_lse=True ([B, Hq, Sq], or [T, Hq]
+    for "thd"). The other arguments must be those of the forward call. Returns tensors shaped like q, k, v."""
+    p = _prepare(q, k, v, blocks, block_size, layout, cu_seqlens_q, cu_seqlens_kv, scale, attn_mask, is_causal,
+                 kv_valid, None, backend)
+    for name, t in (("grad_out", grad_out), ("out", out), ("lse", lse)):
+        if not isinstance(t, torch.Tensor) or t.ndim != (2 if name == "lse" and layout == "thd" else
+                                                          3 if name == "lse" or layout == "thd" else 4):
+            raise ValueError(f"{name} does not have the rank attention() returns for layout {layout!r}: got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    grad_out, out, lse = _from_layout(grad_out, layout), _from_layout(out, layout), _from_layout(lse, layout, True)
     expected = (*p.q.shape[:3], p.v.shape[-1])
     for name, t in (("grad_out", grad_out), ("out", out)):
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != expected:
-            raise ValueError(f"{name} must have the output's shape {list(expected)}, got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != expected[:3] or lse.dtype != torch.float32:
-        raise ValueError(f"lse must be float32 {list(expected[:3])}, got "
-                         f"{(lse.dtype, tuple(lse.shape)) if isinstance(lse, torch.Tensor) else type(lse).__name__}")
+        if tuple(t.shape) != expected:
+            raise ValueError(f"{name} must have the output's shape {list(expected)} (bhsd order), got "
+                             f"{tuple(t.shape)}")
+    if tuple(lse.shape) != expected[:3] or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be float32 {list(expected[:3])} (bhsd order), got {lse.dtype} "
+                         f"{tuple(lse.shape)}")
     if p.backend == "torch":
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_(True) for t in (p.q, p.k, p.v)]
-            recomputed, _ = reference.block_sparse_attention(*inputs, p.sparsity, p.scale, p.token_mask, is_causal,
-                                                             p.kv_valid)
+            recomputed, _ = _reference(p, is_causal, *inputs)
             grads = torch.autograd.grad(recomputed, inputs, grad_out.to(recomputed.dtype))
     else:
         ops = _kernel_ops()
@@ -250,10 +340,21 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         token_mask = p.token_mask.view(torch.uint8) if p.token_mask is not None else None
         grads = ops.sparse_attention_bwd(grad_out.contiguous(), None, p.q, p.k, p.v, out, lse, lists.kv_count,
                                          lists.kv_index, q_count, q_index, token_mask, gather_mask, p.kv_valid,
-                                         p.scale, *lists.block_size, *p.sparsity.block_size, is_causal)
+                                         *_varlen_args(p), p.scale, *lists.block_size, *p.sparsity.block_size,
+                                         is_causal, *_varlen_lengths(p))
     if layout == "bshd":
         grads = tuple(g.transpose(1, 2) for g in grads)
+    elif layout == "thd":
+        grads = tuple(g.squeeze(0).permute(1, 0, 2) for g in grads)
     return tuple(grads)
+
+
+def _varlen_args(p: _Prepared):
+    return (p.varlen.cu_q, p.varlen.cu_kv) if p.varlen else (None, None)
+
+
+def _varlen_lengths(p: _Prepared):
+    return (p.varlen.max_q, p.varlen.max_kv) if p.varlen else (0, 0)
 
 
 def _kernel_inputs(sparsity: BlockSparsity, is_causal: bool):
@@ -282,5 +383,5 @@ def _triton_attention(p: _Prepared, is_causal: bool):
     q_count, q_index = lists.q_lists() if needs_grad else (None, None)
     token_mask = p.token_mask.view(torch.uint8) if p.token_mask is not None else None
     return ops.sparse_attention_fwd(p.q, p.k, p.v, lists.kv_count, lists.kv_index, q_count, q_index, token_mask,
-                                    gather_mask, p.kv_valid, p.scale, *lists.block_size, *p.sparsity.block_size,
-                                    is_causal)
+                                    gather_mask, p.kv_valid, *_varlen_args(p), p.scale, *lists.block_size,
+                                    *p.sparsity.block_size, is_causal, *_varlen_lengths(p))

@@ -151,7 +151,11 @@ def poisoned(monkeypatch):
     """The launchers' outputs start as NaN, so an element a kernel never wrote shows up."""
     def empty(*shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    def empty_like(tensor):
+        return torch.full_like(tensor, float("nan"))
     monkeypatch.setattr(buffers, "empty", empty)
+    monkeypatch.setattr(buffers, "empty_like", empty_like)
 
 
 def pin(monkeypatch, tile, kernels=("FWD", "BWD_DQ", "BWD_DKDV")):

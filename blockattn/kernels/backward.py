@@ -10,8 +10,9 @@ import triton
 import triton.language as tl
 
 from . import autotune, buffers
-from .forward import LOG2E, fp32_precision, head_dims, stride_args, strides
-from .primitives import dot, element_keep
+from .forward import LOG2E, TUNING_KEY, fp32_precision, head_dims, stride_args, strides
+from .varlen import Varlen
+from .primitives import dot, element_keep, sequence_span
 
 # Whether the backward accumulates dQ with atomics in the dK/dV kernel (one kernel, no recomputation of P and dP
 # for dQ) rather than running the separate, deterministic dQ kernel. Chosen by measurement: BENCHMARKS.md.
@@ -22,28 +23,31 @@ ATOMIC_DQ_DEFAULT = False
 def attention_bwd_preprocess_kernel(Out, DO, GradLse, Delta, seq_q, num_heads,
                                     stride_ob, stride_oh, stride_os, stride_od,
                                     stride_db, stride_dh, stride_ds, stride_dd,
-                                    stride_gb, stride_gh,
+                                    stride_gb, stride_gh, stride_gs,
+                                    stride_eb, stride_eh, stride_es,
                                     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
                                     BLOCK_M: tl.constexpr):
     """Delta [B, H, Sq] fp32 = rowsum(dO * O) - dLSE: the softmax-backward row term (dLSE folds in here because
-    d lse / d s = p, the same shape as the dO term)."""
+    d lse / d s = p, the same shape as the dO term). Packed batches run as one sequence of all their tokens."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = pid_bh // num_heads
     off_h = pid_bh % num_heads
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
-    ok = (offs_m[:, None] < seq_q) & (offs_dv[None, :] < HEAD_DIM_V)
-    rows = offs_m[:, None].to(tl.int64)
-    o = tl.load(Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + rows * stride_os
+    m_ok = offs_m < seq_q
+    ok = m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    rows = offs_m.to(tl.int64)
+    o = tl.load(Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + rows[:, None] * stride_os
                 + offs_dv[None, :] * stride_od, mask=ok, other=0.0)
-    do = tl.load(DO + off_b.to(tl.int64) * stride_db + off_h.to(tl.int64) * stride_dh + rows * stride_ds
+    do = tl.load(DO + off_b.to(tl.int64) * stride_db + off_h.to(tl.int64) * stride_dh + rows[:, None] * stride_ds
                  + offs_dv[None, :] * stride_dd, mask=ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BM]
-    row_ptr = off_b.to(tl.int64) * stride_gb + off_h.to(tl.int64) * stride_gh + offs_m
     if HAS_GRAD_LSE:
-        delta -= tl.load(GradLse + row_ptr, mask=offs_m < seq_q, other=0.0)
-    tl.store(Delta + row_ptr, delta, mask=offs_m < seq_q)
+        delta -= tl.load(GradLse + off_b.to(tl.int64) * stride_gb + off_h.to(tl.int64) * stride_gh
+                         + rows * stride_gs, mask=m_ok, other=0.0)
+    tl.store(Delta + off_b.to(tl.int64) * stride_eb + off_h.to(tl.int64) * stride_eh + rows * stride_es, delta,
+             mask=m_ok)
 
 
 @triton.jit
@@ -57,14 +61,14 @@ def _row_stats(Lse, Delta, row_ptr, rows_ok):
 
 @triton.jit(do_not_specialize=["seq_bucket"])
 def attention_bwd_dq_kernel(
-    Q, K, V, DO, DQ, Lse, Delta, KV_COUNT, KV_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID,
+    Q, K, V, DO, DQ, Lse, Delta, KV_COUNT, KV_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID, CU_SEQLENS_Q, CU_SEQLENS_KV,
     scale_log2, scale, seq_q, seq_kv, num_heads, group_size, mask_block_q, mask_block_kv, seq_bucket,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_dob, stride_doh, stride_dos, stride_dod,
     stride_dqb, stride_dqh, stride_dqs, stride_dqd,
-    stride_lb, stride_lh,
+    stride_lb, stride_lh, stride_ls,
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
     stride_tb, stride_th, stride_tq, stride_tk,
@@ -74,9 +78,11 @@ def attention_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
     GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One program: dQ [BM, D] of one query tile of one (batch, head), walking its query block's kv list."""
+    """One program: dQ [BM, D] of one query tile of one (batch, head), walking its query block's kv list.
+    Lse and Delta share one layout (strides stride_l*); IS_VARLEN as in the forward kernel."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     TILES_PER_BLOCK: tl.constexpr = BLOCK_KV // BLOCK_N
@@ -89,6 +95,11 @@ def attention_bwd_dq_kernel(
     off_hkv = off_h // group_size
     start_m = pid_m * BLOCK_M
     q_block = start_m // BLOCK_Q
+    q_start, seq_q = sequence_span(CU_SEQLENS_Q, off_b, seq_q, IS_VARLEN)
+    kv_start, seq_kv = sequence_span(CU_SEQLENS_KV, off_b, seq_kv, IS_VARLEN)
+    if IS_VARLEN:
+        if start_m >= seq_q:
+            return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -96,16 +107,16 @@ def attention_bwd_dq_kernel(
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
     m_ok = offs_m < seq_q
-    rows = offs_m[:, None].to(tl.int64)
+    rows = (q_start + offs_m[:, None]).to(tl.int64)
 
     q = tl.load(Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + rows * stride_qs
                 + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
     do = tl.load(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh + rows * stride_dos
                  + offs_dv[None, :] * stride_dod, mask=m_ok[:, None] & dv_ok[None, :], other=0.0)  # [BM, BDV]
-    lse, delta = _row_stats(Lse, Delta, off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m,
-                            m_ok)
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
+    lse, delta = _row_stats(Lse, Delta, off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
+                            + (q_start + offs_m).to(tl.int64) * stride_ls, m_ok)
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh + kv_start.to(tl.int64) * stride_ks
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh + kv_start.to(tl.int64) * stride_vs
 
     count = tl.load(KV_COUNT + off_b * stride_cb + off_h * stride_ch + q_block)
     index_row = KV_INDEX + off_b.to(tl.int64) * stride_ib + off_h.to(tl.int64) * stride_ih + q_block * stride_iq
@@ -137,7 +148,8 @@ def attention_bwd_dq_kernel(
 
 @triton.jit(do_not_specialize=["seq_bucket"])
 def attention_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, DQ_ACC, Lse, Delta, Q_COUNT, Q_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID,
+    Q, K, V, DO, DK, DV, DQ_ACC, Lse, Delta, Q_COUNT, Q_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID, CU_SEQLENS_Q,
+    CU_SEQLENS_KV,
     scale_log2, scale, seq_q, seq_kv, kv_heads, group_size, mask_block_q, mask_block_kv, seq_bucket,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -146,7 +158,7 @@ def attention_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dks, stride_dkd,
     stride_dvb, stride_dvh, stride_dvs, stride_dvd,
     stride_qab, stride_qah, stride_qas,
-    stride_lb, stride_lh,
+    stride_lb, stride_lh, stride_ls,
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
     stride_tb, stride_th, stride_tq, stride_tk,
@@ -156,7 +168,7 @@ def attention_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
     GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: dK [BN, D] and dV [BN, Dv] of one key tile of one (batch, kv head), summed over the query heads
@@ -175,6 +187,11 @@ def attention_bwd_dkdv_kernel(
     off_hkv = pid_bh % kv_heads
     start_n = pid_n * BLOCK_N
     kv_block = start_n // BLOCK_KV
+    q_start, seq_q = sequence_span(CU_SEQLENS_Q, off_b, seq_q, IS_VARLEN)
+    kv_start, seq_kv = sequence_span(CU_SEQLENS_KV, off_b, seq_kv, IS_VARLEN)
+    if IS_VARLEN:
+        if start_n >= seq_kv:
+            return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -182,7 +199,7 @@ def attention_bwd_dkdv_kernel(
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
     n_ok = offs_n < seq_kv
-    keys = offs_n[:, None].to(tl.int64)
+    keys = (kv_start + offs_n[:, None]).to(tl.int64)
 
     k = tl.load(K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh + keys * stride_ks
                 + offs_d[None, :] * stride_kd, mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BN, BD]
@@ -193,9 +210,10 @@ def attention_bwd_dkdv_kernel(
 
     for g in range(0, group_size):
         off_h = off_hkv * group_size + g
-        q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-        do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-        row_base = off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
+        q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qs
+        do_base = (DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+                   + q_start.to(tl.int64) * stride_dos)
+        row_base = off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + q_start.to(tl.int64) * stride_ls
         count = tl.load(Q_COUNT + off_b * stride_cb + off_h * stride_ch + kv_block)
         index_row = Q_INDEX + off_b.to(tl.int64) * stride_ib + off_h.to(tl.int64) * stride_ih + kv_block * stride_iq
         for it in range(0, count * TILES_PER_BLOCK):
@@ -207,7 +225,7 @@ def attention_bwd_dkdv_kernel(
                         mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
             do = tl.load(do_base + rows * stride_dos + offs_dv[None, :] * stride_dod,
                          mask=m_ok[:, None] & dv_ok[None, :], other=0.0)  # [BM, BDV]
-            lse, delta = _row_stats(Lse, Delta, row_base + offs_m, m_ok)
+            lse, delta = _row_stats(Lse, Delta, row_base + offs_m.to(tl.int64) * stride_ls, m_ok)
             kq = dot(k, tl.trans(q), None, FP32_PRECISION)  # [BN, BM]
             p_t = tl.math.exp2(kq * scale_log2 - lse[None, :])
             if MASKED:
@@ -224,7 +242,7 @@ def attention_bwd_dkdv_kernel(
             if ATOMIC_DQ:
                 dq_part = dot(tl.trans(ds_t.to(k.dtype)), k, None, FP32_PRECISION) * scale  # [BM, BD]
                 dq_ptrs = (DQ_ACC + off_b.to(tl.int64) * stride_qab + off_h.to(tl.int64) * stride_qah
-                           + rows * stride_qas + offs_d[None, :])
+                           + (q_start + offs_m[:, None]).to(tl.int64) * stride_qas + offs_d[None, :])
                 tl.atomic_add(dq_ptrs, dq_part, mask=m_ok[:, None] & d_ok[None, :], sem="relaxed")
     dk = dk * scale
     n_store = n_ok[:, None]
@@ -238,58 +256,60 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
                        block_kv: int, scale: float, grad_lse: Optional[torch.Tensor] = None,
                        token_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                        block_mask: Optional[torch.Tensor] = None, mask_block_q: int = 0, mask_block_kv: int = 0,
-                       kv_valid: Optional[torch.Tensor] = None, atomic_dq: Optional[bool] = None):
-    """Launch the backward: (dq, dk, dv) shaped like (q, k, v), from the forward's out and lse (natural log).
+                       kv_valid: Optional[torch.Tensor] = None, varlen: Optional[Varlen] = None,
+                       atomic_dq: Optional[bool] = None):
+    """Launch the backward: (dq, dk, dv) shaped (and strided) like (q, k, v), from the forward's out and lse
+    (natural log).
 
-    Lists and masks as in forward.attention_forward; q_count int32 [Bm, Hm, nk], q_index int32 [Bm, Hm, nk, L].
-    atomic_dq: accumulate dQ inside the dK/dV kernel with fp32 atomics instead of running the dQ kernel; None
-    takes ATOMIC_DQ_DEFAULT, and torch.are_deterministic_algorithms_enabled() always turns it off."""
-    batch, heads, seq_q, _ = q.shape
-    kv_heads, seq_kv = k.shape[1], k.shape[2]
+    Lists, masks and varlen as in forward.attention_forward; q_count int32 [Bm, Hm, nk], q_index int32
+    [Bm, Hm, nk, L]. atomic_dq: accumulate dQ inside the dK/dV kernel with fp32 atomics instead of running the dQ
+    kernel; None takes ATOMIC_DQ_DEFAULT, and torch.are_deterministic_algorithms_enabled() always turns it off."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    batch, seq_q, seq_kv = (varlen.batch, varlen.max_q, varlen.max_kv) if varlen else (q.shape[0], q.shape[2],
+                                                                                        k.shape[2])
     head_dim, head_dim_v, block_d, block_dv = head_dims(q, v)
     gather = block_mask is not None
     if not gather:
         mask_block_q, mask_block_kv = block_q, block_kv
     device = q.device
 
-    delta = buffers.empty(batch, heads, seq_q, device=device, dtype=torch.float32)
+    if 0 in lse.stride():
+        lse = lse.contiguous()
+    delta = torch.empty_strided(lse.shape, lse.stride(), device=device, dtype=torch.float32)  # lse's layout
     if grad_lse is not None:
-        grad_lse = grad_lse.float().contiguous()
+        grad_lse = grad_lse.float()
     preprocess_rows = 64
-    attention_bwd_preprocess_kernel[(triton.cdiv(seq_q, preprocess_rows), batch * heads)](
-        out, grad_out, grad_lse if grad_lse is not None else delta, delta, seq_q, heads,
-        *out.stride(), *grad_out.stride(), delta.stride(0), delta.stride(1),
+    attention_bwd_preprocess_kernel[(triton.cdiv(out.shape[2], preprocess_rows), out.shape[0] * heads)](
+        out, grad_out, grad_lse if grad_lse is not None else delta, delta, out.shape[2], heads,
+        *out.stride(), *grad_out.stride(), *(grad_lse if grad_lse is not None else delta).stride(), *delta.stride(),
         HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, HAS_GRAD_LSE=grad_lse is not None, BLOCK_M=preprocess_rows)
 
-    dq = buffers.empty(*q.shape, dtype=q.dtype, device=device)
-    dk = buffers.empty(*k.shape, dtype=k.dtype, device=device)
-    dv = buffers.empty(*v.shape, dtype=v.dtype, device=device)
+    dq, dk, dv = (buffers.empty_like(t) for t in (q, k, v))
     elt = q.element_size()
-    lse = lse.contiguous()
+    dummy = lse
     common = dict(
         Q=q, K=k, V=v, DO=grad_out, Lse=lse, Delta=delta,
-        TOKEN_MASK=token_mask if token_mask is not None else lse,
-        BLOCK_MASK=block_mask if gather else lse,
-        KV_VALID=kv_valid if kv_valid is not None else lse,
+        TOKEN_MASK=token_mask if token_mask is not None else dummy,
+        BLOCK_MASK=block_mask if gather else dummy,
+        KV_VALID=kv_valid if kv_valid is not None else dummy,
+        CU_SEQLENS_Q=varlen.cu_q if varlen else dummy, CU_SEQLENS_KV=varlen.cu_kv if varlen else dummy,
         scale_log2=scale * LOG2E, scale=scale, seq_q=seq_q, seq_kv=seq_kv, group_size=heads // kv_heads,
         mask_block_q=mask_block_q, mask_block_kv=mask_block_kv,
         seq_bucket=autotune.seq_bucket(max(seq_q, seq_kv)),
         **stride_args("q", q, "bhsd"), **stride_args("k", k, "bhsd"), **stride_args("v", v, "bhsd"),
-        **stride_args("do", grad_out, "bhsd"), stride_lb=lse.stride(0), stride_lh=lse.stride(1),
+        **stride_args("do", grad_out, "bhsd"), **stride_args("l", lse, "bhs"),
         **stride_args("t", token_mask, "bhqk"), **stride_args("m", block_mask, "bhq"),
         stride_vvb=strides(kv_valid, 1)[0],
         BLOCK_Q=block_q, BLOCK_KV=block_kv, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d,
-        BLOCK_DV=block_dv, EVEN_KV=seq_kv % block_kv == 0, IS_CAUSAL=bool(is_causal),
+        BLOCK_DV=block_dv, EVEN_KV=seq_kv % block_kv == 0 and varlen is None, IS_CAUSAL=bool(is_causal),
         HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather, HAS_KV_VALID=kv_valid is not None,
-        FP32_PRECISION=fp32_precision(q.dtype, attention_bwd_dq_kernel))
-    key = ("BLOCK_Q", "BLOCK_KV", "HEAD_DIM", "HEAD_DIM_V", "EVEN_KV", "IS_CAUSAL", "HAS_TOKEN_MASK",
-           "GATHER_BLOCK_MASK", "HAS_KV_VALID", "seq_bucket")
+        FP32_PRECISION=fp32_precision(q.dtype, attention_bwd_dq_kernel), IS_VARLEN=varlen is not None)
 
     if atomic_dq is None:
         atomic_dq = ATOMIC_DQ_DEFAULT
     atomic_dq = atomic_dq and not torch.are_deterministic_algorithms_enabled()
     if atomic_dq:
-        dq_acc = torch.zeros(batch, heads, seq_q, head_dim, device=device, dtype=torch.float32)
+        dq_acc = torch.zeros(q.shape, device=device, dtype=torch.float32)
     else:
         dq_acc = delta  # unused
         dq_configs = autotune.nesting(
@@ -298,7 +318,7 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
             fixed_smem=lambda bm, bn: bm * (block_d + block_dv) * elt)
         autotune.launch(
             attention_bwd_dq_kernel, lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads), dq_configs,
-            key, DQ=dq, KV_COUNT=kv_count, KV_INDEX=kv_index, num_heads=heads,
+            TUNING_KEY, DQ=dq, KV_COUNT=kv_count, KV_INDEX=kv_index, num_heads=heads,
             **stride_args("dq", dq, "bhsd"), **stride_args("c", kv_count, "bh"),
             **stride_args("i", kv_index, "bhq"), **common)
 
@@ -308,7 +328,7 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         fixed_smem=lambda bm, bn: bn * (block_d + block_dv) * elt)
     autotune.launch(
         attention_bwd_dkdv_kernel, lambda meta: (triton.cdiv(seq_kv, meta["BLOCK_N"]), batch * kv_heads),
-        dkdv_configs, key + ("ATOMIC_DQ",), DK=dk, DV=dv, DQ_ACC=dq_acc, Q_COUNT=q_count, Q_INDEX=q_index,
+        dkdv_configs, TUNING_KEY + ("ATOMIC_DQ",), DK=dk, DV=dv, DQ_ACC=dq_acc, Q_COUNT=q_count, Q_INDEX=q_index,
         kv_heads=kv_heads, ATOMIC_DQ=atomic_dq, reset_to_zero=("DQ_ACC",) if atomic_dq else (),
         **stride_args("dk", dk, "bhsd"), **stride_args("dv", dv, "bhsd"), **stride_args("c", q_count, "bh"),
         **stride_args("i", q_index, "bhq"), **stride_args("qa", dq_acc if atomic_dq else None, "bhs"), **common)

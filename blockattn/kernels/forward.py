@@ -9,20 +9,21 @@ import triton
 import triton.language as tl
 
 from . import autotune, buffers
-from .primitives import dot, element_keep
+from .primitives import dot, element_keep, sequence_span
+from .varlen import Varlen
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit(do_not_specialize=["seq_bucket"])
 def attention_fwd_kernel(
-    Q, K, V, Out, Lse, KV_COUNT, KV_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID,
+    Q, K, V, Out, Lse, KV_COUNT, KV_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID, CU_SEQLENS_Q, CU_SEQLENS_KV,
     scale_log2, seq_q, seq_kv, num_heads, group_size, mask_block_q, mask_block_kv, seq_bucket,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_ob, stride_oh, stride_os, stride_od,
-    stride_lb, stride_lh,
+    stride_lb, stride_lh, stride_ls,
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
     stride_tb, stride_th, stride_tq, stride_tk,
@@ -32,12 +33,15 @@ def attention_fwd_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
     GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: a BLOCK_M query tile of one (batch, head), walking only the key blocks its query block kept.
 
     Q [B, H, Sq, D], K [B, Hkv, Sk, D], V [B, Hkv, Sk, Dv], Out [B, H, Sq, Dv], Lse fp32 [B, H, Sq] (natural log);
-    KV_COUNT int32 [Bm, Hm, nq], KV_INDEX int32 [Bm, Hm, nq, L] (size-1 mask dims come with stride 0)."""
+    KV_COUNT int32 [Bm, Hm, nq], KV_INDEX int32 [Bm, Hm, nq, L] (size-1 mask dims come with stride 0).
+    IS_VARLEN: a packed batch; "batch" b is sequence b, whose tokens start at CU_SEQLENS_Q[b] / CU_SEQLENS_KV[b]
+    along the token stride (the batch strides are 0), seq_q / seq_kv are the longest lengths."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     TILES_PER_BLOCK: tl.constexpr = BLOCK_KV // BLOCK_N
@@ -50,6 +54,11 @@ def attention_fwd_kernel(
     off_hkv = off_h // group_size
     start_m = pid_m * BLOCK_M
     q_block = start_m // BLOCK_Q
+    q_start, seq_q = sequence_span(CU_SEQLENS_Q, off_b, seq_q, IS_VARLEN)
+    kv_start, seq_kv = sequence_span(CU_SEQLENS_KV, off_b, seq_kv, IS_VARLEN)
+    if IS_VARLEN:
+        if start_m >= seq_q:  # this sequence is shorter than the longest
+            return
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -59,10 +68,10 @@ def attention_fwd_kernel(
     dv_ok = offs_dv < HEAD_DIM_V
 
     q_ptrs = (Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-              + offs_m[:, None].to(tl.int64) * stride_qs + offs_d[None, :] * stride_qd)
+              + (q_start + offs_m[:, None]).to(tl.int64) * stride_qs + offs_d[None, :] * stride_qd)
     q = tl.load(q_ptrs, mask=(offs_m[:, None] < seq_q) & d_ok[None, :], other=0.0)  # [BM, BD]
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh + kv_start.to(tl.int64) * stride_ks
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh + kv_start.to(tl.int64) * stride_vs
 
     count = tl.load(KV_COUNT + off_b * stride_cb + off_h * stride_ch + q_block)
     index_row = KV_INDEX + off_b.to(tl.int64) * stride_ib + off_h.to(tl.int64) * stride_ih + q_block * stride_iq
@@ -105,10 +114,27 @@ def attention_fwd_kernel(
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
     m_ok = offs_m < seq_q
+    rows = (q_start + offs_m).to(tl.int64)
     o_ptrs = (Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-              + offs_m[:, None].to(tl.int64) * stride_os + offs_dv[None, :] * stride_od)
+              + rows[:, None] * stride_os + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
-    tl.store(Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m, lse, mask=m_ok)
+    tl.store(Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + rows * stride_ls, lse, mask=m_ok)
+
+
+TUNING_KEY = ("BLOCK_Q", "BLOCK_KV", "HEAD_DIM", "HEAD_DIM_V", "EVEN_KV", "IS_CAUSAL", "HAS_TOKEN_MASK",
+              "GATHER_BLOCK_MASK", "HAS_KV_VALID", "IS_VARLEN", "seq_bucket")
+
+
+def output_buffers(q: torch.Tensor, head_dim_v: int, packed: bool):
+    """out [B, H, Sq, Dv] and lse fp32 [B, H, Sq]; for a packed q ([1, H, T, D] view) the views of token-major
+    [T, H, Dv] and [T, H] buffers, so "thd" callers get their layout without a copy."""
+    batch, heads, seq_q = q.shape[:3]
+    if packed:
+        out = buffers.empty(seq_q, heads, head_dim_v, device=q.device, dtype=q.dtype).permute(1, 0, 2).unsqueeze(0)
+        lse = buffers.empty(seq_q, heads, device=q.device, dtype=torch.float32).t().unsqueeze(0)
+        return out, lse
+    return (buffers.empty(batch, heads, seq_q, head_dim_v, device=q.device, dtype=q.dtype),
+            buffers.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32))
 
 
 def strides(tensor: Optional[torch.Tensor], ndim: int) -> tuple:
@@ -140,19 +166,23 @@ def head_dims(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
 def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, scale: float,
                       token_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                       block_mask: Optional[torch.Tensor] = None, mask_block_q: int = 0, mask_block_kv: int = 0,
-                      kv_valid: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      kv_valid: Optional[torch.Tensor] = None, varlen: Optional[Varlen] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward. q [B, H, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any strides, last dim dense
     preferred) -> (out [B, H, Sq, Dv], lse fp32 [B, H, Sq]).
 
     kv lists at (block_q, block_kv) granularity. block_mask (uint8 [Bm, Hm, nq', nk'] at mask_block_q x
     mask_block_kv) is given only when the lists are a tile view of a block shape no tile nests in; every
     element is then tested against it. token_mask: uint8, expanded to [B, H, Sq, Sk] (stride 0 broadcasts);
-    kv_valid: int32 [B|1, nk'] expanded to [B, nk']."""
-    batch, heads, seq_q, _ = q.shape
-    kv_heads, seq_kv = k.shape[1], k.shape[2]
+    kv_valid: int32 [B|1, nk'] expanded to [B, nk'].
+    varlen: a packed batch; q, k, v are then [1, H, T, D] views of "thd" tensors, and out / lse come back as
+    [1, H, Tq, Dv] / [1, H, Tq] views of "thd"-ordered [Tq, H, Dv] / [Tq, H] buffers."""
+    heads = q.shape[1]
+    kv_heads = k.shape[1]
+    batch, seq_q, seq_kv = (varlen.batch, varlen.max_q, varlen.max_kv) if varlen else (q.shape[0], q.shape[2],
+                                                                                        k.shape[2])
     head_dim, head_dim_v, block_d, block_dv = head_dims(q, v)
-    out = buffers.empty(batch, heads, seq_q, head_dim_v, device=q.device, dtype=q.dtype)
-    lse = buffers.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
+    out, lse = output_buffers(q, head_dim_v, varlen is not None)
     gather = block_mask is not None
     if not gather:
         mask_block_q, mask_block_kv = block_q, block_kv
@@ -163,25 +193,26 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
         fixed_smem=lambda bm, bn: bm * block_d * elt)
     flags = dict(
         BLOCK_Q=block_q, BLOCK_KV=block_kv, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d,
-        BLOCK_DV=block_dv, EVEN_KV=seq_kv % block_kv == 0,
+        BLOCK_DV=block_dv, EVEN_KV=seq_kv % block_kv == 0 and varlen is None,
         IS_CAUSAL=bool(is_causal), HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather,
-        HAS_KV_VALID=kv_valid is not None, FP32_PRECISION=fp32_precision(q.dtype, attention_fwd_kernel))
+        HAS_KV_VALID=kv_valid is not None, FP32_PRECISION=fp32_precision(q.dtype, attention_fwd_kernel),
+        IS_VARLEN=varlen is not None)
     dummy = kv_count
     autotune.launch(
         attention_fwd_kernel,
         lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads),
         configs,
-        key=("BLOCK_Q", "BLOCK_KV", "HEAD_DIM", "HEAD_DIM_V", "EVEN_KV", "IS_CAUSAL", "HAS_TOKEN_MASK",
-             "GATHER_BLOCK_MASK", "HAS_KV_VALID", "seq_bucket"),
+        key=TUNING_KEY,
         Q=q, K=k, V=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index,
         TOKEN_MASK=token_mask if token_mask is not None else dummy,
         BLOCK_MASK=block_mask if gather else dummy,
         KV_VALID=kv_valid if kv_valid is not None else dummy,
+        CU_SEQLENS_Q=varlen.cu_q if varlen else dummy, CU_SEQLENS_KV=varlen.cu_kv if varlen else dummy,
         scale_log2=scale * LOG2E, seq_q=seq_q, seq_kv=seq_kv, num_heads=heads, group_size=heads // kv_heads,
         mask_block_q=mask_block_q, mask_block_kv=mask_block_kv,
         seq_bucket=autotune.seq_bucket(max(seq_q, seq_kv)),
         **stride_args("q", q, "bhsd"), **stride_args("k", k, "bhsd"), **stride_args("v", v, "bhsd"),
-        **stride_args("o", out, "bhsd"), stride_lb=lse.stride(0), stride_lh=lse.stride(1),
+        **stride_args("o", out, "bhsd"), **stride_args("l", lse, "bhs"),
         **stride_args("c", kv_count, "bh"), **stride_args("i", kv_index, "bhq"),
         **stride_args("t", token_mask, "bhqk"), **stride_args("m", block_mask, "bhq"),
         stride_vvb=strides(kv_valid, 1)[0],

@@ -1,6 +1,8 @@
 """The Triton path as torch.library custom ops, so autograd and torch.compile see one opaque, differentiable op.
 
-The ops take only tensors and scalars: BlockSparsity is unpacked by blockattn.api before the call.
+The ops take only tensors and scalars: BlockSparsity is unpacked by blockattn.api before the call. For a packed
+("thd") batch, cu_seqlens_q / cu_seqlens_kv are the int32 offsets [N + 1] and max_seqlen_q / max_seqlen_kv the
+longest lengths; otherwise they are None and 0.
 """
 
 from __future__ import annotations
@@ -11,62 +13,75 @@ import torch
 from torch import Tensor
 
 from .backward import attention_backward
-from .forward import attention_forward
+from .forward import attention_forward, output_buffers
+from .varlen import Varlen
+
+
+def _varlen(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv) -> Optional[Varlen]:
+    if cu_seqlens_q is None:
+        return None
+    return Varlen(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
 
 
 @torch.library.custom_op("blockattn::sparse_attention_fwd", mutates_args=())
 def sparse_attention_fwd(q: Tensor, k: Tensor, v: Tensor, kv_count: Tensor, kv_index: Tensor,
                          q_count: Optional[Tensor], q_index: Optional[Tensor], token_mask: Optional[Tensor],
-                         block_mask: Optional[Tensor], kv_valid: Optional[Tensor], scale: float, block_q: int,
-                         block_kv: int, mask_block_q: int, mask_block_kv: int,
-                         is_causal: bool) -> tuple[Tensor, Tensor]:
+                         block_mask: Optional[Tensor], kv_valid: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
+                         cu_seqlens_kv: Optional[Tensor], scale: float, block_q: int, block_kv: int,
+                         mask_block_q: int, mask_block_kv: int, is_causal: bool, max_seqlen_q: int,
+                         max_seqlen_kv: int) -> tuple[Tensor, Tensor]:
     """(out [B, H, Sq, Dv], lse fp32 [B, H, Sq]). q_count/q_index are the q lists, carried for the backward."""
     return attention_forward(q, k, v, kv_count, kv_index, block_q, block_kv, scale, token_mask=token_mask,
                              is_causal=is_causal, block_mask=block_mask, mask_block_q=mask_block_q,
-                             mask_block_kv=mask_block_kv, kv_valid=kv_valid)
+                             mask_block_kv=mask_block_kv, kv_valid=kv_valid,
+                             varlen=_varlen(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv))
 
 
 @sparse_attention_fwd.register_fake
-def _(q, k, v, kv_count, kv_index, q_count, q_index, token_mask, block_mask, kv_valid, scale, block_q, block_kv,
-      mask_block_q, mask_block_kv, is_causal):
-    batch, heads, seq_q, _ = q.shape
-    return q.new_empty(batch, heads, seq_q, v.shape[-1]), q.new_empty(batch, heads, seq_q, dtype=torch.float32)
+def _(q, k, v, kv_count, kv_index, q_count, q_index, token_mask, block_mask, kv_valid, cu_seqlens_q, cu_seqlens_kv,
+      scale, block_q, block_kv, mask_block_q, mask_block_kv, is_causal, max_seqlen_q, max_seqlen_kv):
+    return output_buffers(q, v.shape[-1], cu_seqlens_q is not None)
 
 
 @torch.library.custom_op("blockattn::sparse_attention_bwd", mutates_args=())
 def sparse_attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                          lse: Tensor, kv_count: Tensor, kv_index: Tensor, q_count: Tensor, q_index: Tensor,
                          token_mask: Optional[Tensor], block_mask: Optional[Tensor], kv_valid: Optional[Tensor],
-                         scale: float, block_q: int, block_kv: int, mask_block_q: int, mask_block_kv: int,
-                         is_causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) shaped like (q, k, v)."""
+                         cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor], scale: float, block_q: int,
+                         block_kv: int, mask_block_q: int, mask_block_kv: int, is_causal: bool, max_seqlen_q: int,
+                         max_seqlen_kv: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) shaped and strided like (q, k, v)."""
     return attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count, q_index, block_q, block_kv,
                               scale, grad_lse=grad_lse, token_mask=token_mask, is_causal=is_causal,
                               block_mask=block_mask, mask_block_q=mask_block_q, mask_block_kv=mask_block_kv,
-                              kv_valid=kv_valid)
+                              kv_valid=kv_valid,
+                              varlen=_varlen(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv))
 
 
 @sparse_attention_bwd.register_fake
 def _(grad_out, grad_lse, q, k, v, out, lse, kv_count, kv_index, q_count, q_index, token_mask, block_mask, kv_valid,
-      scale, block_q, block_kv, mask_block_q, mask_block_kv, is_causal):
+      cu_seqlens_q, cu_seqlens_kv, scale, block_q, block_kv, mask_block_q, mask_block_kv, is_causal, max_seqlen_q,
+      max_seqlen_kv):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+_TENSOR_INPUTS = 12  # q .. cu_seqlens_kv; the rest are scalars
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, kv_count, kv_index, q_count, q_index, token_mask, block_mask, kv_valid = inputs[:10]
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, kv_count, kv_index, q_count, q_index, token_mask, block_mask, kv_valid)
-    ctx.scalars = inputs[10:]
+    ctx.save_for_backward(*inputs[:_TENSOR_INPUTS], *output)
+    ctx.scalars = inputs[_TENSOR_INPUTS:]
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, kv_count, kv_index, q_count, q_index, token_mask, block_mask, kv_valid = ctx.saved_tensors
+    (q, k, v, kv_count, kv_index, q_count, q_index, token_mask, block_mask, kv_valid, cu_q, cu_kv, out,
+     lse) = ctx.saved_tensors
     if q_count is None or q_index is None:
         raise RuntimeError("blockattn: the forward ran without q lists, so it cannot be differentiated; "
                            "call attention() with inputs that require grad")
     dq, dk, dv = sparse_attention_bwd(grad_out.contiguous(), grad_lse, q, k, v, out, lse, kv_count, kv_index,
-                                      q_count, q_index, token_mask, block_mask, kv_valid, *ctx.scalars)
-    return (dq, dk, dv) + (None,) * 13
+                                      q_count, q_index, token_mask, block_mask, kv_valid, cu_q, cu_kv, *ctx.scalars)
+    return (dq, dk, dv) + (None,) * (_TENSOR_INPUTS - 3 + len(ctx.scalars))
 
 
 sparse_attention_fwd.register_autograd(_backward, setup_context=_setup_context)

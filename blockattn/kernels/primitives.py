@@ -49,3 +49,16 @@ def element_keep(q_pos, k_pos, seq_q, seq_kv, off_b, off_h,
         valid = tl.load(KV_VALID + off_b.to(tl.int64) * stride_vb + k_pos // mask_block_kv, mask=in_kv, other=0)
         keep = keep & ((k_pos % mask_block_kv) < valid)
     return keep
+
+
+@triton.jit
+def sequence_span(CU_SEQLENS, off_b, seq_len, IS_VARLEN: tl.constexpr):
+    """(first token, length) of sequence off_b: read from the int32 offsets [N + 1] of a packed ("thd") batch, or
+    (0, seq_len) for a padded one."""
+    if IS_VARLEN:
+        start = tl.load(CU_SEQLENS + off_b)
+        length = tl.load(CU_SEQLENS + off_b + 1) - start
+    else:
+        start = seq_len * 0
+        length = seq_len
+    return start, length

@@ -1,0 +1,110 @@
+"""Layouts: "bshd" and packed "thd" against "bhsd" on the same data, forward and backward, on every backend; the
+offsets' validation."""
+
+import math
+
+import pytest
+import torch
+
+import blockattn
+from conftest import DEVICE, ON_GPU, make_generator
+
+BACKENDS = ("torch", "triton")
+# query and key lengths per sequence: ragged, unequal, an empty query sequence and an empty key sequence
+LENGTHS_Q = [355, 17, 41, 83, 0, 129, 7] if ON_GPU else [75, 1, 40, 0, 20]
+LENGTHS_KV = [533, 23, 67, 0, 9, 257, 11] if ON_GPU else [90, 3, 33, 9, 0]
+BLOCK = (64, 128) if ON_GPU else (16, 32)
+
+
+def offsets(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+
+
+def packed(heads=4, kv_heads=2, dim=32, dtype=torch.float32, seed=0):
+    gen = make_generator(seed)
+    q = torch.randn(sum(LENGTHS_Q), heads, dim, generator=gen, device=DEVICE).to(dtype)
+    k = torch.randn(sum(LENGTHS_KV), kv_heads, dim, generator=gen, device=DEVICE).to(dtype)
+    v = torch.randn(sum(LENGTHS_KV), kv_heads, dim, generator=gen, device=DEVICE).to(dtype)
+    nq, nk = math.ceil(max(LENGTHS_Q) / BLOCK[0]), math.ceil(max(LENGTHS_KV) / BLOCK[1])
+    keep = torch.rand(len(LENGTHS_Q), heads, nq, nk, generator=gen, device=DEVICE) < 0.5
+    return q, k, v, keep
+
+
+def run(q, k, v, grad_seed=5, **kwargs):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out, lse = blockattn.attention(*leaves, return_lse=True, **kwargs)
+    grad = torch.randn(out.shape, generator=make_generator(grad_seed), device=DEVICE).to(out.dtype)
+    (out * grad).sum().backward()
+    return [out.detach(), lse.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_thd_matches_bhsd_sequence_by_sequence(poisoned, backend, is_causal):
+    q, k, v, keep = packed()
+    cu_q, cu_kv = offsets(LENGTHS_Q), offsets(LENGTHS_KV)
+    got = run(q, k, v, blocks=keep, block_size=BLOCK, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+              is_causal=is_causal, backend=backend)
+    assert got[0].shape == (q.shape[0], q.shape[1], v.shape[2]) and got[1].shape == q.shape[:2]
+    for name, t in zip(("out", "dq", "dk", "dv"), [got[0]] + got[2:]):
+        assert torch.isfinite(t).all(), f"{name} not finite"
+    for index, (start_q, len_q, start_kv, len_kv) in enumerate(zip(cu_q.tolist(), LENGTHS_Q, cu_kv.tolist(),
+                                                                   LENGTHS_KV)):
+        rows, keys = slice(start_q, start_q + len_q), slice(start_kv, start_kv + len_kv)
+        if len_q == 0:
+            continue
+        if len_kv == 0:  # nothing to see: zeros, LSE -inf, no query gradient
+            assert (got[0][rows] == 0).all() and torch.isneginf(got[1][rows]).all() and (got[2][rows] == 0).all()
+            continue
+        nq, nk = math.ceil(len_q / BLOCK[0]), math.ceil(len_kv / BLOCK[1])
+        as_bhsd = [t.permute(1, 0, 2)[None] for t in (q[rows], k[keys], v[keys])]
+
+        leaves = [t.detach().clone().requires_grad_(True) for t in as_bhsd]
+        out, lse = blockattn.attention(*leaves, keep[index:index + 1, :, :nq, :nk], BLOCK, is_causal=is_causal,
+                                       backend="torch", return_lse=True)
+        # the same upstream gradient the packed run used, on this sequence's rows
+        grad = torch.randn(got[0].shape, generator=make_generator(5), device=DEVICE)[rows]
+        out.backward(grad.permute(1, 0, 2)[None])
+        torch.testing.assert_close(got[0][rows], out[0].permute(1, 0, 2), rtol=1e-4, atol=1e-5)
+        finite = torch.isfinite(lse[0].t())
+        assert torch.equal(torch.isfinite(got[1][rows]), finite)
+        torch.testing.assert_close(got[1][rows][finite], lse[0].t()[finite], rtol=1e-4, atol=1e-5)
+        for name, packed_grad, t, span in (("dq", got[2], leaves[0], rows), ("dk", got[3], leaves[1], keys),
+                                           ("dv", got[4], leaves[2], keys)):
+            torch.testing.assert_close(packed_grad[span], t.grad[0].permute(1, 0, 2), rtol=1e-4, atol=1e-5,
+                                       msg=f"sequence {index} {name}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bshd_matches_bhsd_with_gradients(backend):
+    q, k, v, _ = packed()
+    batch_q = q[:64].reshape(2, 32, *q.shape[1:])
+    batch_kv = [t[:96].reshape(2, 48, *t.shape[1:]) for t in (k, v)]
+    keep = torch.rand(2, 4, 2, 2, generator=make_generator(3), device=DEVICE) < 0.7
+    block = (16, 32)
+    got = run(batch_q, *batch_kv, blocks=keep, block_size=block, layout="bshd", backend=backend)
+    leaves = [t.detach().transpose(1, 2).clone().requires_grad_(True) for t in (batch_q, *batch_kv)]
+    out, lse = blockattn.attention(*leaves, keep, block, backend=backend, return_lse=True)
+    out.backward(torch.randn(got[0].shape, generator=make_generator(5), device=DEVICE).transpose(1, 2))
+    assert torch.equal(got[0], out.transpose(1, 2)) and torch.equal(got[1], lse)
+    for packed_grad, leaf in zip(got[2:], leaves):
+        torch.testing.assert_close(packed_grad, leaf.grad.transpose(1, 2), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(cu_seqlens_q=None), "needs cu_seqlens_q"),
+    (dict(cu_seqlens_kv=torch.tensor([0, 5], dtype=torch.int32)), "same number of sequences"),
+    (dict(cu_seqlens_q=torch.tensor([0, 20, 10, 30], dtype=torch.int32)), "never decrease"),
+    (dict(cu_seqlens_q=torch.tensor([0, 10, 20, 29], dtype=torch.int32)), "end at the token count 30"),
+    (dict(cu_seqlens_q=torch.tensor([1, 10, 20, 30], dtype=torch.int32)), "start at 0"),
+    (dict(cu_seqlens_q=torch.tensor([0, 10, 20, 30], dtype=torch.int64)), "int32"),
+])
+def test_bad_offsets_are_refused(change, message):
+    q = torch.zeros(30, 2, 16, device=DEVICE)
+    k = v = torch.zeros(40, 2, 16, device=DEVICE)
+    args = dict(cu_seqlens_q=torch.tensor([0, 10, 20, 30], dtype=torch.int32),
+                cu_seqlens_kv=torch.tensor([0, 10, 30, 40], dtype=torch.int32))
+    args = {name: (value.to(DEVICE) if isinstance(value, torch.Tensor) else value)
+            for name, value in dict(args, **change).items()}
+    with pytest.raises(ValueError, match=message):
+        blockattn.attention(q, k, v, layout="thd", **args)
