@@ -13,12 +13,26 @@ def op_args(requires_grad):
         t.requires_grad_(requires_grad)
     blocks = blockattn.BlockSparsity.from_mask(random_keep(1, 4, 70, 70, (32, 16)), (32, 16), 70, 70)
     q_count, q_index = blocks.q_lists()
-    return (q, k, v, blocks.kv_count, blocks.kv_index, q_count, q_index, None, None, None, 0.2, 32, 16, 32, 16,
-            True)
+    return (q, k, v, blocks.kv_count, blocks.kv_index, q_count, q_index, None, None, None, None, None, 0.2, 32, 16, 32,
+            16, True, 0, 0)
+
+
+def packed_op_args():
+    """A packed ("thd") batch of sequences 30 and 40 long (keys 50 and 20), viewed [1, H, T, D] as the API does."""
+    q, k, v = qkv(1, 4, 70, 32, kv_heads=2, seq_kv=70, dtype=torch.float32)
+    q, k, v = (t[0].permute(1, 0, 2).contiguous().permute(1, 0, 2).unsqueeze(0).requires_grad_(True)
+               for t in (q, k, v))
+    blocks = blockattn.BlockSparsity.from_mask(random_keep(2, 4, 40, 50, (32, 16)), (32, 16), 40, 50)
+    q_count, q_index = blocks.q_lists()
+    cu_q = torch.tensor([0, 30, 70], dtype=torch.int32, device=q.device)
+    cu_kv = torch.tensor([0, 50, 70], dtype=torch.int32, device=q.device)
+    return (q, k, v, blocks.kv_count, blocks.kv_index, q_count, q_index, None, None, None, cu_q, cu_kv, 0.2, 32, 16,
+            32, 16, False, 40, 50)
 
 
 def test_opcheck_forward_op():
     torch.library.opcheck(ops.sparse_attention_fwd, op_args(requires_grad=True))
+    torch.library.opcheck(ops.sparse_attention_fwd, packed_op_args())
 
 
 def test_opcheck_backward_op():
@@ -26,7 +40,7 @@ def test_opcheck_backward_op():
     out, lse = ops.sparse_attention_fwd(*args)
     q, k, v, kv_count, kv_index, q_count, q_index = args[:7]
     bwd_args = (torch.randn_like(out), None, q, k, v, out, lse, kv_count, kv_index, q_count, q_index, None, None,
-                None, *args[10:])
+                None, *args[10:])  # cu_seqlens (None, None) and the scalars
     torch.library.opcheck(ops.sparse_attention_bwd, bwd_args)
 
 
