@@ -13,7 +13,7 @@ def run_cli(*args, cwd):
 
 def test_demo_reports_error_density_timing_and_writes_the_picture(tmp_path):
     picture = tmp_path / "mask.png"
-    result = run_cli("demo", "--seq", "640", "--heads", "2", "--dim", "32", "--block", "64x64", "--density", "0.3",
+    result = run_cli("demo", "--seq", "640", "--heads", "2", "--dim", "32", "--block", "64x64", "--density", "0.3", "--dtype", "fp32",
                      "--repeats", "2", "--out", str(picture), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     for line in ("kept density", "relative error", "sparse attention", "dense SDPA", "speedup over dense"):
