@@ -222,11 +222,13 @@ def _prepare(q, k, v, blocks, block_size, layout, cu_seqlens_q, cu_seqlens_kv, s
     return _Prepared(q, k, v, sparsity, scale, token_mask, kv_valid, backend, varlen, spans)
 
 
-def _reference(p: _Prepared, is_causal: bool, q=None, k=None, v=None):
-    """The PyTorch backend on prepared inputs (q, k, v override p's, for autograd on detached copies)."""
+def _reference(p: _Prepared, is_causal: bool, q=None, k=None, v=None, need_lse: bool = True):
+    """The PyTorch backend on prepared inputs (q, k, v override p's, for autograd on detached copies); the LSE is
+    None unless need_lse."""
     q, k, v = (p.q if q is None else q), (p.k if k is None else k), (p.v if v is None else v)
     if p.varlen is None:
-        return reference.block_sparse_attention(q, k, v, p.sparsity, p.scale, p.token_mask, is_causal, p.kv_valid)
+        return reference.block_sparse_attention(q, k, v, p.sparsity, p.scale, p.token_mask, is_causal, p.kv_valid,
+                                                need_lse)
     # a packed batch: one sequence at a time, each with its own slice of the block mask
     outs, lses = [], []
     mask = p.sparsity.mask
@@ -244,18 +246,19 @@ def _reference(p: _Prepared, is_causal: bool, q=None, k=None, v=None):
         valid = p.kv_valid[index if p.kv_valid.shape[0] > 1 else 0, :nk][None] if p.kv_valid is not None else None
         out, lse = reference.block_sparse_attention(
             q_i, k[:, :, start_kv:start_kv + len_kv], v[:, :, start_kv:start_kv + len_kv],
-            BlockSparsity.from_mask(keep, (block_q, block_kv), len_q, len_kv), p.scale, None, is_causal, valid)
+            BlockSparsity.from_mask(keep, (block_q, block_kv), len_q, len_kv), p.scale, None, is_causal, valid,
+            need_lse)
         outs.append(out)
         lses.append(lse)
-    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+    return torch.cat(outs, dim=2), (torch.cat(lses, dim=2) if need_lse else None)
 
 
-def _to_layout(out: torch.Tensor, lse: torch.Tensor, layout: str):
-    """Kernel-side [B, H, S, Dv] / [B, H, S] to the caller's layout (views, no copies)."""
+def _to_layout(out: torch.Tensor, lse: Optional[torch.Tensor], layout: str):
+    """Kernel-side [B, H, S, Dv] / [B, H, S] to the caller's layout (views, no copies); lse may be None."""
     if layout == "bshd":
         return out.transpose(1, 2), lse
     if layout == "thd":
-        return out.squeeze(0).permute(1, 0, 2), lse.squeeze(0).t()
+        return out.squeeze(0).permute(1, 0, 2), (None if lse is None else lse.squeeze(0).t())
     return out, lse
 
 
@@ -286,7 +289,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     p = _prepare(q, k, v, blocks, block_size, layout, cu_seqlens_q, cu_seqlens_kv, scale, attn_mask, is_causal,
                  kv_valid, quant, backend)
     if p.backend == "torch":
-        out, lse = _reference(p, is_causal)
+        out, lse = _reference(p, is_causal, need_lse=return_lse)
     else:
         out, lse = _triton_attention(p, is_causal)
     out, lse = _to_layout(out, lse, layout)
@@ -331,7 +334,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     if p.backend == "torch":
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_(True) for t in (p.q, p.k, p.v)]
-            recomputed, _ = _reference(p, is_causal, *inputs)
+            recomputed, _ = _reference(p, is_causal, *inputs, need_lse=False)
             grads = torch.autograd.grad(recomputed, inputs, grad_out.to(recomputed.dtype))
     else:
         ops = _kernel_ops()

@@ -19,9 +19,16 @@ _CHUNK_BYTES = 256 * 2**20
 
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: BlockSparsity, scale: float,
                            token_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
-                           kv_valid: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           kv_valid: Optional[torch.Tensor] = None,
+                           need_lse: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] -> (out [B, Hq, Sq, Dv] in q's dtype,
-    lse float32 [B, Hq, Sq]). token_mask: bool, broadcastable to [B, Hq, Sq, Sk]; kv_valid: int [B|1, nk]."""
+    lse float32 [B, Hq, Sq], or None unless need_lse). token_mask: bool, broadcastable to [B, Hq, Sq, Sk];
+    kv_valid: int [B|1, nk].
+
+    Each chunk of query blocks attends, through scaled_dot_product_attention (PyTorch's fused kernels), to its
+    gathered key blocks; the mask is per key ([.., 1, L]) unless causality or a token mask make it per element.
+    Rows that see no key are given one harmless key and zeroed afterwards, so neither the output nor the gradients
+    see a NaN."""
     batch, heads, seq_q, _ = q.shape
     kv_heads, seq_kv = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -54,11 +61,11 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     outs, lses = [], []
     for start in range(0, nq, chunk):
         stop = min(nq, start + chunk)
+        rows = stop - start
         idx = index[:, :, start:stop]                                     # [B, H, c, slots]
-        keys = k_blocks[b_idx, kv_h_idx, idx].flatten(3, 4).to(compute)    # [B, H, c, slots*bkv, D]
-        values = v_blocks[b_idx, kv_h_idx, idx].flatten(3, 4).to(compute)  # [B, H, c, slots*bkv, Dv]
+        keys = k_blocks[b_idx, kv_h_idx, idx].flatten(3, 4).to(compute)    # [B, H, c, L = slots*bkv, D]
+        values = v_blocks[b_idx, kv_h_idx, idx].flatten(3, 4).to(compute)  # [B, H, c, L, Dv]
         queries = q_blocks[:, :, start:stop].to(compute)                  # [B, H, c, bq, D]
-        scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale    # [B, H, c, bq, slots*bkv]
 
         listed = torch.arange(slots, device=device) < count[:, :, start:stop, None]   # [B, H, c, slots]
         key_pos = idx[..., None] * block_kv + offsets_kv                   # [B, H, c, slots, bkv]
@@ -66,28 +73,34 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
         if kv_valid is not None:
             valid_len = kv_valid[b_idx, idx]                               # [B, H, c, slots]
             visible = visible & (offsets_kv < valid_len[..., None])
-        visible = visible.flatten(3, 4)[..., None, :]                      # [B, H, c, 1, slots*bkv]
+        visible = visible.flatten(3, 4)[..., None, :]                      # [B, H, c, 1, L]
         key_pos = key_pos.flatten(3, 4)
-        query_pos = torch.arange(start * block_q, stop * block_q, device=device).view(stop - start, block_q)
+        query_pos = torch.arange(start * block_q, stop * block_q, device=device).view(rows, block_q)
         if is_causal:
             visible = visible & (key_pos[..., None, :] <= query_pos[:, :, None])
         if token_mask is not None:
-            rows = query_pos.clamp(max=seq_q - 1)[None, None, :, :, None]
-            cols = key_pos.clamp(max=seq_kv - 1)[:, :, :, None, :]
-            visible = visible & token_mask[b_idx[..., None], h_idx[..., None], rows, cols]
-        scores = scores.masked_fill(~visible, float("-inf"))
+            q_rows = query_pos.clamp(max=seq_q - 1)[None, None, :, :, None]
+            k_cols = key_pos.clamp(max=seq_kv - 1)[:, :, :, None, :]
+            visible = visible & token_mask[b_idx[..., None], h_idx[..., None], q_rows, k_cols]
+        seen = visible.any(-1, keepdim=True)                               # [B, H, c, bq | 1, 1]
+        # a row that sees nothing attends to its first gathered key instead, and is zeroed below
+        first = torch.zeros_like(visible)
+        first[..., 0] = True
+        attend = visible | (first & ~seen)
 
-        # Softmax that gives zeros (and finite gradients) on rows that see nothing.
-        row_max = scores.amax(-1, keepdim=True).detach()
-        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-        weights = torch.exp(scores - row_max)
-        total = weights.sum(-1, keepdim=True)
-        seen = total > 0
-        safe_total = torch.where(seen, total, torch.ones_like(total))
-        outs.append(torch.matmul(weights / safe_total, values))
-        lse = torch.where(seen, row_max + torch.log(safe_total), torch.full_like(total, float("-inf")))
-        lses.append(lse.squeeze(-1))
+        def flat(t):  # [B, H, c, X, Y] -> [B, H*c, X, Y], the 4-D shape the fused kernels take
+            return t.reshape(batch, heads * rows, *t.shape[3:])
+
+        out = torch.nn.functional.scaled_dot_product_attention(
+            flat(queries), flat(keys), flat(values), attn_mask=flat(attend), scale=scale)
+        outs.append(out.view(batch, heads, rows, block_q, -1) * seen)
+        if need_lse:
+            scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale  # [B, H, c, bq, L]
+            lse = torch.logsumexp(scores.masked_fill(~attend, float("-inf")), -1, keepdim=True)
+            lses.append(torch.where(seen, lse, torch.full_like(lse, float("-inf"))).squeeze(-1))
 
     out = torch.cat(outs, dim=2).flatten(2, 3)[:, :, :seq_q].to(q.dtype)
+    if not need_lse:
+        return out, None
     lse = torch.cat(lses, dim=2).flatten(2, 3)[:, :, :seq_q].to(torch.float32)
     return out, lse
