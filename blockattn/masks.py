@@ -10,8 +10,10 @@ Token rules (query i, key j, 0-based, top-left aligned like scaled_dot_product_a
                    differ by at most window // 2 on every axis
 - from_token_mask: any mask you have
 
-Blocks that are only partly inside a rule (the causal diagonal, window edges) are kept whole: pass the matching
-token-level argument to attention() (is_causal=True, or attn_mask) to make the result exact at token level.
+Each returns a BlockSparsity whose mask is bool [1, 1, nq, nk] (nq = ceil(seq_q / block_q), nk likewise);
+union and intersection broadcast batch and head dims. Blocks that are only partly inside a rule (the causal
+diagonal, window edges) are kept whole: pass the matching token-level argument to attention() (is_causal=True,
+or attn_mask) to make the result exact at token level.
 """
 
 from __future__ import annotations
