@@ -119,6 +119,11 @@ def demo(args) -> int:
 def bench(args) -> int:
     from blockattn.bench import Case, run
 
+    if not torch.cuda.is_available():
+        print("blockattn bench compares GPU kernels (blockattn, FlexAttention, SDPA) and needs a CUDA GPU; "
+              "none is visible here", file=sys.stderr)
+        return 2
+
     cases = [Case(batch=args.batch, heads=args.heads, kv_heads=args.kv_heads or args.heads, seq=args.seq,
                   dim=args.dim, block=block, density=density, dtype=args.dtype, pattern=args.pattern)
              for block in args.blocks for density in args.densities]
