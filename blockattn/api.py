@@ -317,9 +317,9 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     for "thd"). The other arguments must be those of the forward call. Returns tensors shaped like q, k, v."""
     p = _prepare(q, k, v, blocks, block_size, layout, cu_seqlens_q, cu_seqlens_kv, scale, attn_mask, is_causal,
                  kv_valid, None, backend)
-    for name, t in (("grad_out", grad_out), ("out", out), ("lse", lse)):
-        if not isinstance(t, torch.Tensor) or t.ndim != (2 if name == "lse" and layout == "thd" else
-                                                          3 if name == "lse" or layout == "thd" else 4):
+    out_rank, lse_rank = (3, 2) if layout == "thd" else (4, 3)
+    for name, t, rank in (("grad_out", grad_out, out_rank), ("out", out, out_rank), ("lse", lse, lse_rank)):
+        if not isinstance(t, torch.Tensor) or t.ndim != rank:
             raise ValueError(f"{name} does not have the rank attention() returns for layout {layout!r}: got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
     grad_out, out, lse = _from_layout(grad_out, layout), _from_layout(out, layout), _from_layout(lse, layout, True)
@@ -345,11 +345,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                          lists.kv_index, q_count, q_index, token_mask, gather_mask, p.kv_valid,
                                          *_varlen_args(p), p.scale, *lists.block_size, *p.sparsity.block_size,
                                          is_causal, *_varlen_lengths(p))
-    if layout == "bshd":
-        grads = tuple(g.transpose(1, 2) for g in grads)
-    elif layout == "thd":
-        grads = tuple(g.squeeze(0).permute(1, 0, 2) for g in grads)
-    return tuple(grads)
+    return tuple(_to_layout(g, None, layout)[0] for g in grads)
 
 
 def _varlen_args(p: _Prepared):

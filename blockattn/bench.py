@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 import torch
@@ -49,7 +49,6 @@ class Row:
     ms: float
     tflops: float
     note: str = ""
-    extra: dict = field(default_factory=dict)
 
 
 def block_mask(case: Case, device, seed: int = 0) -> torch.Tensor:
@@ -147,12 +146,13 @@ def bench_case(case: Case, device, *, backward: bool = True, sdpa: bool = True) 
         if "fwd" in times and "fwd+bwd" in times:
             bwd = times["fwd+bwd"] - times["fwd"]
             rows.append(Row(case.label, name, "bwd", density, bwd, 2.5 * flops / bwd / 1e9))
-        torch.cuda.empty_cache() if device.type == "cuda" else None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
 def ratios(rows: list[Row]) -> dict:
-    """(case, mode) -> blockattn time / FlexAttention time's inverse (>1: blockattn faster)."""
+    """(case, mode) -> FlexAttention's time / blockattn's time (>1: blockattn is faster)."""
     table = {(r.case, r.impl, r.mode): r.ms for r in rows}
     out = {}
     for (case, impl, mode), ms in table.items():

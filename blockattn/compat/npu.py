@@ -77,7 +77,7 @@ def _common(query, key, value, block_sparse_mask, block_shape, q_input_layout, k
         kwargs["attn_mask"] = _padded_token_mask(cu_q if cu_q is not None else full_q,
                                                  cu_kv if cu_kv is not None else full_kv, seq_q, seq_kv, query.device)
     block_q, block_kv = (int(x) for x in block_shape)
-    return layout, kwargs, (block_q, block_kv)
+    return kwargs, (block_q, block_kv)
 
 
 def npu_block_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -88,8 +88,8 @@ def npu_block_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: to
     """(attention_out, softmax_lse): attention_out in the query's layout; softmax_lse float32 natural-log LSE
     [B, N, S, 1] or [T, N, 1] (computed whatever softmax_lse_flag says). scale_value 0 means D ** -0.5.
     Differentiable through autograd."""
-    _, kwargs, block = _common(query, key, value, block_sparse_mask, block_shape, q_input_layout, kv_input_layout,
-                               num_key_value_heads, scale_value, actual_seq_lengths, actual_seq_lengths_kv)
+    kwargs, block = _common(query, key, value, block_sparse_mask, block_shape, q_input_layout, kv_input_layout,
+                            num_key_value_heads, scale_value, actual_seq_lengths, actual_seq_lengths_kv)
     out, lse = attention(query, key, value, block_sparse_mask, block, return_lse=True, **kwargs)
     return out, lse.unsqueeze(-1)
 
@@ -99,7 +99,7 @@ def npu_block_sparse_attention_backward(d_out, query, key, value, attention_out,
                                         q_input_layout: str = "TND", kv_input_layout: str = "TND",
                                         num_key_value_heads: int = 1, scale_value: float = 0.0):
     """(dq, dk, dv) from the forward's attention_out and softmax_lse (shapes as the forward returns them)."""
-    _, kwargs, block = _common(query, key, value, block_sparse_mask, block_shape, q_input_layout, kv_input_layout,
-                               num_key_value_heads, scale_value, actual_seq_lengths, actual_seq_lengths_kv)
+    kwargs, block = _common(query, key, value, block_sparse_mask, block_shape, q_input_layout, kv_input_layout,
+                            num_key_value_heads, scale_value, actual_seq_lengths, actual_seq_lengths_kv)
     return attention_backward(d_out, query, key, value, attention_out, softmax_lse.squeeze(-1), block_sparse_mask,
                               block, **kwargs)
