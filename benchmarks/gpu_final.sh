@@ -3,6 +3,6 @@
 # benchmark; everything lands under $OUT.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-out}; mkdir -p "$out"
-python3 -m pytest -q -p no:cacheprovider --tb=long tests/test_backward.py -k "atomic or deterministic" > "$out/focused.log" 2>&1
+python3 -m pytest -q -p no:cacheprovider --tb=long tests/test_backward.py -k "accumulated or deterministic or dq_mode" > "$out/focused.log" 2>&1
 tail -3 "$out/focused.log"
 bash benchmarks/gpu_check.sh all design

@@ -47,11 +47,11 @@ def main():
 
     from blockattn.kernels import backward
     grad = torch.randn_like(q)
-    for atomic in (False, True):
-        backward.ATOMIC_DQ_DEFAULT = atomic
+    for mode in backward.DQ_MODES:
+        backward.DQ_MODE_DEFAULT = mode
         ms = triton.testing.do_bench(lambda: torch.autograd.grad(blockattn.attention(q, k, v, blocks), (q, k, v), grad),
                                      warmup=50, rep=200, return_mode="median")
-        print(f"fwd+bwd with atomic dQ={atomic}: {ms:.3f} ms")
+        print(f"fwd+bwd with dQ mode {mode}: {ms:.3f} ms")
     torch.cuda.synchronize()
     flops = 4.0 * case.heads * case.seq * case.seq * case.dim * blocks.density()
     for (name, *_), tuner in autotune.tuners().items():

@@ -95,10 +95,15 @@ def test_dropped_blocks_get_exactly_zero_gradients(geometry, poisoned, backend):
     assert dq[:, :, :g.block[0]].abs().max() > 0 and dk[:, :, :g.block[1]].abs().max() > 0
 
 
-@pytest.mark.parametrize("atomic_dq", [False, True])
-def test_gqa_gradients_are_bitwise_repeatable_in_deterministic_mode(geometry, monkeypatch, atomic_dq):
+# The dQ modes this machine runs for real ("tma" needs a Hopper GPU and compiled Triton).
+ACCUMULATING_MODES = ["atomic"] + (["tma"] if ON_GPU and backward.tma_reductions_available(
+    backward.attention_bwd_dkdv_kernel, torch.device(DEVICE)) else [])
+
+
+@pytest.mark.parametrize("dq_mode", backward.DQ_MODES)
+def test_gqa_gradients_are_bitwise_repeatable_in_deterministic_mode(geometry, monkeypatch, dq_mode):
     """With deterministic algorithms asked for, dQ never uses atomics, so two runs agree bitwise."""
-    monkeypatch.setattr(backward, "ATOMIC_DQ_DEFAULT", atomic_dq)
+    monkeypatch.setattr(backward, "DQ_MODE_DEFAULT", dq_mode)
     g = geometry
     seq = g.seqs[1]
     q, k, v = qkv(g.batch, 2 * g.heads, seq, g.dim, kv_heads=g.heads // 2)
@@ -114,21 +119,43 @@ def test_gqa_gradients_are_bitwise_repeatable_in_deterministic_mode(geometry, mo
         assert torch.equal(a, b), "two identical backward runs differ"
 
 
-def test_atomic_dq_matches_the_dq_kernel(geometry, pinned, poisoned, monkeypatch):
-    """The atomic dQ path (accumulated in the dK/dV kernel) against the dQ kernel: the same sums in another
-    order, with GQA, causal and a token mask."""
+@pytest.mark.parametrize("dq_mode", ACCUMULATING_MODES)
+@pytest.mark.parametrize("packed", [False, True])
+def test_accumulated_dq_matches_the_dq_kernel(geometry, pinned, poisoned, monkeypatch, dq_mode, packed):
+    """dQ accumulated in the dK/dV kernel against the dQ kernel: the same sums in another order, with GQA,
+    causal, a token mask (padded batch) or a packed batch of uneven sequences, and an empty query block."""
     g = geometry
     seq = g.seqs[0]
     q, k, v = qkv(g.batch, 2 * g.heads, seq, g.dim, kv_heads=g.heads // 2, dtype=torch.float32, seed=9)
     keep = random_keep(g.batch, 2 * g.heads, seq, seq, g.block)
     keep[..., 1, :] = False
-    token = torch.rand(seq, seq, generator=torch.Generator(device=DEVICE).manual_seed(4), device=DEVICE) < 0.9
+    if packed:  # sequences of seq and seq - 37 tokens, packed token-major
+        lengths = torch.tensor([seq, seq - 37], device=DEVICE)
+        cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        q, k, v = (torch.cat([t[0, :, :seq], t[-1, :, :seq - 37]], 1).transpose(0, 1).contiguous() for t in (q, k, v))
+        kwargs = dict(layout="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, is_causal=True)
+        keep = keep[[0, -1]]
+    else:
+        token = torch.rand(seq, seq, generator=torch.Generator(device=DEVICE).manual_seed(4), device=DEVICE) < 0.9
+        kwargs = dict(attn_mask=token, is_causal=True)
     runs = {}
-    for atomic in (False, True):
-        monkeypatch.setattr(backward, "ATOMIC_DQ_DEFAULT", atomic)
-        runs[atomic] = grads(q, k, v, keep, g.block, attn_mask=token, is_causal=True, backend="triton")
-    assert (runs[True][1][:, :, g.block[0]:2 * g.block[0]] == 0).all()
-    assert_grads_close(runs[True][1:], runs[False][1:], 1e-5, "atomic dq")
+    for mode in ("kernel", dq_mode):
+        monkeypatch.setattr(backward, "DQ_MODE_DEFAULT", mode)
+        runs[mode] = grads(q, k, v, keep, g.block, backend="triton", **kwargs)
+    rows = (slice(None), slice(g.block[0], 2 * g.block[0])) if packed else (slice(None), slice(None),
+                                                                           slice(g.block[0], 2 * g.block[0]))
+    assert (runs[dq_mode][1][rows] == 0).all(), "an empty query block got a gradient"
+    assert_grads_close(runs[dq_mode][1:], runs["kernel"][1:], 1e-5, f"{dq_mode} dq")
+
+
+def test_dq_mode_is_checked():
+    device = torch.device(DEVICE)
+    with pytest.raises(ValueError, match="dq_mode"):
+        backward.resolve_dq_mode("fast", backward.attention_bwd_dkdv_kernel, device)
+    if "tma" not in ACCUMULATING_MODES:
+        with pytest.raises(ValueError, match="tma"):
+            backward.resolve_dq_mode("tma", backward.attention_bwd_dkdv_kernel, device)
+    assert backward.resolve_dq_mode(None, backward.attention_bwd_dkdv_kernel, device) in backward.DQ_MODES
 
 
 FEATURES = {

@@ -95,7 +95,8 @@ def tuners() -> dict:
 
 
 def _tuner(kernel_fn, configs: tuple, key: tuple, reset_to_zero: tuple):
-    name = (getattr(kernel_fn, "__name__", str(kernel_fn)), configs, key, reset_to_zero)
+    name = (getattr(kernel_fn, "__name__", str(kernel_fn)), configs, key, reset_to_zero,
+            tuple(c.pre_hook for c in configs))
     if name not in _TUNERS:
         _TUNERS[name] = _build_tuner(kernel_fn, configs, key, reset_to_zero)
     return _TUNERS[name]
@@ -120,12 +121,19 @@ class _HashableConfigs(tuple):
         return [_config_key(c) for c in self] == [_config_key(c) for c in other]
 
 
-def launch(kernel_fn, grid, configs: list[triton.Config], key: tuple, reset_to_zero: tuple = (), **kwargs):
+def launch(kernel_fn, grid, configs: list[triton.Config], key: tuple, reset_to_zero: tuple = (), pre_hook=None,
+           **kwargs):
     """Run kernel_fn over grid(meta) with the best of configs (the first, under the interpreter). reset_to_zero
-    names the arguments a kernel accumulates into, zeroed before each benchmarked run."""
+    names the arguments a kernel accumulates into, zeroed before each benchmarked run; pre_hook(arguments with the
+    config's values) runs before every launch of a config (host tensor descriptors take their block shape there)."""
+    if pre_hook is not None:
+        configs = [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=pre_hook)
+                   for c in configs]
     if is_interpreted(kernel_fn):
         config = configs[0]
         meta = dict(kwargs, **config.kwargs)
+        if pre_hook is not None:
+            pre_hook(meta)
         kernel_fn[grid(meta)](**meta)
         return
     _tuner(kernel_fn, _HashableConfigs(configs), key, tuple(reset_to_zero))[grid](**kwargs)

@@ -12,11 +12,17 @@ import triton.language as tl
 from . import autotune, buffers
 from .forward import LOG2E, TUNING_KEY, fp32_precision, head_dims, stride_args, strides
 from .varlen import Varlen
-from .primitives import dot, element_keep, sequence_span
+from .primitives import dot, element_keep, first_entry_at_or_after, load_tile, sequence_span
 
-# Whether the backward accumulates dQ with atomics in the dK/dV kernel (one kernel, no recomputation of P and dP
-# for dQ) rather than running the separate, deterministic dQ kernel. Chosen by measurement: BENCHMARKS.md.
-ATOMIC_DQ_DEFAULT = False
+# How the backward produces dQ:
+#   "kernel": a separate dQ kernel walks the kv lists and recomputes P and dP (7 tile products per tile pair in
+#             all, deterministic);
+#   "atomic": the dK/dV kernel adds each tile's dS K into an fp32 buffer with element atomics (5 products);
+#   "tma":    the same, through Hopper's bulk tensor reductions (a tensor descriptor's atomic_add), which leave
+#             the adds to the TMA unit instead of one atomic per element.
+# The default is chosen by measurement (BENCHMARKS.md); deterministic mode always runs "kernel".
+DQ_MODES = ("kernel", "atomic", "tma")
+DQ_MODE_DEFAULT = "kernel"
 
 
 @triton.jit
@@ -51,11 +57,15 @@ def attention_bwd_preprocess_kernel(Out, DO, GradLse, Delta, seq_q, num_heads,
 
 
 @triton.jit
-def _row_stats(Lse, Delta, row_ptr, rows_ok):
+def _row_stats(Lse, Delta, row_ptr, rows_ok, EVEN_ROWS: tl.constexpr):
     """LSE in log2 units (a row that saw nothing gets +inf, so its p = exp2(s - lse) is exactly 0) and delta."""
-    lse = tl.load(Lse + row_ptr, mask=rows_ok, other=float("inf")) * 1.4426950408889634
+    if EVEN_ROWS:
+        lse = tl.load(Lse + row_ptr) * 1.4426950408889634
+        delta = tl.load(Delta + row_ptr)
+    else:
+        lse = tl.load(Lse + row_ptr, mask=rows_ok, other=float("inf")) * 1.4426950408889634
+        delta = tl.load(Delta + row_ptr, mask=rows_ok, other=0.0)
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
-    delta = tl.load(Delta + row_ptr, mask=rows_ok, other=0.0)
     return lse, delta
 
 
@@ -76,7 +86,7 @@ def attention_bwd_dq_kernel(
     stride_vvb,
     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
+    EVEN_Q: tl.constexpr, EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
     GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -114,7 +124,7 @@ def attention_bwd_dq_kernel(
     do = tl.load(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh + rows * stride_dos
                  + offs_dv[None, :] * stride_dod, mask=m_ok[:, None] & dv_ok[None, :], other=0.0)  # [BM, BDV]
     lse, delta = _row_stats(Lse, Delta, off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
-                            + (q_start + offs_m).to(tl.int64) * stride_ls, m_ok)
+                            + (q_start + offs_m).to(tl.int64) * stride_ls, m_ok, False)
     k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh + kv_start.to(tl.int64) * stride_ks
     v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh + kv_start.to(tl.int64) * stride_vs
 
@@ -125,10 +135,10 @@ def attention_bwd_dq_kernel(
         kv_block = tl.load(index_row + it // TILES_PER_BLOCK)
         offs_n = kv_block * BLOCK_KV + (it % TILES_PER_BLOCK) * BLOCK_N + offs_n0
         n_ok = offs_n < seq_kv
-        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd,
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BN, BD]
-        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vs + offs_dv[None, :] * stride_vd,
-                    mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # [BN, BDV]
+        k = load_tile(k_base + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd, n_ok, d_ok,
+                      EVEN_KV, HEAD_DIM == BLOCK_D)  # [BN, BD]
+        v = load_tile(v_base + offs_n[:, None].to(tl.int64) * stride_vs + offs_dv[None, :] * stride_vd, n_ok, dv_ok,
+                      EVEN_KV, HEAD_DIM_V == BLOCK_DV)  # [BN, BDV]
         qk = dot(q, tl.trans(k), None, FP32_PRECISION)  # [BM, BN]
         p = tl.math.exp2(qk * scale_log2 - lse[:, None])
         if MASKED:
@@ -148,8 +158,8 @@ def attention_bwd_dq_kernel(
 
 @triton.jit(do_not_specialize=["seq_bucket"])
 def attention_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, DQ_ACC, Lse, Delta, Q_COUNT, Q_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID, CU_SEQLENS_Q,
-    CU_SEQLENS_KV,
+    Q, K, V, DO, DK, DV, DQ_ACC, DQ_DESC, Lse, Delta, Q_COUNT, Q_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID,
+    CU_SEQLENS_Q, CU_SEQLENS_KV,
     scale_log2, scale, seq_q, seq_kv, kv_heads, group_size, mask_block_q, mask_block_kv, seq_bucket,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -166,16 +176,18 @@ def attention_bwd_dkdv_kernel(
     stride_vvb,
     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
+    EVEN_Q: tl.constexpr, EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
     GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr,
-    IS_VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DQ_MODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: dK [BN, D] and dV [BN, Dv] of one key tile of one (batch, kv head), summed over the query heads
     of its group in a fixed order, each walking its q list for this key block.
 
-    ATOMIC_DQ: also add this tile's share of dQ into DQ_ACC (fp32 [B, H, Sq, D], zeroed) with atomics, which saves
-    the dQ kernel's recomputation of P and dP but makes dQ's summation order vary between runs."""
+    DQ_MODE "atomic" / "tma" (see DQ_MODES): also add this tile's share of dQ into DQ_ACC (fp32 [B * H, Sq, BD],
+    zeroed; [H, T, BD] for a packed batch) with element atomics, or through DQ_DESC, a tensor descriptor of DQ_ACC
+    with block [1, BLOCK_M, BD]. That saves the dQ kernel's recomputation of P and dP, but dQ's summation order
+    then varies between runs."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     TILES_PER_BLOCK: tl.constexpr = BLOCK_Q // BLOCK_M
@@ -216,16 +228,21 @@ def attention_bwd_dkdv_kernel(
         row_base = off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + q_start.to(tl.int64) * stride_ls
         count = tl.load(Q_COUNT + off_b * stride_cb + off_h * stride_ch + kv_block)
         index_row = Q_INDEX + off_b.to(tl.int64) * stride_ib + off_h.to(tl.int64) * stride_ih + kv_block * stride_iq
-        for it in range(0, count * TILES_PER_BLOCK):
+        # Start at the query block on this key block's diagonal and wrap around (a fixed order: deterministic).
+        total = count * TILES_PER_BLOCK
+        first = first_entry_at_or_after(index_row, count, (kv_block * BLOCK_KV) // BLOCK_Q) * TILES_PER_BLOCK
+        for step in range(0, total):
+            it = step + first
+            it = tl.where(it >= total, it - total, it)
             q_block = tl.load(index_row + it // TILES_PER_BLOCK)
             offs_m = q_block * BLOCK_Q + (it % TILES_PER_BLOCK) * BLOCK_M + offs_m0
             m_ok = offs_m < seq_q
             rows = offs_m[:, None].to(tl.int64)
-            q = tl.load(q_base + rows * stride_qs + offs_d[None, :] * stride_qd,
-                        mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
-            do = tl.load(do_base + rows * stride_dos + offs_dv[None, :] * stride_dod,
-                         mask=m_ok[:, None] & dv_ok[None, :], other=0.0)  # [BM, BDV]
-            lse, delta = _row_stats(Lse, Delta, row_base + offs_m.to(tl.int64) * stride_ls, m_ok)
+            q = load_tile(q_base + rows * stride_qs + offs_d[None, :] * stride_qd, m_ok, d_ok,
+                          EVEN_Q, HEAD_DIM == BLOCK_D)  # [BM, BD]
+            do = load_tile(do_base + rows * stride_dos + offs_dv[None, :] * stride_dod, m_ok, dv_ok,
+                           EVEN_Q, HEAD_DIM_V == BLOCK_DV)  # [BM, BDV]
+            lse, delta = _row_stats(Lse, Delta, row_base + offs_m.to(tl.int64) * stride_ls, m_ok, EVEN_Q)
             kq = dot(k, tl.trans(q), None, FP32_PRECISION)  # [BN, BM]
             p_t = tl.math.exp2(kq * scale_log2 - lse[None, :])
             if MASKED:
@@ -239,11 +256,18 @@ def attention_bwd_dkdv_kernel(
             dp_t = dot(v, tl.trans(do), None, FP32_PRECISION)  # [BN, BM]
             ds_t = p_t * (dp_t - delta[None, :])
             dk = dot(ds_t.to(q.dtype), q, dk, FP32_PRECISION)  # [BN, BD]
-            if ATOMIC_DQ:
+            if DQ_MODE != "kernel":
                 dq_part = dot(tl.trans(ds_t.to(k.dtype)), k, None, FP32_PRECISION) * scale  # [BM, BD]
-                dq_ptrs = (DQ_ACC + off_b.to(tl.int64) * stride_qab + off_h.to(tl.int64) * stride_qah
-                           + (q_start + offs_m[:, None]).to(tl.int64) * stride_qas + offs_d[None, :])
-                tl.atomic_add(dq_ptrs, dq_part, mask=m_ok[:, None] & d_ok[None, :], sem="relaxed")
+                if DQ_MODE == "tma":
+                    # Rows past this sequence's end carry exact zeros (their P is 0), so the bulk add may cover
+                    # them; the descriptor clips at the buffer's edges.
+                    acc_head = off_h if IS_VARLEN else off_b * kv_heads * group_size + off_h
+                    DQ_DESC.atomic_add([acc_head, q_start + q_block * BLOCK_Q + (it % TILES_PER_BLOCK) * BLOCK_M, 0],
+                                       dq_part.reshape(1, BLOCK_M, BLOCK_D))
+                else:
+                    dq_ptrs = (DQ_ACC + off_b.to(tl.int64) * stride_qab + off_h.to(tl.int64) * stride_qah
+                               + (q_start + offs_m[:, None]).to(tl.int64) * stride_qas + offs_d[None, :])
+                    tl.atomic_add(dq_ptrs, dq_part, mask=m_ok[:, None] & d_ok[None, :], sem="relaxed")
     dk = dk * scale
     n_store = n_ok[:, None]
     tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hkv.to(tl.int64) * stride_dkh + keys * stride_dks
@@ -257,13 +281,12 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
                        token_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                        block_mask: Optional[torch.Tensor] = None, mask_block_q: int = 0, mask_block_kv: int = 0,
                        kv_valid: Optional[torch.Tensor] = None, varlen: Optional[Varlen] = None,
-                       atomic_dq: Optional[bool] = None):
+                       dq_mode: Optional[str] = None):
     """Launch the backward: (dq, dk, dv) shaped (and strided) like (q, k, v), from the forward's out and lse
     (natural log).
 
     Lists, masks and varlen as in forward.attention_forward; q_count int32 [Bm, Hm, nk], q_index int32
-    [Bm, Hm, nk, L]. atomic_dq: accumulate dQ inside the dK/dV kernel with fp32 atomics instead of running the dQ
-    kernel; None takes ATOMIC_DQ_DEFAULT, and torch.are_deterministic_algorithms_enabled() always turns it off."""
+    [Bm, Hm, nk, L]. dq_mode: one of DQ_MODES, None for resolve_dq_mode's choice."""
     heads, kv_heads = q.shape[1], k.shape[1]
     batch, seq_q, seq_kv = (varlen.batch, varlen.max_q, varlen.max_kv) if varlen else (q.shape[0], q.shape[2],
                                                                                         k.shape[2])
@@ -301,17 +324,20 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         **stride_args("t", token_mask, "bhqk"), **stride_args("m", block_mask, "bhq"),
         stride_vvb=strides(kv_valid, 1)[0],
         BLOCK_Q=block_q, BLOCK_KV=block_kv, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d,
-        BLOCK_DV=block_dv, EVEN_KV=seq_kv % block_kv == 0 and varlen is None, IS_CAUSAL=bool(is_causal),
+        BLOCK_DV=block_dv, EVEN_Q=seq_q % block_q == 0 and varlen is None,
+        EVEN_KV=seq_kv % block_kv == 0 and varlen is None, IS_CAUSAL=bool(is_causal),
         HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather, HAS_KV_VALID=kv_valid is not None,
         FP32_PRECISION=fp32_precision(q.dtype, attention_bwd_dq_kernel), IS_VARLEN=varlen is not None)
 
-    if atomic_dq is None:
-        atomic_dq = ATOMIC_DQ_DEFAULT
-    atomic_dq = atomic_dq and not torch.are_deterministic_algorithms_enabled()
-    if atomic_dq:
-        dq_acc = torch.zeros(q.shape, device=device, dtype=torch.float32)
+    dq_mode = resolve_dq_mode(dq_mode, attention_bwd_dkdv_kernel, device)
+    accumulate = dq_mode != "kernel"
+    if accumulate:
+        # fp32 [B * H, Sq, BD] (a packed batch: [H, T, BD]); BD-wide rows keep a descriptor's strides aligned.
+        dq_acc = torch.zeros(q.shape[0] * heads, q.shape[2], block_d, device=device, dtype=torch.float32)
+        dq_acc4 = dq_acc.view(q.shape[0], heads, q.shape[2], block_d)
+        dq_desc = _tensor_descriptor(dq_acc) if dq_mode == "tma" else None
     else:
-        dq_acc = delta  # unused
+        dq_acc4, dq_desc = None, None
         dq_configs = autotune.nesting(
             "BWD_DQ", block_q, block_kv,
             smem_per_stage=lambda bm, bn: bn * (block_d + block_dv) * elt,
@@ -325,13 +351,53 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
     dkdv_configs = autotune.nesting(
         "BWD_DKDV", block_q, block_kv,
         smem_per_stage=lambda bm, bn: bm * (block_d + block_dv) * elt,
-        fixed_smem=lambda bm, bn: bn * (block_d + block_dv) * elt)
+        fixed_smem=lambda bm, bn: bn * (block_d + block_dv) * elt + (bm * block_d * 4 if dq_mode == "tma" else 0))
     autotune.launch(
         attention_bwd_dkdv_kernel, lambda meta: (triton.cdiv(seq_kv, meta["BLOCK_N"]), batch * kv_heads),
-        dkdv_configs, TUNING_KEY + ("ATOMIC_DQ",), DK=dk, DV=dv, DQ_ACC=dq_acc, Q_COUNT=q_count, Q_INDEX=q_index,
-        kv_heads=kv_heads, ATOMIC_DQ=atomic_dq, reset_to_zero=("DQ_ACC",) if atomic_dq else (),
+        dkdv_configs, TUNING_KEY + ("DQ_MODE",), DK=dk, DV=dv, DQ_ACC=dq_acc4 if accumulate else delta,
+        DQ_DESC=dq_desc, Q_COUNT=q_count, Q_INDEX=q_index, kv_heads=kv_heads, DQ_MODE=dq_mode,
+        reset_to_zero=("DQ_ACC",) if accumulate else (), pre_hook=_set_dq_block if dq_desc is not None else None,
         **stride_args("dk", dk, "bhsd"), **stride_args("dv", dv, "bhsd"), **stride_args("c", q_count, "bh"),
-        **stride_args("i", q_index, "bhq"), **stride_args("qa", dq_acc if atomic_dq else None, "bhs"), **common)
-    if atomic_dq:
-        dq.copy_(dq_acc)
+        **stride_args("i", q_index, "bhq"), **stride_args("qa", dq_acc4, "bhs"), **common)
+    if accumulate:
+        dq.copy_(dq_acc4[..., :head_dim])
     return dq, dk, dv
+
+
+def resolve_dq_mode(dq_mode: Optional[str], kernel_fn, device: torch.device) -> str:
+    """The dQ mode to run: "kernel" whenever torch.are_deterministic_algorithms_enabled(); otherwise dq_mode, or
+    DQ_MODE_DEFAULT for None. "tma" needs compiled Triton with tensor-descriptor reductions on a GPU of compute
+    capability 9 or more; where it is missing, a default of "tma" runs "atomic", an explicit "tma" raises."""
+    if dq_mode is not None and dq_mode not in DQ_MODES:
+        raise ValueError(f"dq_mode must be one of {DQ_MODES} or None, got {dq_mode!r}")
+    if torch.are_deterministic_algorithms_enabled():
+        return "kernel"
+    mode = DQ_MODE_DEFAULT if dq_mode is None else dq_mode
+    if mode == "tma" and not tma_reductions_available(kernel_fn, device):
+        if dq_mode == "tma":
+            raise ValueError("dq_mode='tma' needs Triton tensor-descriptor reductions on a GPU of compute "
+                             "capability >= 9 (not the interpreter)")
+        mode = "atomic"
+    return mode
+
+
+def tma_reductions_available(kernel_fn, device: torch.device) -> bool:
+    """Whether kernel_fn can run DQ_MODE "tma" on device."""
+    if autotune.is_interpreted(kernel_fn) or device.type != "cuda":
+        return False
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(tl.tensor_descriptor, "atomic_add") and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tensor_descriptor(acc: torch.Tensor):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    # The block's height is the tile's, set per config by _set_dq_block.
+    return TensorDescriptor(acc, list(acc.shape), list(acc.stride()), [1, 16, acc.shape[-1]])
+
+
+def _set_dq_block(nargs: dict) -> None:
+    """Autotune pre-hook: the dQ descriptor's block is one BLOCK_M tile of full (padded) head-dim rows."""
+    nargs["DQ_DESC"].block_shape = [1, nargs["BLOCK_M"], nargs["BLOCK_D"]]

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from . import autotune, buffers
-from .primitives import dot, element_keep, sequence_span
+from .primitives import dot, element_keep, load_tile, sequence_span
 from .varlen import Varlen
 
 LOG2E = 1.4426950408889634
@@ -85,10 +85,10 @@ def attention_fwd_kernel(
         start_n = kv_block * BLOCK_KV + (it % TILES_PER_BLOCK) * BLOCK_N
         offs_n = start_n + offs_n0
         n_ok = offs_n < seq_kv
-        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd,
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BN, BD]
-        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vs + offs_dv[None, :] * stride_vd,
-                    mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # [BN, BDV]
+        k = load_tile(k_base + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd, n_ok, d_ok,
+                      EVEN_KV, HEAD_DIM == BLOCK_D)  # [BN, BD]
+        v = load_tile(v_base + offs_n[:, None].to(tl.int64) * stride_vs + offs_dv[None, :] * stride_vd, n_ok, dv_ok,
+                      EVEN_KV, HEAD_DIM_V == BLOCK_DV)  # [BN, BDV]
         qk = dot(q, tl.trans(k), None, FP32_PRECISION)  # [BM, BN]
         if MASKED:
             keep = element_keep(offs_m[:, None], offs_n[None, :], seq_q, seq_kv, off_b, off_h,
@@ -121,7 +121,7 @@ def attention_fwd_kernel(
     tl.store(Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + rows * stride_ls, lse, mask=m_ok)
 
 
-TUNING_KEY = ("BLOCK_Q", "BLOCK_KV", "HEAD_DIM", "HEAD_DIM_V", "EVEN_KV", "IS_CAUSAL", "HAS_TOKEN_MASK",
+TUNING_KEY = ("BLOCK_Q", "BLOCK_KV", "HEAD_DIM", "HEAD_DIM_V", "EVEN_Q", "EVEN_KV", "IS_CAUSAL", "HAS_TOKEN_MASK",
               "GATHER_BLOCK_MASK", "HAS_KV_VALID", "IS_VARLEN", "seq_bucket")
 
 

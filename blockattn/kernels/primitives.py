@@ -62,3 +62,32 @@ def sequence_span(CU_SEQLENS, off_b, seq_len, IS_VARLEN: tl.constexpr):
         start = seq_len * 0
         length = seq_len
     return start, length
+
+
+@triton.jit
+def load_tile(ptrs, rows_ok, cols_ok, EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.constexpr):
+    """Load a [R, C] tile, zero where a row (rows_ok [R]) or column (cols_ok [C]) is out of range; a side the
+    caller knows is whole (EVEN_*) is not masked, which keeps the inner loops' loads plain."""
+    if EVEN_ROWS and EVEN_COLS:
+        return tl.load(ptrs)
+    elif EVEN_ROWS:
+        return tl.load(ptrs, mask=cols_ok[None, :], other=0.0)
+    elif EVEN_COLS:
+        return tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
+    else:
+        return tl.load(ptrs, mask=rows_ok[:, None] & cols_ok[None, :], other=0.0)
+
+
+@triton.jit
+def first_entry_at_or_after(index_row, count, pivot):
+    """Position of the first entry >= pivot in an ascending list of count entries (count if none): a walk that
+    starts there and wraps around visits the same blocks in a fixed order, but programs of neighbouring blocks no
+    longer read the same tile at the same moment (on dense rows they all did, and queued on one L2 slice)."""
+    lo = count * 0
+    hi = count
+    while lo < hi:
+        mid = (lo + hi) // 2
+        below = tl.load(index_row + mid) < pivot
+        lo = tl.where(below, mid + 1, lo)
+        hi = tl.where(below, hi, mid)
+    return lo

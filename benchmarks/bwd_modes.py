@@ -1,0 +1,76 @@
+"""The backward's dQ modes side by side at one shape: fwd+bwd time of blockattn per mode next to FlexAttention
+(compiled, same mask), each dK/dV tile config's time per mode, and a profiler breakdown of one backward.
+
+    python benchmarks/bwd_modes.py --block 128x128 --density 0.25
+"""
+
+import argparse
+
+import torch
+import triton.testing
+
+from blockattn.bench import Case, block_mask, _runners
+from blockattn.kernels import autotune, backward
+
+DKDV_SWEEP = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 2), (64, 64, 8, 3), (32, 128, 8, 2), (128, 64, 8, 2)]
+
+
+def time_ms(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--block", default="128x128")
+    parser.add_argument("--density", type=float, nargs="+", default=[0.25])
+    parser.add_argument("--modes", default="kernel,atomic,tma")
+    parser.add_argument("--sweep", action="store_true", help="tune the dK/dV kernel over DKDV_SWEEP")
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    print("tma reductions available:", backward.tma_reductions_available(backward.attention_bwd_dkdv_kernel, device))
+    if args.sweep:
+        autotune._DEFAULTS["BWD_DKDV"] = DKDV_SWEEP
+        autotune._MAX_TUNED = len(DKDV_SWEEP)
+    block = tuple(int(x) for x in args.block.split("x"))
+    for density in args.density:
+        case = Case(block=block, density=density)
+        keep = block_mask(case, device)
+        runners = _runners(case, keep, device)
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(1, case.heads, case.seq, case.dim, device=device, dtype=torch.bfloat16,
+                               generator=gen).requires_grad_(True) for _ in range(3))
+        grad = torch.randn_like(q)
+        flops = 4.0 * case.heads * case.seq * case.seq * case.dim * runners["blockattn"][1]
+        results = {}
+        for name in ("flex",) + tuple(f"blockattn-{m}" for m in args.modes.split(",")):
+            if name.startswith("blockattn"):
+                backward.DQ_MODE_DEFAULT = name.split("-")[1]
+                fn = runners["blockattn"][0]
+            else:
+                fn = runners[name][0]
+            fwd = time_ms(lambda: fn(q, k, v))
+            both = time_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad))
+            results[name] = both - fwd
+            print(f"{case.label} {name}: fwd {fwd:.3f} ms ({flops / fwd / 1e9:.0f} TFLOP/s), bwd {both - fwd:.3f} ms "
+                  f"({2.5 * flops / (both - fwd) / 1e9:.0f} TFLOP/s)", flush=True)
+            if args.profile and name.startswith("blockattn"):
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    torch.autograd.grad(fn(q, k, v), (q, k, v), grad)
+                    torch.cuda.synchronize()
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
+        for name, ms in results.items():
+            print(f"  {name}: bwd {results['flex'] / ms:.3f}x FlexAttention")
+        for (kname, *_), tuner in autotune.tuners().items():
+            timings = getattr(tuner, "configs_timings", None) or {}
+            if "dkdv" not in kname:
+                continue
+            print(f"== {case.label}: {kname} (last tuned mode)")
+            for config, ms in sorted(timings.items(), key=lambda item: item[1][0] if isinstance(item[1], list) else item[1]):
+                ms = ms[0] if isinstance(ms, list) else ms
+                print(f"  {config.kwargs} w{config.num_warps} s{config.num_stages}: {ms:.3f} ms")
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
