@@ -22,7 +22,7 @@ from .primitives import dot, element_keep, first_entry_at_or_after, load_tile, s
 #             the adds to the TMA unit instead of one atomic per element.
 # The default is chosen by measurement (BENCHMARKS.md); deterministic mode always runs "kernel".
 DQ_MODES = ("kernel", "atomic", "tma")
-DQ_MODE_DEFAULT = "kernel"
+DQ_MODE_DEFAULT = "atomic"
 
 
 @triton.jit
