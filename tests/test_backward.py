@@ -100,7 +100,7 @@ ACCUMULATING_MODES = ["atomic"] + (["tma"] if ON_GPU and backward.tma_reductions
     backward.attention_bwd_dkdv_kernel, torch.device(DEVICE)) else [])
 
 
-@pytest.mark.parametrize("dq_mode", backward.DQ_MODES)
+@pytest.mark.parametrize("dq_mode", backward.DQ_MODES + ("auto",))
 def test_gqa_gradients_are_bitwise_repeatable_in_deterministic_mode(geometry, monkeypatch, dq_mode):
     """With deterministic algorithms asked for, dQ never uses atomics, so two runs agree bitwise."""
     monkeypatch.setattr(backward, "DQ_MODE_DEFAULT", dq_mode)
@@ -156,6 +156,8 @@ def test_dq_mode_is_checked():
         with pytest.raises(ValueError, match="tma"):
             backward.resolve_dq_mode("tma", backward.attention_bwd_dkdv_kernel, device)
     assert backward.resolve_dq_mode(None, backward.attention_bwd_dkdv_kernel, device) in backward.DQ_MODES
+    assert backward.resolve_dq_mode("auto", backward.attention_bwd_dkdv_kernel, device, 64) == "kernel"
+    assert backward.resolve_dq_mode("auto", backward.attention_bwd_dkdv_kernel, device, 256) == "atomic"
 
 
 FEATURES = {

@@ -66,10 +66,21 @@ def candidates(kernel: str) -> list[tuple[int, int, int, int]]:
     return [(m, n, w, s) for m in lists[0] for n in lists[1] for w in lists[2] for s in lists[3]]
 
 
-def nesting(kernel: str, block_m_of: int, block_n_of: int, smem_per_stage, fixed_smem) -> list[triton.Config]:
+_NESTING_CACHE: dict = {}
+
+
+def nesting(kernel: str, block_m_of: int, block_n_of: int, smem_per_stage, fixed_smem,
+            cache_key: tuple = None) -> list[triton.Config]:
     """Candidates whose tile nests in the block (BLOCK_M | block_m_of, BLOCK_N | block_n_of) and fits shared memory.
 
-    smem_per_stage(BLOCK_M, BLOCK_N) and fixed_smem(BLOCK_M, BLOCK_N) estimate the bytes a config plans for."""
+    smem_per_stage(BLOCK_M, BLOCK_N) and fixed_smem(BLOCK_M, BLOCK_N) estimate the bytes a config plans for.
+    cache_key: whatever else the two estimates depend on; given it, the list is memoized (with the environment
+    variables' current values in the key, so changing them still takes effect), sparing short calls the work."""
+    if cache_key is not None:
+        key = (kernel, block_m_of, block_n_of, cache_key, tuple(os.environ.get(n) for n in env_names(kernel)))
+        if key not in _NESTING_CACHE:
+            _NESTING_CACHE[key] = nesting(kernel, block_m_of, block_n_of, smem_per_stage, fixed_smem)
+        return _NESTING_CACHE[key]
     kept = []
     overridden = any(name in os.environ for name in env_names(kernel))
     for block_m, block_n, warps, stages in candidates(kernel):

@@ -20,9 +20,11 @@ from .primitives import dot, element_keep, first_entry_at_or_after, load_tile, s
 #   "atomic": the dK/dV kernel adds each tile's dS K into an fp32 buffer with element atomics (5 products);
 #   "tma":    the same, through Hopper's bulk tensor reductions (a tensor descriptor's atomic_add), which leave
 #             the adds to the TMA unit instead of one atomic per element.
-# The default is chosen by measurement (BENCHMARKS.md); deterministic mode always runs "kernel".
+# The default, "auto", is chosen by measurement (BENCHMARKS.md): "atomic" where the key block is a multiple of 128
+# (the dK/dV tile is then 128 keys wide, so each dQ element takes few atomic adds), else "kernel" (with 64-wide
+# tiles the adds double and "atomic" measured slower). Deterministic mode always runs "kernel".
 DQ_MODES = ("kernel", "atomic", "tma")
-DQ_MODE_DEFAULT = "atomic"
+DQ_MODE_DEFAULT = "auto"
 
 
 @triton.jit
@@ -286,7 +288,7 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
     (natural log).
 
     Lists, masks and varlen as in forward.attention_forward; q_count int32 [Bm, Hm, nk], q_index int32
-    [Bm, Hm, nk, L]. dq_mode: one of DQ_MODES, None for resolve_dq_mode's choice."""
+    [Bm, Hm, nk, L]. dq_mode: one of DQ_MODES or "auto", None for DQ_MODE_DEFAULT (see resolve_dq_mode)."""
     heads, kv_heads = q.shape[1], k.shape[1]
     batch, seq_q, seq_kv = (varlen.batch, varlen.max_q, varlen.max_kv) if varlen else (q.shape[0], q.shape[2],
                                                                                         k.shape[2])
@@ -329,7 +331,7 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather, HAS_KV_VALID=kv_valid is not None,
         FP32_PRECISION=fp32_precision(q.dtype, attention_bwd_dq_kernel), IS_VARLEN=varlen is not None)
 
-    dq_mode = resolve_dq_mode(dq_mode, attention_bwd_dkdv_kernel, device)
+    dq_mode = resolve_dq_mode(dq_mode, attention_bwd_dkdv_kernel, device, block_kv)
     accumulate = dq_mode != "kernel"
     if accumulate:
         # fp32 [B * H, Sq, BD] (a packed batch: [H, T, BD]); BD-wide rows keep a descriptor's strides aligned.
@@ -341,7 +343,7 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         dq_configs = autotune.nesting(
             "BWD_DQ", block_q, block_kv,
             smem_per_stage=lambda bm, bn: bn * (block_d + block_dv) * elt,
-            fixed_smem=lambda bm, bn: bm * (block_d + block_dv) * elt)
+            fixed_smem=lambda bm, bn: bm * (block_d + block_dv) * elt, cache_key=(block_d, block_dv, elt))
         autotune.launch(
             attention_bwd_dq_kernel, lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads), dq_configs,
             TUNING_KEY, DQ=dq, KV_COUNT=kv_count, KV_INDEX=kv_index, num_heads=heads,
@@ -351,7 +353,8 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
     dkdv_configs = autotune.nesting(
         "BWD_DKDV", block_q, block_kv,
         smem_per_stage=lambda bm, bn: bm * (block_d + block_dv) * elt,
-        fixed_smem=lambda bm, bn: bn * (block_d + block_dv) * elt + (bm * block_d * 4 if dq_mode == "tma" else 0))
+        fixed_smem=lambda bm, bn: bn * (block_d + block_dv) * elt + (bm * block_d * 4 if dq_mode == "tma" else 0),
+        cache_key=(block_d, block_dv, elt, dq_mode))
     autotune.launch(
         attention_bwd_dkdv_kernel, lambda meta: (triton.cdiv(seq_kv, meta["BLOCK_N"]), batch * kv_heads),
         dkdv_configs, TUNING_KEY + ("DQ_MODE",), DK=dk, DV=dv, DQ_ACC=dq_acc4 if accumulate else delta,
@@ -364,15 +367,17 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
     return dq, dk, dv
 
 
-def resolve_dq_mode(dq_mode: Optional[str], kernel_fn, device: torch.device) -> str:
+def resolve_dq_mode(dq_mode: Optional[str], kernel_fn, device: torch.device, block_kv: int = 128) -> str:
     """The dQ mode to run: "kernel" whenever torch.are_deterministic_algorithms_enabled(); otherwise dq_mode, or
-    DQ_MODE_DEFAULT for None. "tma" needs compiled Triton with tensor-descriptor reductions on a GPU of compute
+    DQ_MODE_DEFAULT for None ("auto": "atomic" if block_kv is a multiple of 128, else "kernel"). "tma" needs compiled Triton with tensor-descriptor reductions on a GPU of compute
     capability 9 or more; where it is missing, a default of "tma" runs "atomic", an explicit "tma" raises."""
-    if dq_mode is not None and dq_mode not in DQ_MODES:
-        raise ValueError(f"dq_mode must be one of {DQ_MODES} or None, got {dq_mode!r}")
+    if dq_mode is not None and dq_mode not in DQ_MODES + ("auto",):
+        raise ValueError(f"dq_mode must be one of {DQ_MODES + ('auto',)} or None, got {dq_mode!r}")
     if torch.are_deterministic_algorithms_enabled():
         return "kernel"
     mode = DQ_MODE_DEFAULT if dq_mode is None else dq_mode
+    if mode == "auto":
+        mode = "atomic" if block_kv % 128 == 0 else "kernel"
     if mode == "tma" and not tma_reductions_available(kernel_fn, device):
         if dq_mode == "tma":
             raise ValueError("dq_mode='tma' needs Triton tensor-descriptor reductions on a GPU of compute "

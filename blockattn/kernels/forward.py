@@ -190,7 +190,7 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
     configs = autotune.nesting(
         "FWD", block_q, block_kv,
         smem_per_stage=lambda bm, bn: bn * (block_d + block_dv) * elt,
-        fixed_smem=lambda bm, bn: bm * block_d * elt)
+        fixed_smem=lambda bm, bn: bm * block_d * elt, cache_key=(block_d, block_dv, elt))
     flags = dict(
         BLOCK_Q=block_q, BLOCK_KV=block_kv, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d,
         BLOCK_DV=block_dv, EVEN_KV=seq_kv % block_kv == 0 and varlen is None,
