@@ -220,10 +220,10 @@ def run(cases: list[Case], *, backward: bool = True, out_prefix: Optional[str] =
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # Every case compiles FlexAttention anew; past dynamo's recompile limit it would silently run unfused.
-    import torch._dynamo
+    import torch._dynamo as dynamo
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
+        if hasattr(dynamo.config, name):
+            setattr(dynamo.config, name, max(getattr(dynamo.config, name), 256))
     rows, seen_shapes = [], set()
     for case in tqdm(cases, disable=not progress, desc="bench"):
         shape = (case.batch, case.heads, case.kv_heads, case.seq, case.dim, case.dtype)
