@@ -382,6 +382,5 @@ def _triton_attention(p: _Prepared, is_causal: bool):
     q_count, q_index = lists.q_lists() if needs_grad else (None, None)
     token_mask = p.token_mask.view(torch.uint8) if p.token_mask is not None else None
     op = ops.sparse_attention_fwd if needs_grad or torch.compiler.is_compiling() else ops.forward_eager
-    return op(p.q, p.k, p.v, lists.kv_count, lists.kv_index, q_count, q_index, token_mask,
-                                    gather_mask, p.kv_valid, *_varlen_args(p), p.scale, *lists.block_size,
-                                    *p.sparsity.block_size, is_causal, *_varlen_lengths(p))
+    return op(p.q, p.k, p.v, lists.kv_count, lists.kv_index, q_count, q_index, token_mask, gather_mask, p.kv_valid,
+              *_varlen_args(p), p.scale, *lists.block_size, *p.sparsity.block_size, is_causal, *_varlen_lengths(p))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from typing import Optional
 
 import triton
 
@@ -70,7 +71,7 @@ _NESTING_CACHE: dict = {}
 
 
 def nesting(kernel: str, block_m_of: int, block_n_of: int, smem_per_stage, fixed_smem,
-            cache_key: tuple = None) -> list[triton.Config]:
+            cache_key: Optional[tuple] = None) -> list[triton.Config]:
     """Candidates whose tile nests in the block (BLOCK_M | block_m_of, BLOCK_N | block_n_of) and fits shared memory.
 
     smem_per_stage(BLOCK_M, BLOCK_N) and fixed_smem(BLOCK_M, BLOCK_N) estimate the bytes a config plans for.
