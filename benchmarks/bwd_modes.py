@@ -61,13 +61,11 @@ def main():
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
         for name, ms in results.items():
             print(f"  {name}: bwd {results['flex'] / ms:.3f}x FlexAttention")
-        for (kname, *_), tuner in autotune.tuners().items():
-            timings = getattr(tuner, "configs_timings", None) or {}
+        for kname, rows in autotune.measured():
             if "dkdv" not in kname:
                 continue
             print(f"== {case.label}: {kname} (last tuned mode)")
-            for config, ms in sorted(timings.items(), key=lambda item: item[1][0] if isinstance(item[1], list) else item[1]):
-                ms = ms[0] if isinstance(ms, list) else ms
+            for config, ms in rows:
                 print(f"  {config.kwargs} w{config.num_warps} s{config.num_stages}: {ms:.3f} ms")
         torch.cuda.empty_cache()
 

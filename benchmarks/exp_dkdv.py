@@ -103,16 +103,16 @@ def main():
                     q, k, v, do, dk, dv, lse, delta, q_count, q_index, scale * LOG2E, scale, case.seq, 24, 24, 1,
                     q_index.shape[-1], HEAD_DIM=128, BLOCK_Q=128, BLOCK_M=64, BLOCK_N=128, ROTATE=rotate,
                     QT_LOAD=qt, LSE_EARLY=early, GROUP=group, num_warps=8, num_stages=stages)
+                label = f"d={density} rotate={rotate} qt={qt} early={early} group={group} s{stages}"
                 try:
                     ms = triton.testing.do_bench(run, warmup=10, rep=50, return_mode="median")
                 except Exception as error:
-                    print(f"d={density} rotate={rotate} qt={qt} early={early} group={group} s{stages}: failed {error}")
+                    print(f"{label}: failed {error}")
                     continue
                 if ref is None:
                     ref = (dk.clone(), dv.clone())
-                gap = max((dk.float() - ref[0].float()).abs().max().item(), (dv.float() - ref[1].float()).abs().max().item())
-                print(f"d={density} rotate={rotate} qt={qt} early={early} group={group} s{stages}: {ms:.3f} ms "
-                      f"({flops / ms / 1e9:.0f} TFLOP/s of 4 products) gap {gap:.2e}", flush=True)
+                gap = max((got.float() - want.float()).abs().max().item() for got, want in zip((dk, dv), ref))
+                print(f"{label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s of 4 products) gap {gap:.2e}", flush=True)
         torch.cuda.empty_cache()
 
 

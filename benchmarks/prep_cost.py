@@ -32,7 +32,7 @@ def main():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = blockattn.attention(q, k, v, blocks)
+        blockattn.attention(q, k, v, blocks)
         print("attention() with a prepared BlockSparsity: no host synchronization")
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -53,7 +53,6 @@ def main():
     eager = blockattn.attention(new_q, k, v, blocks)
     replay_ms = triton.testing.do_bench(graph.replay, return_mode="median")
     print(f"CUDA graph: captured; replay equals eager: {torch.equal(static_out, eager)}; replay {replay_ms:.3f} ms")
-    del out
 
 
 if __name__ == "__main__":

@@ -54,12 +54,10 @@ def main():
         print(f"fwd+bwd with dQ mode {mode}: {ms:.3f} ms")
     torch.cuda.synchronize()
     flops = 4.0 * case.heads * case.seq * case.seq * case.dim * blocks.density()
-    for (name, *_), tuner in autotune.tuners().items():
-        timings = getattr(tuner, "configs_timings", None) or {}
+    for name, rows in autotune.measured():
         work = 1.0 if "fwd" in name else (1.0 if "dq" in name else 1.5)  # dq ~ 2 dots, dkdv ~ 3 dots of 5 in bwd
         print(f"== {case.label}: {name}")
-        for config, ms in sorted(timings.items(), key=lambda item: item[1] if isinstance(item[1], float) else item[1][0]):
-            ms = ms if isinstance(ms, float) else ms[0]
+        for config, ms in rows:
             print(f"  {config.kwargs} warps={config.num_warps} stages={config.num_stages}: {ms:.3f} ms "
                   f"({work * flops / ms / 1e9:.0f} TFLOP/s of its share)")
 

@@ -61,3 +61,25 @@ def test_shared_memory_budget_drops_oversized_tiles(monkeypatch):
     set_lists(monkeypatch, m="128", n="64,128", stages="2")
     kept = autotune.nesting("FWD", 128, 128, lambda bm, bn: bn * 512 * 2, lambda bm, bn: bm * 256 * 2)
     assert [c.kwargs["BLOCK_N"] for c in kept] == [64]
+
+
+def test_memoized_lists_follow_the_environment(monkeypatch):
+    set_lists(monkeypatch, m="64")
+    first = autotune.nesting("FWD", 128, 64, no_smem, no_smem, cache_key=("test",))
+    assert autotune.nesting("FWD", 128, 64, no_smem, no_smem, cache_key=("test",)) is first
+    set_lists(monkeypatch, m="128")
+    second = autotune.nesting("FWD", 128, 64, no_smem, no_smem, cache_key=("test",))
+    assert {c.kwargs["BLOCK_M"] for c in first} == {64} and {c.kwargs["BLOCK_M"] for c in second} == {128}
+
+
+def test_measured_sorts_each_tuners_timings(monkeypatch):
+    class Tuner:
+        def __init__(self, timings):
+            self.configs_timings = timings
+
+    fast, slow, mid = (autotune.triton.Config({"BLOCK_M": m}) for m in (16, 32, 64))
+    monkeypatch.setattr(autotune, "_TUNERS", {("fwd_kernel", None): Tuner({slow: 3.0, fast: 1.0}),
+                                              ("dq_kernel", None): Tuner({mid: [2.0, 1.5, 2.5], fast: [4.0]}),
+                                              ("untuned", None): Tuner(None)})
+    assert autotune.measured() == [("fwd_kernel", [(fast, 1.0), (slow, 3.0)]),
+                                   ("dq_kernel", [(mid, 2.0), (fast, 4.0)]), ("untuned", [])]

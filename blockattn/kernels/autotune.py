@@ -12,8 +12,9 @@ Environment variables (this is the one place they are documented; they are read 
 ``{KERNEL}`` is ``FWD`` (forward), ``BWD_DQ`` (dQ) or ``BWD_DKDV`` (dK/dV). Setting any of the four replaces the
 built-in candidate list by the product of the four lists (unset ones keep their defaults: 64,128 / 32,64,128 /
 4,8 / 2,3), and every candidate of that product that nests is benchmarked; without them, the first four built-in
-candidates that nest and fit shared memory are. Every candidate must nest in the block: its tile height divides ``block_q`` and its tile width divides
-``block_kv``; candidates that do not are dropped, and if none is left a ValueError names these variables.
+candidates that nest and fit shared memory are. Every candidate must nest in the block: its tile height divides
+``block_q`` and its tile width divides ``block_kv``; candidates that do not are dropped, and if none is left a
+ValueError names these variables.
 Setting one value for each pins the autotuner to one tile (tests do this for bitwise comparisons).
 Under ``TRITON_INTERPRET=1`` the first candidate that nests runs, without benchmarking.
 """
@@ -104,6 +105,18 @@ _TUNERS: dict = {}
 def tuners() -> dict:
     """The autotuners built so far, keyed by (kernel name, configs): their .configs_timings show what was measured."""
     return _TUNERS
+
+
+def measured() -> list[tuple[str, list]]:
+    """(kernel name, [(config, ms), ...] fastest first) for every autotuner that has benchmarked its configs (the
+    last key it tuned)."""
+    result = []
+    for (name, *_), tuner in _TUNERS.items():
+        timings = getattr(tuner, "configs_timings", None) or {}
+        # Triton reports a float, or a list whose first entry is the median.
+        rows = [(config, ms[0] if isinstance(ms, (list, tuple)) else ms) for config, ms in timings.items()]
+        result.append((name, sorted(rows, key=lambda row: row[1])))
+    return result
 
 
 def _tuner(kernel_fn, configs: tuple, key: tuple, reset_to_zero: tuple):

@@ -369,8 +369,9 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
 
 def resolve_dq_mode(dq_mode: Optional[str], kernel_fn, device: torch.device, block_kv: int = 128) -> str:
     """The dQ mode to run: "kernel" whenever torch.are_deterministic_algorithms_enabled(); otherwise dq_mode, or
-    DQ_MODE_DEFAULT for None ("auto": "atomic" if block_kv is a multiple of 128, else "kernel"). "tma" needs compiled Triton with tensor-descriptor reductions on a GPU of compute
-    capability 9 or more; where it is missing, a default of "tma" runs "atomic", an explicit "tma" raises."""
+    DQ_MODE_DEFAULT for None ("auto": "atomic" if block_kv is a multiple of 128, else "kernel"). "tma" needs
+    compiled Triton with tensor-descriptor reductions on a GPU of compute capability 9 or more; where it is
+    missing, a default of "tma" runs "atomic", an explicit "tma" raises."""
     if dq_mode is not None and dq_mode not in DQ_MODES + ("auto",):
         raise ValueError(f"dq_mode must be one of {DQ_MODES + ('auto',)} or None, got {dq_mode!r}")
     if torch.are_deterministic_algorithms_enabled():
