@@ -341,10 +341,10 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         lists, gather_mask = _kernel_inputs(p.sparsity, is_causal)
         q_count, q_index = lists.q_lists()
         token_mask = p.token_mask.view(torch.uint8) if p.token_mask is not None else None
-        grads = ops.sparse_attention_bwd(grad_out.contiguous(), None, p.q, p.k, p.v, out, lse, lists.kv_count,
-                                         lists.kv_index, q_count, q_index, token_mask, gather_mask, p.kv_valid,
-                                         *_varlen_args(p), p.scale, *lists.block_size, *p.sparsity.block_size,
-                                         is_causal, *_varlen_lengths(p))
+        op = ops.sparse_attention_bwd if torch.compiler.is_compiling() else ops.backward_eager
+        grads = op(grad_out.contiguous(), None, p.q, p.k, p.v, out, lse, lists.kv_count, lists.kv_index, q_count,
+                   q_index, token_mask, gather_mask, p.kv_valid, *_varlen_args(p), p.scale, *lists.block_size,
+                   *p.sparsity.block_size, is_causal, *_varlen_lengths(p))
     return tuple(_to_layout(g, None, layout)[0] for g in grads)
 
 
@@ -381,6 +381,10 @@ def _triton_attention(p: _Prepared, is_causal: bool):
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (p.q, p.k, p.v))
     q_count, q_index = lists.q_lists() if needs_grad else (None, None)
     token_mask = p.token_mask.view(torch.uint8) if p.token_mask is not None else None
-    op = ops.sparse_attention_fwd if needs_grad or torch.compiler.is_compiling() else ops.forward_eager
+    # The custom op when torch.compile traces; in eager mode the launchers directly (its dispatch costs host time).
+    if torch.compiler.is_compiling():
+        op = ops.sparse_attention_fwd
+    else:
+        op = ops.EagerAttention.apply if needs_grad else ops.forward_eager
     return op(p.q, p.k, p.v, lists.kv_count, lists.kv_index, q_count, q_index, token_mask, gather_mask, p.kv_valid,
               *_varlen_args(p), p.scale, *lists.block_size, *p.sparsity.block_size, is_causal, *_varlen_lengths(p))

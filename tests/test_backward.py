@@ -215,6 +215,25 @@ def test_gradient_through_lse_matches_the_torch_backend(geometry):
     assert_grads_close(got, want, 1e-3, "lse")
 
 
+def test_gradient_through_lse_alone(geometry):
+    """A loss of the LSE only: the output's gradient never arrives (autograd passes None), and the kernels' result
+    still matches the PyTorch backend's."""
+    g = geometry
+    seq = g.seqs[1]
+    q, k, v = qkv(g.batch, g.heads, seq, g.dim, dtype=torch.float32, seed=8)
+    keep = random_keep(g.batch, g.heads, seq, seq, g.block)
+    keep[..., 0, :] = False
+    results = {}
+    for backend in ("triton", "torch"):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        _, lse = blockattn.attention(*leaves, keep, g.block, return_lse=True, backend=backend)
+        torch.where(torch.isinf(lse), 0, lse).sum().backward()
+        results[backend] = [t.grad for t in leaves]
+    assert_grads_close(results["triton"][:2], results["torch"][:2], 1e-3, "lse only")
+    # V does not reach the LSE: PyTorch leaves its gradient None, the kernels write exact zeros.
+    assert results["torch"][2] is None and torch.equal(results["triton"][2], torch.zeros_like(v))
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_explicit_backward_from_saved_output_and_lse(geometry, poisoned, backend):
     """The forward's out and LSE handed to attention_backward give autograd's gradients."""

@@ -9,10 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import autotune, buffers
-from .forward import LOG2E, TUNING_KEY, fp32_precision, head_dims, stride_args, strides
+from . import autotune, buffers, tma
+from .forward import LOG2E, TUNING_KEY, fp32_precision, head_dims, stride_args, strides, tile_descriptors
 from .varlen import Varlen
-from .primitives import dot, element_keep, first_entry_at_or_after, load_tile, sequence_span
+from .primitives import dot, element_keep, first_entry_at_or_after, load_tile_or_box, sequence_span
 
 # How the backward produces dQ:
 #   "kernel": a separate dQ kernel walks the kv lists and recomputes P and dP (7 tile products per tile pair in
@@ -73,7 +73,7 @@ def _row_stats(Lse, Delta, row_ptr, rows_ok, EVEN_ROWS: tl.constexpr):
 
 @triton.jit(do_not_specialize=["seq_bucket"])
 def attention_bwd_dq_kernel(
-    Q, K, V, DO, DQ, Lse, Delta, KV_COUNT, KV_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID, CU_SEQLENS_Q, CU_SEQLENS_KV,
+    Q, K, V, K_DESC, V_DESC, DO, DQ, Lse, Delta, KV_COUNT, KV_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID, CU_SEQLENS_Q, CU_SEQLENS_KV,
     scale_log2, scale, seq_q, seq_kv, num_heads, group_size, mask_block_q, mask_block_kv, seq_bucket,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -90,11 +90,12 @@ def attention_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_Q: tl.constexpr, EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
     GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, TMA_LOADS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: dQ [BM, D] of one query tile of one (batch, head), walking its query block's kv list.
-    Lse and Delta share one layout (strides stride_l*); IS_VARLEN as in the forward kernel."""
+    Lse and Delta share one layout (strides stride_l*); IS_VARLEN and TMA_LOADS (K_DESC, V_DESC) as in the forward
+    kernel."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     TILES_PER_BLOCK: tl.constexpr = BLOCK_KV // BLOCK_N
@@ -135,12 +136,15 @@ def attention_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for it in range(0, count * TILES_PER_BLOCK):
         kv_block = tl.load(index_row + it // TILES_PER_BLOCK)
-        offs_n = kv_block * BLOCK_KV + (it % TILES_PER_BLOCK) * BLOCK_N + offs_n0
+        start_n = kv_block * BLOCK_KV + (it % TILES_PER_BLOCK) * BLOCK_N
+        offs_n = start_n + offs_n0
         n_ok = offs_n < seq_kv
-        k = load_tile(k_base + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd, n_ok, d_ok,
-                      EVEN_KV, HEAD_DIM == BLOCK_D)  # [BN, BD]
-        v = load_tile(v_base + offs_n[:, None].to(tl.int64) * stride_vs + offs_dv[None, :] * stride_vd, n_ok, dv_ok,
-                      EVEN_KV, HEAD_DIM_V == BLOCK_DV)  # [BN, BDV]
+        k = load_tile_or_box(K_DESC, off_b, off_hkv, kv_start + start_n,
+                             k_base + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd,
+                             n_ok, d_ok, EVEN_KV, HEAD_DIM == BLOCK_D, TMA_LOADS, BLOCK_N, BLOCK_D)  # [BN, BD]
+        v = load_tile_or_box(V_DESC, off_b, off_hkv, kv_start + start_n,
+                             v_base + offs_n[:, None].to(tl.int64) * stride_vs + offs_dv[None, :] * stride_vd,
+                             n_ok, dv_ok, EVEN_KV, HEAD_DIM_V == BLOCK_DV, TMA_LOADS, BLOCK_N, BLOCK_DV)  # [BN, BDV]
         qk = dot(q, tl.trans(k), None, FP32_PRECISION)  # [BM, BN]
         p = tl.math.exp2(qk * scale_log2 - lse[:, None])
         if MASKED:
@@ -160,7 +164,7 @@ def attention_bwd_dq_kernel(
 
 @triton.jit(do_not_specialize=["seq_bucket"])
 def attention_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, DQ_ACC, DQ_DESC, Lse, Delta, Q_COUNT, Q_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID,
+    Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, DQ_ACC, DQ_DESC, Lse, Delta, Q_COUNT, Q_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID,
     CU_SEQLENS_Q, CU_SEQLENS_KV,
     scale_log2, scale, seq_q, seq_kv, kv_heads, group_size, mask_block_q, mask_block_kv, seq_bucket,
     stride_qb, stride_qh, stride_qs, stride_qd,
@@ -180,7 +184,7 @@ def attention_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_Q: tl.constexpr, EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
     GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DQ_MODE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DQ_MODE: tl.constexpr, TMA_LOADS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: dK [BN, D] and dV [BN, Dv] of one key tile of one (batch, kv head), summed over the query heads
@@ -189,7 +193,7 @@ def attention_bwd_dkdv_kernel(
     DQ_MODE "atomic" / "tma" (see DQ_MODES): also add this tile's share of dQ into DQ_ACC (fp32 [B * H, Sq, BD],
     zeroed; [H, T, BD] for a packed batch) with element atomics, or through DQ_DESC, a tensor descriptor of DQ_ACC
     with block [1, BLOCK_M, BD]. That saves the dQ kernel's recomputation of P and dP, but dQ's summation order
-    then varies between runs."""
+    then varies between runs. TMA_LOADS: Q and dO tiles come through Q_DESC / DO_DESC (kernels/tma.py)."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     TILES_PER_BLOCK: tl.constexpr = BLOCK_Q // BLOCK_M
@@ -237,13 +241,16 @@ def attention_bwd_dkdv_kernel(
             it = step + first
             it = tl.where(it >= total, it - total, it)
             q_block = tl.load(index_row + it // TILES_PER_BLOCK)
-            offs_m = q_block * BLOCK_Q + (it % TILES_PER_BLOCK) * BLOCK_M + offs_m0
+            start_m = q_block * BLOCK_Q + (it % TILES_PER_BLOCK) * BLOCK_M
+            offs_m = start_m + offs_m0
             m_ok = offs_m < seq_q
             rows = offs_m[:, None].to(tl.int64)
-            q = load_tile(q_base + rows * stride_qs + offs_d[None, :] * stride_qd, m_ok, d_ok,
-                          EVEN_Q, HEAD_DIM == BLOCK_D)  # [BM, BD]
-            do = load_tile(do_base + rows * stride_dos + offs_dv[None, :] * stride_dod, m_ok, dv_ok,
-                           EVEN_Q, HEAD_DIM_V == BLOCK_DV)  # [BM, BDV]
+            q = load_tile_or_box(Q_DESC, off_b, off_h, q_start + start_m,
+                                 q_base + rows * stride_qs + offs_d[None, :] * stride_qd,
+                                 m_ok, d_ok, EVEN_Q, HEAD_DIM == BLOCK_D, TMA_LOADS, BLOCK_M, BLOCK_D)  # [BM, BD]
+            do = load_tile_or_box(DO_DESC, off_b, off_h, q_start + start_m,
+                                  do_base + rows * stride_dos + offs_dv[None, :] * stride_dod,
+                                  m_ok, dv_ok, EVEN_Q, HEAD_DIM_V == BLOCK_DV, TMA_LOADS, BLOCK_M, BLOCK_DV)  # [BM, BDV]
             lse, delta = _row_stats(Lse, Delta, row_base + offs_m.to(tl.int64) * stride_ls, m_ok, EVEN_Q)
             kq = dot(k, tl.trans(q), None, FP32_PRECISION)  # [BN, BM]
             p_t = tl.math.exp2(kq * scale_log2 - lse[None, :])
@@ -264,7 +271,7 @@ def attention_bwd_dkdv_kernel(
                     # Rows past this sequence's end carry exact zeros (their P is 0), so the bulk add may cover
                     # them; the descriptor clips at the buffer's edges.
                     acc_head = off_h if IS_VARLEN else off_b * kv_heads * group_size + off_h
-                    DQ_DESC.atomic_add([acc_head, q_start + q_block * BLOCK_Q + (it % TILES_PER_BLOCK) * BLOCK_M, 0],
+                    DQ_DESC.atomic_add([acc_head, q_start + start_m, 0],
                                        dq_part.reshape(1, BLOCK_M, BLOCK_D))
                 else:
                     dq_ptrs = (DQ_ACC + off_b.to(tl.int64) * stride_qab + off_h.to(tl.int64) * stride_qah
@@ -344,9 +351,12 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
             "BWD_DQ", block_q, block_kv,
             smem_per_stage=lambda bm, bn: bn * (block_d + block_dv) * elt,
             fixed_smem=lambda bm, bn: bm * (block_d + block_dv) * elt, cache_key=(block_d, block_dv, elt))
+        k_desc, v_desc = tile_descriptors(attention_bwd_dq_kernel, varlen, k, v)
         autotune.launch(
             attention_bwd_dq_kernel, lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads), dq_configs,
-            TUNING_KEY, DQ=dq, KV_COUNT=kv_count, KV_INDEX=kv_index, num_heads=heads,
+            TUNING_KEY, pre_hook=tma.set_boxes if k_desc is not None else None,
+            K_DESC=k_desc if k_desc is not None else dummy, V_DESC=v_desc if v_desc is not None else dummy,
+            TMA_LOADS=k_desc is not None, DQ=dq, KV_COUNT=kv_count, KV_INDEX=kv_index, num_heads=heads,
             **stride_args("dq", dq, "bhsd"), **stride_args("c", kv_count, "bh"),
             **stride_args("i", kv_index, "bhq"), **common)
 
@@ -355,11 +365,15 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         smem_per_stage=lambda bm, bn: bm * (block_d + block_dv) * elt,
         fixed_smem=lambda bm, bn: bn * (block_d + block_dv) * elt + (bm * block_d * 4 if dq_mode == "tma" else 0),
         cache_key=(block_d, block_dv, elt, dq_mode))
+    q_desc, do_desc = tile_descriptors(attention_bwd_dkdv_kernel, varlen, q, grad_out)
     autotune.launch(
         attention_bwd_dkdv_kernel, lambda meta: (triton.cdiv(seq_kv, meta["BLOCK_N"]), batch * kv_heads),
         dkdv_configs, TUNING_KEY + ("DQ_MODE",), DK=dk, DV=dv, DQ_ACC=dq_acc4 if accumulate else delta,
-        DQ_DESC=dq_desc, Q_COUNT=q_count, Q_INDEX=q_index, kv_heads=kv_heads, DQ_MODE=dq_mode,
-        reset_to_zero=("DQ_ACC",) if accumulate else (), pre_hook=_set_dq_block if dq_desc is not None else None,
+        DQ_DESC=dq_desc, Q_DESC=q_desc if q_desc is not None else dummy,
+        DO_DESC=do_desc if do_desc is not None else dummy, TMA_LOADS=q_desc is not None,
+        Q_COUNT=q_count, Q_INDEX=q_index, kv_heads=kv_heads, DQ_MODE=dq_mode,
+        reset_to_zero=("DQ_ACC",) if accumulate else (),
+        pre_hook=tma.set_boxes if dq_desc is not None or q_desc is not None else None,
         **stride_args("dk", dk, "bhsd"), **stride_args("dv", dv, "bhsd"), **stride_args("c", q_count, "bh"),
         **stride_args("i", q_index, "bhq"), **stride_args("qa", dq_acc4, "bhs"), **common)
     if accumulate:
@@ -400,10 +414,5 @@ def tma_reductions_available(kernel_fn, device: torch.device) -> bool:
 
 def _tensor_descriptor(acc: torch.Tensor):
     from triton.tools.tensor_descriptor import TensorDescriptor
-    # The block's height is the tile's, set per config by _set_dq_block.
+    # The block's height is the tile's, set per config by tma.set_boxes.
     return TensorDescriptor(acc, list(acc.shape), list(acc.stride()), [1, 16, acc.shape[-1]])
-
-
-def _set_dq_block(nargs: dict) -> None:
-    """Autotune pre-hook: the dQ descriptor's block is one BLOCK_M tile of full (padded) head-dim rows."""
-    nargs["DQ_DESC"].block_shape = [1, nargs["BLOCK_M"], nargs["BLOCK_D"]]

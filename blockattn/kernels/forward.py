@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import autotune, buffers
-from .primitives import dot, element_keep, load_tile, sequence_span
+from . import autotune, buffers, tma
+from .primitives import dot, element_keep, load_tile_or_box, sequence_span
 from .varlen import Varlen
 
 LOG2E = 1.4426950408889634
@@ -17,7 +17,7 @@ LOG2E = 1.4426950408889634
 
 @triton.jit(do_not_specialize=["seq_bucket"])
 def attention_fwd_kernel(
-    Q, K, V, Out, Lse, KV_COUNT, KV_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID, CU_SEQLENS_Q, CU_SEQLENS_KV,
+    Q, K, V, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID, CU_SEQLENS_Q, CU_SEQLENS_KV,
     scale_log2, seq_q, seq_kv, num_heads, group_size, mask_block_q, mask_block_kv, seq_bucket,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -33,7 +33,7 @@ def attention_fwd_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
     GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, TMA_LOADS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: a BLOCK_M query tile of one (batch, head), walking only the key blocks its query block kept.
@@ -41,7 +41,8 @@ def attention_fwd_kernel(
     Q [B, H, Sq, D], K [B, Hkv, Sk, D], V [B, Hkv, Sk, Dv], Out [B, H, Sq, Dv], Lse fp32 [B, H, Sq] (natural log);
     KV_COUNT int32 [Bm, Hm, nq], KV_INDEX int32 [Bm, Hm, nq, L] (size-1 mask dims come with stride 0).
     IS_VARLEN: a packed batch; "batch" b is sequence b, whose tokens start at CU_SEQLENS_Q[b] / CU_SEQLENS_KV[b]
-    along the token stride (the batch strides are 0), seq_q / seq_kv are the longest lengths."""
+    along the token stride (the batch strides are 0), seq_q / seq_kv are the longest lengths.
+    TMA_LOADS: K and V tiles come through K_DESC / V_DESC, host descriptors of K and V (kernels/tma.py)."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     TILES_PER_BLOCK: tl.constexpr = BLOCK_KV // BLOCK_N
@@ -85,10 +86,12 @@ def attention_fwd_kernel(
         start_n = kv_block * BLOCK_KV + (it % TILES_PER_BLOCK) * BLOCK_N
         offs_n = start_n + offs_n0
         n_ok = offs_n < seq_kv
-        k = load_tile(k_base + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd, n_ok, d_ok,
-                      EVEN_KV, HEAD_DIM == BLOCK_D)  # [BN, BD]
-        v = load_tile(v_base + offs_n[:, None].to(tl.int64) * stride_vs + offs_dv[None, :] * stride_vd, n_ok, dv_ok,
-                      EVEN_KV, HEAD_DIM_V == BLOCK_DV)  # [BN, BDV]
+        k = load_tile_or_box(K_DESC, off_b, off_hkv, kv_start + start_n,
+                             k_base + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd,
+                             n_ok, d_ok, EVEN_KV, HEAD_DIM == BLOCK_D, TMA_LOADS, BLOCK_N, BLOCK_D)  # [BN, BD]
+        v = load_tile_or_box(V_DESC, off_b, off_hkv, kv_start + start_n,
+                             v_base + offs_n[:, None].to(tl.int64) * stride_vs + offs_dv[None, :] * stride_vd,
+                             n_ok, dv_ok, EVEN_KV, HEAD_DIM_V == BLOCK_DV, TMA_LOADS, BLOCK_N, BLOCK_DV)  # [BN, BDV]
         qk = dot(q, tl.trans(k), None, FP32_PRECISION)  # [BM, BN]
         if MASKED:
             keep = element_keep(offs_m[:, None], offs_n[None, :], seq_q, seq_kv, off_b, off_h,
@@ -122,7 +125,7 @@ def attention_fwd_kernel(
 
 
 TUNING_KEY = ("BLOCK_Q", "BLOCK_KV", "HEAD_DIM", "HEAD_DIM_V", "EVEN_Q", "EVEN_KV", "IS_CAUSAL", "HAS_TOKEN_MASK",
-              "GATHER_BLOCK_MASK", "HAS_KV_VALID", "IS_VARLEN", "seq_bucket")
+              "GATHER_BLOCK_MASK", "HAS_KV_VALID", "IS_VARLEN", "TMA_LOADS", "seq_bucket")
 
 
 def output_buffers(q: torch.Tensor, head_dim_v: int, packed: bool):
@@ -163,6 +166,15 @@ def head_dims(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
     return head_dim, head_dim_v, max(16, triton.next_power_of_2(head_dim)), max(16, triton.next_power_of_2(head_dim_v))
 
 
+def tile_descriptors(kernel_fn, varlen: Optional[Varlen], *tensors: torch.Tensor) -> tuple:
+    """Descriptors for the tensors whose tiles kernel_fn's loop walks, or Nones: pointer loads for packed batches,
+    where the GPU has no TMA, or when any of them cannot be described (tma.tile_descriptor)."""
+    if varlen is not None or not tma.available(kernel_fn, tensors[0].device):
+        return (None,) * len(tensors)
+    descs = tuple(tma.tile_descriptor(t) for t in tensors)
+    return (None,) * len(tensors) if any(d is None for d in descs) else descs
+
+
 def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, scale: float,
                       token_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                       block_mask: Optional[torch.Tensor] = None, mask_block_q: int = 0, mask_block_kv: int = 0,
@@ -198,12 +210,15 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
         HAS_KV_VALID=kv_valid is not None, FP32_PRECISION=fp32_precision(q.dtype, attention_fwd_kernel),
         IS_VARLEN=varlen is not None)
     dummy = kv_count
+    k_desc, v_desc = tile_descriptors(attention_fwd_kernel, varlen, k, v)
     autotune.launch(
         attention_fwd_kernel,
         lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads),
         configs,
         key=TUNING_KEY,
-        Q=q, K=k, V=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index,
+        pre_hook=tma.set_boxes if k_desc is not None else None,
+        Q=q, K=k, V=v, K_DESC=k_desc if k_desc is not None else dummy, V_DESC=v_desc if v_desc is not None else dummy,
+        TMA_LOADS=k_desc is not None, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index,
         TOKEN_MASK=token_mask if token_mask is not None else dummy,
         BLOCK_MASK=block_mask if gather else dummy,
         KV_VALID=kv_valid if kv_valid is not None else dummy,

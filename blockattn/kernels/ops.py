@@ -48,19 +48,21 @@ def _(q, k, v, kv_count, kv_index, q_count, q_index, token_mask, block_mask, kv_
     return output_buffers(q, v.shape[-1], cu_seqlens_q is not None)
 
 
-@torch.library.custom_op("blockattn::sparse_attention_bwd", mutates_args=())
-def sparse_attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                         lse: Tensor, kv_count: Tensor, kv_index: Tensor, q_count: Tensor, q_index: Tensor,
-                         token_mask: Optional[Tensor], block_mask: Optional[Tensor], kv_valid: Optional[Tensor],
-                         cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor], scale: float, block_q: int,
-                         block_kv: int, mask_block_q: int, mask_block_kv: int, is_causal: bool, max_seqlen_q: int,
-                         max_seqlen_kv: int) -> tuple[Tensor, Tensor, Tensor]:
+def backward_eager(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                   lse: Tensor, kv_count: Tensor, kv_index: Tensor, q_count: Tensor, q_index: Tensor,
+                   token_mask: Optional[Tensor], block_mask: Optional[Tensor], kv_valid: Optional[Tensor],
+                   cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor], scale: float, block_q: int,
+                   block_kv: int, mask_block_q: int, mask_block_kv: int, is_causal: bool, max_seqlen_q: int,
+                   max_seqlen_kv: int) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) shaped and strided like (q, k, v)."""
     return attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count, q_index, block_q, block_kv,
                               scale, grad_lse=grad_lse, token_mask=token_mask, is_causal=is_causal,
                               block_mask=block_mask, mask_block_q=mask_block_q, mask_block_kv=mask_block_kv,
                               kv_valid=kv_valid,
                               varlen=_varlen(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv))
+
+
+sparse_attention_bwd = torch.library.custom_op("blockattn::sparse_attention_bwd", mutates_args=())(backward_eager)
 
 
 @sparse_attention_bwd.register_fake
@@ -78,15 +80,39 @@ def _setup_context(ctx, inputs, output):
     ctx.scalars = inputs[_TENSOR_INPUTS:]
 
 
-def _backward(ctx, grad_out, grad_lse):
+def _gradients(ctx, grad_out, grad_lse, backward_fn):
     (q, k, v, kv_count, kv_index, q_count, q_index, token_mask, block_mask, kv_valid, cu_q, cu_kv, out,
      lse) = ctx.saved_tensors
     if q_count is None or q_index is None:
         raise RuntimeError("blockattn: the forward ran without q lists, so it cannot be differentiated; "
                            "call attention() with inputs that require grad")
-    dq, dk, dv = sparse_attention_bwd(grad_out.contiguous(), grad_lse, q, k, v, out, lse, kv_count, kv_index,
-                                      q_count, q_index, token_mask, block_mask, kv_valid, cu_q, cu_kv, *ctx.scalars)
+    if grad_out is None:  # only the LSE was used
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = backward_fn(grad_out.contiguous(), grad_lse, q, k, v, out, lse, kv_count, kv_index, q_count,
+                             q_index, token_mask, block_mask, kv_valid, cu_q, cu_kv, *ctx.scalars)
     return (dq, dk, dv) + (None,) * (_TENSOR_INPUTS - 3 + len(ctx.scalars))
 
 
+def _backward(ctx, grad_out, grad_lse):
+    return _gradients(ctx, grad_out, grad_lse, sparse_attention_bwd)
+
+
 sparse_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class EagerAttention(torch.autograd.Function):
+    """The custom ops' forward and backward as a plain autograd Function, for eager calls that need gradients:
+    the custom-op dispatch measured about 1 ms of host time per call on the H200 machine (BENCHMARKS.md), several
+    times a short sequence's kernel time. blockattn.api uses the custom op whenever torch.compile traces.
+    apply() takes sparse_attention_fwd's arguments."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        out, lse = forward_eager(*inputs)
+        _setup_context(ctx, inputs, (out, lse))
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zero buffers, no work
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        return _gradients(ctx, grad_out, grad_lse, backward_eager)

@@ -79,6 +79,18 @@ def load_tile(ptrs, rows_ok, cols_ok, EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.con
 
 
 @triton.jit
+def load_tile_or_box(desc, off_b, off_h, row, ptrs, rows_ok, cols_ok, EVEN_ROWS: tl.constexpr,
+                     EVEN_COLS: tl.constexpr, TMA_LOADS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """A [ROWS, COLS] tile: with TMA_LOADS the box at (off_b, off_h, row, 0) of desc, a host descriptor over a
+    [B, H, S, D] tensor (rows and columns past its ends read as zeros); otherwise load_tile(ptrs, ...)."""
+    if TMA_LOADS:
+        tile = desc.load([off_b, off_h, row, 0]).reshape(ROWS, COLS)
+    else:
+        tile = load_tile(ptrs, rows_ok, cols_ok, EVEN_ROWS, EVEN_COLS)
+    return tile
+
+
+@triton.jit
 def first_entry_at_or_after(index_row, count, pivot):
     """Position of the first entry >= pivot in an ascending list of count entries (count if none): a walk that
     starts there and wraps around visits the same blocks in a fixed order, but programs of neighbouring blocks no

@@ -1,0 +1,146 @@
+"""Experiment: variants of the forward loop at one shape, each tile config timed on its own (not part of the package).
+
+Knobs: TMA (K and V tiles through host tensor descriptors, Hopper's bulk copies, instead of pointer loads);
+PIPELINE_QK (the next tile's Q K^T is issued before this tile's softmax, so the tensor cores can work while the
+softmax runs: the "intra-warpgroup overlap" of FlashAttention-3, written by hand since Triton does not reorder it).
+Square 128 blocks, contiguous [B, H, S, D] inputs, no masks; the package's forward is timed alongside.
+
+    python benchmarks/exp_fwd.py --dim 128 --density 0.25
+"""
+
+import argparse
+
+import torch
+import triton
+import triton.language as tl
+import triton.testing
+
+import blockattn
+from blockattn.bench import Case, block_mask
+from blockattn.kernels.forward import LOG2E
+
+
+@triton.jit
+def _load_kv(desc, base, start_n, offs_n0, offs_d, HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
+    if TMA:
+        tile = desc.load([base + start_n, 0])
+    else:
+        tile = tl.load(desc + (base + start_n + offs_n0[:, None]).to(tl.int64) * HEAD_DIM + offs_d[None, :])
+    return tile
+
+
+@triton.jit
+def _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2):
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+    p = tl.math.exp2(qk * scale_log2 - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def fwd_variant(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list,
+                HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, PIPELINE_QK: tl.constexpr):
+    TILES: tl.constexpr = BLOCK_KV // BLOCK_N
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    start_m = pid_m * BLOCK_M
+    q_block = start_m // BLOCK_Q
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    base = bh * seq  # row of this head's first token in the [B * H * S, D] views
+    q = tl.load(Q + (base + offs_m[:, None]).to(tl.int64) * HEAD_DIM + offs_d[None, :])
+    count = tl.load(KV_COUNT + bh * (seq // BLOCK_Q) + q_block)
+    index_row = KV_INDEX + (bh * (seq // BLOCK_Q) + q_block).to(tl.int64) * n_list
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    total = count * TILES
+    if PIPELINE_QK:
+        start_n = tl.load(index_row) * BLOCK_KV
+        k = _load_kv(K, base, start_n, offs_n0, offs_d, HEAD_DIM, TMA)
+        qk = tl.dot(q, tl.trans(k))
+        for it in range(0, total - 1):
+            nxt = it + 1
+            start_next = tl.load(index_row + nxt // TILES) * BLOCK_KV + (nxt % TILES) * BLOCK_N
+            k = _load_kv(K, base, start_next, offs_n0, offs_d, HEAD_DIM, TMA)
+            qk_next = tl.dot(q, tl.trans(k))
+            v = _load_kv(V, base, start_n, offs_n0, offs_d, HEAD_DIM, TMA)
+            m_i, l_i, acc = _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2)
+            qk = qk_next
+            start_n = start_next
+        v = _load_kv(V, base, start_n, offs_n0, offs_d, HEAD_DIM, TMA)
+        m_i, l_i, acc = _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2)
+    else:
+        for it in range(0, total):
+            start_n = tl.load(index_row + it // TILES) * BLOCK_KV + (it % TILES) * BLOCK_N
+            k = _load_kv(K, base, start_n, offs_n0, offs_d, HEAD_DIM, TMA)
+            v = _load_kv(V, base, start_n, offs_n0, offs_d, HEAD_DIM, TMA)
+            qk = tl.dot(q, tl.trans(k))
+            m_i, l_i, acc = _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2)
+    acc = acc / l_i[:, None]
+    tl.store(Out + (base + offs_m[:, None]).to(tl.int64) * HEAD_DIM + offs_d[None, :], acc.to(Out.dtype.element_ty))
+
+
+CONFIGS = [(128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3)]
+
+
+def run_variant(q, k, v, blocks, tma, pipeline, config):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    block_m, block_n, warps, stages = config
+    batch, heads, seq, dim = q.shape
+    out = torch.empty_like(q)
+    k2, v2 = k.view(-1, dim), v.view(-1, dim)
+    kd, vd = ((TensorDescriptor.from_tensor(k2, [block_n, dim]), TensorDescriptor.from_tensor(v2, [block_n, dim]))
+              if tma else (k2, v2))
+    block_q, block_kv = blocks.block_size
+    grid = (seq // block_m, batch * heads)
+
+    def call():
+        fwd_variant[grid](q, kd, vd, out, blocks.kv_count, blocks.kv_index, q.shape[-1] ** -0.5 * LOG2E, seq,
+                          blocks.kv_index.shape[-1], HEAD_DIM=dim, BLOCK_Q=block_q, BLOCK_KV=block_kv,
+                          BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, PIPELINE_QK=pipeline, num_warps=warps,
+                          num_stages=stages)
+        return out
+    return call
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--density", type=float, default=0.25)
+    parser.add_argument("--seq", type=int, default=32768)
+    parser.add_argument("--heads", type=int, default=24)
+    args = parser.parse_args()
+    case = Case(heads=args.heads, seq=args.seq, dim=args.dim, block=(128, 128), density=args.density)
+    device = torch.device("cuda")
+    keep = block_mask(case, device)
+    blocks = blockattn.BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
+    # The experiment indexes lists as [H, nq, L] of batch 1: expand the mask's batch.
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, case.heads, case.seq, case.dim, device=device, dtype=torch.bfloat16, generator=gen)
+               for _ in range(3))
+    flops = 4.0 * case.heads * case.seq * case.seq * case.dim * blocks.density()
+    expected = blockattn.attention(q, k, v, blocks)
+    ms = triton.testing.do_bench(lambda: blockattn.attention(q, k, v, blocks), warmup=50, rep=200,
+                                 return_mode="median")
+    print(f"== {case.label}: package forward {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
+    for tma in (False, True):
+        for pipeline in (False, True):
+            for config in CONFIGS:
+                label = f"tma={int(tma)} pipeline_qk={int(pipeline)} {config[0]}x{config[1]} w{config[2]} s{config[3]}"
+                try:
+                    call = run_variant(q, k, v, blocks, tma, pipeline, config)
+                    err = (call().float() - expected.float()).abs().max().item()
+                    ms = triton.testing.do_bench(call, warmup=50, rep=200, return_mode="median")
+                    print(f"{label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s) max err {err:.1e}", flush=True)
+                except Exception as error:  # a variant that does not compile is a result too
+                    print(f"{label}: failed {type(error).__name__}: {str(error)[:200]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Where a short sequence's backward goes: B8 H16 S1024 D128 (the case of issue 6 that runs far behind
+FlexAttention). Prints do_bench times per dQ mode, the host time per call (enqueue without waiting), and a
+torch.profiler table of the GPU kernels.
+
+    python benchmarks/exp_short.py --seq 1024
+"""
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+import triton.testing
+
+import blockattn
+from blockattn.bench import Case, block_mask
+from blockattn.kernels import backward
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--density", type=float, default=0.5)
+    args = parser.parse_args()
+    case = Case(batch=args.batch, heads=args.heads, kv_heads=args.heads, seq=args.seq, density=args.density,
+                block=(128, 128))
+    device = torch.device("cuda")
+    blocks = blockattn.BlockSparsity.from_mask(block_mask(case, device), case.block, case.seq, case.seq)
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(case.batch, case.heads, case.seq, case.dim, device=device, dtype=torch.bfloat16,
+                           generator=gen).requires_grad_(True) for _ in range(3))
+    grad = torch.randn_like(q)
+
+    def fwd():
+        with torch.no_grad():
+            return blockattn.attention(q, k, v, blocks)
+
+    def fwd_bwd():
+        return torch.autograd.grad(blockattn.attention(q, k, v, blocks), (q, k, v), grad)
+
+    for mode in ("atomic", "kernel"):
+        backward.DQ_MODE_DEFAULT = mode
+        t_fwd = triton.testing.do_bench(fwd, warmup=50, rep=200, return_mode="median")
+        t_all = triton.testing.do_bench(fwd_bwd, warmup=50, rep=200, return_mode="median")
+        torch.cuda.synchronize()
+        for name, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+            start = time.perf_counter()
+            for _ in range(100):
+                fn()
+            host = (time.perf_counter() - start) / 100 * 1e3
+            torch.cuda.synchronize()
+            print(f"dq {mode} {name}: host enqueue {host:.3f} ms/call", flush=True)
+        print(f"dq {mode}: do_bench fwd {t_fwd:.3f} ms, fwd+bwd {t_all:.3f} ms, bwd {t_all - t_fwd:.3f} ms",
+              flush=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                fwd_bwd()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60),
+              flush=True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60),
+              flush=True)
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(50):
+            fwd_bwd()
+        profile.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Tiles read through tensor descriptors (kernels/tma.py) against pointer loads: the same values, so the same
+results bit for bit, on ragged lengths, head dims below the padded tile width, GQA and causal masks; tensors the
+TMA cannot describe fall back to pointer loads."""
+
+import pytest
+import torch
+
+import blockattn
+from blockattn.kernels import backward, forward, tma
+from conftest import DEVICE, ON_GPU, assert_one_ulp, check_against_oracle, expand, qkv, random_keep
+
+# (seq_q, seq_kv, head dim, query heads, kv heads, causal): ragged tails, a head dim under its padded width (40 ->
+# 64: the box reads zero columns past the end), GQA, cross lengths.
+CASES = {
+    "ragged_gqa_causal": (250 if not ON_GPU else 1000, None, 32 if not ON_GPU else 64, 4, 2, True),
+    "padded_head_dim_cross": (200 if not ON_GPU else 900, 150 if not ON_GPU else 700, 40, 2, 2, False),
+}
+
+
+def run(q, k, v, keep, block, is_causal, tma_loads, monkeypatch):
+    monkeypatch.setattr(tma, "TMA_LOADS", tma_loads)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out, lse = blockattn.attention(*leaves, keep, block, is_causal=is_causal, return_lse=True, backend="triton")
+    grad = torch.randn(out.shape, generator=torch.Generator(device=DEVICE).manual_seed(4), device=DEVICE)
+    (out.float() * grad).sum().backward()
+    return [out.detach(), lse] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dq_mode", ["kernel", "atomic"])
+def test_descriptor_and_pointer_loads_agree_bitwise(monkeypatch, poisoned, pinned, geometry, case, dq_mode):
+    seq_q, seq_kv, dim, heads, kv_heads, is_causal = CASES[case]
+    seq_kv = seq_kv or seq_q
+    monkeypatch.setattr(backward, "DQ_MODE_DEFAULT", dq_mode)
+    q, k, v = qkv(geometry.batch, heads, seq_q, dim, kv_heads=kv_heads, seq_kv=seq_kv, seed=3)
+    keep = random_keep(geometry.batch, heads, seq_q, seq_kv, geometry.block)
+    keep[..., 1, :] = False  # a query block that sees nothing
+    with_tma = run(q, k, v, keep, geometry.block, is_causal, True, monkeypatch)
+    without = run(q, k, v, keep, geometry.block, is_causal, False, monkeypatch)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), with_tma, without):
+        assert not torch.isnan(a).any(), f"{name} has NaN"
+        if name == "dq" and dq_mode == "atomic" and ON_GPU:  # atomics add in a different order each run
+            assert_one_ulp(a, b, name)
+        else:
+            assert torch.equal(a, b), f"{name}: descriptor loads differ from pointer loads"
+    visible = expand(keep, geometry.block, seq_q, seq_kv)
+    group = heads // kv_heads
+    check_against_oracle(with_tma[0], with_tma[1], q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                         visible, is_causal=is_causal)
+
+
+def test_the_descriptor_path_is_taken_where_available(monkeypatch):
+    """Not a silent no-op: where descriptors are available, the launchers hand descriptors to the kernels."""
+    q, k, v = qkv(1, 2, 128, 32)
+    available = tma.available(forward.attention_fwd_kernel, q.device)
+    descs = forward.tile_descriptors(forward.attention_fwd_kernel, None, k, v)
+    assert all((d is not None) == available for d in descs)
+    monkeypatch.setattr(tma, "TMA_LOADS", False)
+    assert forward.tile_descriptors(forward.attention_fwd_kernel, None, k, v) == (None, None)
+
+
+def test_tensors_the_tma_cannot_describe(monkeypatch, poisoned):
+    """A base off 16-byte alignment, a row stride that is not a multiple of 16 bytes, a strided last dim: no
+    descriptor, pointer loads instead, and still the oracle's answer."""
+    base = torch.randn(1, 2, 130, 33, device=DEVICE, dtype=torch.bfloat16)
+    shifted = base[..., 1:]  # [1, 2, 130, 32] starting 2 bytes in, rows 66 bytes apart
+    assert tma.tile_descriptor(shifted) is None
+    assert tma.tile_descriptor(torch.randn(1, 2, 64, 20, device=DEVICE, dtype=torch.bfloat16)) is None  # 40-byte rows
+    assert tma.tile_descriptor(torch.randn(1, 2, 64, 64, device=DEVICE)[..., ::2]) is None
+    assert tma.tile_descriptor(torch.randn(1, 2, 64, 32, device=DEVICE, dtype=torch.bfloat16)) is not None
+    q, k, v = qkv(1, 2, 130, 32, seed=5)
+    k, v = shifted.clone(), shifted  # v through pointer loads, k contiguous
+    keep = random_keep(1, 2, 130, 130, (64, 64))
+    out, lse = blockattn.attention(q, k, v, keep, (64, 64), return_lse=True, backend="triton")
+    check_against_oracle(out, lse, q, k, v, expand(keep, (64, 64), 130, 130))
