@@ -19,6 +19,7 @@ CASES = {
 
 def run(q, k, v, keep, block, is_causal, tma_loads, monkeypatch):
     monkeypatch.setattr(tma, "TMA_LOADS", tma_loads)
+    monkeypatch.setattr(tma, "DKDV_TMA_LOADS", True)  # off by default (measured slower), covered here
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     out, lse = blockattn.attention(*leaves, keep, block, is_causal=is_causal, return_lse=True, backend="triton")
     grad = torch.randn(out.shape, generator=torch.Generator(device=DEVICE).manual_seed(4), device=DEVICE)

@@ -365,7 +365,8 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         smem_per_stage=lambda bm, bn: bm * (block_d + block_dv) * elt,
         fixed_smem=lambda bm, bn: bn * (block_d + block_dv) * elt + (bm * block_d * 4 if dq_mode == "tma" else 0),
         cache_key=(block_d, block_dv, elt, dq_mode))
-    q_desc, do_desc = tile_descriptors(attention_bwd_dkdv_kernel, varlen, q, grad_out)
+    q_desc, do_desc = (tile_descriptors(attention_bwd_dkdv_kernel, varlen, q, grad_out) if tma.DKDV_TMA_LOADS
+                       else (None, None))
     autotune.launch(
         attention_bwd_dkdv_kernel, lambda meta: (triton.cdiv(seq_kv, meta["BLOCK_N"]), batch * kv_heads),
         dkdv_configs, TUNING_KEY + ("DQ_MODE",), DK=dk, DV=dv, DQ_ACC=dq_acc4 if accumulate else delta,
