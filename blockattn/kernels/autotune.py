@@ -131,7 +131,9 @@ def _build_tuner(kernel_fn, configs: tuple, key: tuple, reset_to_zero: tuple):
     options = {"reset_to_zero": list(reset_to_zero)} if reset_to_zero else {}
     if "cache_results" in inspect.signature(triton.autotune).parameters:
         options["cache_results"] = True  # tuning results persist on disk: a user pays tuning once per shape
-    return triton.autotune(configs=list(configs), key=list(key), **options)(kernel_fn)
+    # Triton 3.9 rejects key names that are not the kernel's arguments (3.6 ignored them); kernels share one key.
+    names = set(getattr(kernel_fn, "arg_names", key))
+    return triton.autotune(configs=list(configs), key=[name for name in key if name in names], **options)(kernel_fn)
 
 
 def _config_key(config: triton.Config):
