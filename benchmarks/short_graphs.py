@@ -35,13 +35,22 @@ def main():
         blocks = blockattn.BlockSparsity.from_mask(block_mask(case, device), case.block, seq, seq)
         flex_mask = BlockMask.from_kv_blocks(torch.zeros_like(blocks.kv_count), blocks.kv_index, blocks.kv_count,
                                              blocks.kv_index, BLOCK_SIZE=case.block, seq_lengths=(seq, seq))
-        q, k, v = (torch.randn(8, 16, seq, 128, device=device, dtype=torch.bfloat16) for _ in range(3))
-        impls = {"blockattn": lambda: blockattn.attention(q, k, v, blocks),
-                 "flex": lambda: compiled(q, k, v, block_mask=flex_mask)}
-        for name, fn in impls.items():
-            eager = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-            replay = triton.testing.do_bench(graphed(fn), warmup=25, rep=100, return_mode="median")
-            print(f"{case.label} {name}: eager {eager:.3f} ms, graph replay {replay:.3f} ms", flush=True)
+        q, k, v = (torch.randn(8, 16, seq, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        grad = torch.randn_like(q)
+        forwards = {"blockattn": lambda: blockattn.attention(q, k, v, blocks),
+                    "flex": lambda: compiled(q, k, v, block_mask=flex_mask)}
+        for name, forward in forwards.items():
+            def fwd(forward=forward):
+                with torch.no_grad():
+                    return forward()
+
+            def fwd_bwd(forward=forward):
+                return torch.autograd.grad(forward(), (q, k, v), grad)
+            for mode, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+                eager = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                replay = triton.testing.do_bench(graphed(fn), warmup=25, rep=100, return_mode="median")
+                print(f"{case.label} {name} {mode}: eager {eager:.3f} ms, graph replay {replay:.3f} ms", flush=True)
     rows = bench_case(Case(dim=256, heads=16, kv_heads=16, seq=16384, density=0.5), device, backward=False,
                       sdpa=False)
     print(markdown(rows), flush=True)
