@@ -71,3 +71,11 @@ def test_compiled_model_has_no_graph_break_and_matches_eager():
     assert torch.equal(out, eager)
     for got, want in zip((t.grad for t in leaves), eager_grads):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_eager_autograd_bypasses_the_custom_op():
+    """Eager calls that need gradients run the launchers through a plain autograd Function (the custom-op
+    dispatch cost about 1 ms of host time per call, BENCHMARKS.md); the custom op is for torch.compile."""
+    q, k, v = (t.requires_grad_(True) for t in qkv(1, 2, 64, 32, dtype=torch.float32))
+    out = blockattn.attention(q, k, v, random_keep(1, 2, 64, 64, (32, 32)), (32, 32), backend="triton")
+    assert type(out.grad_fn).__name__ == "EagerAttentionBackward"
