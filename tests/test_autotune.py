@@ -95,3 +95,40 @@ def test_every_kernel_builds_a_tuner_from_the_shared_key(kernel_name):
     tuner = autotune._build_tuner(kernel_fn, (autotune.triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}),), key, ())
     assert set(tuner.keys) == set(key) & set(kernel_fn.arg_names)
     assert "seq_bucket" in tuner.keys and "TMA_LOADS" in tuner.keys
+
+
+def test_a_launch_with_a_memoized_list_reuses_its_tuner(monkeypatch):
+    """The launch fast path (compiled Triton only; faked here): a memoized candidate list finds its tuner without
+    rebuilding configs; another list, key or pre-hook builds its own; a list nesting() did not memoize is not
+    remembered (it would be kept alive forever)."""
+    built, launched = [], []
+
+    class FakeTuner:
+        def __init__(self, configs):
+            self.configs = configs
+
+        def __getitem__(self, grid):
+            return lambda **kwargs: launched.append((self, grid, kwargs))
+
+    def fake_tuner(kernel_fn, configs, key, reset_to_zero):
+        built.append(key)
+        return FakeTuner(configs)
+
+    monkeypatch.setattr(autotune, "is_interpreted", lambda fn: False)
+    monkeypatch.setattr(autotune, "_tuner", fake_tuner)
+    monkeypatch.setattr(autotune, "_LAUNCH_TUNERS", {})
+    monkeypatch.setattr(autotune, "_NESTING_CACHE", {})
+    memo = autotune.nesting("FWD", 128, 128, no_smem, no_smem, cache_key=("test",))
+    kernel = object()
+    for _ in range(3):
+        autotune.launch(kernel, "grid", memo, ("A",), x=1)
+    assert built == [("A",)] and len(launched) == 3 and launched[2][2] == {"x": 1}
+    assert launched[0][0] is launched[2][0]
+    autotune.launch(kernel, "grid", memo, ("B",), x=2)
+    autotune.launch(kernel, "grid", memo, ("A",), pre_hook=print, x=3)
+    assert built == [("A",), ("B",), ("A",)]
+    assert all(c.pre_hook is print for c in launched[-1][0].configs)
+    fresh = autotune.nesting("FWD", 128, 128, no_smem, no_smem)
+    autotune.launch(kernel, "grid", fresh, ("A",))
+    autotune.launch(kernel, "grid", fresh, ("A",))
+    assert built[-2:] == [("A",), ("A",)], "a list nesting() did not memoize must not be cached by identity"

@@ -12,7 +12,7 @@ import triton.language as tl
 from . import autotune, buffers, tma
 from .forward import LOG2E, TUNING_KEY, fp32_precision, head_dims, stride_args, strides, tile_descriptors
 from .varlen import Varlen
-from .primitives import dot, element_keep, first_entry_at_or_after, load_tile_or_box, sequence_span
+from .primitives import dot, element_keep, first_entry_at_or_after, kv_list_tiles, load_tile_or_box, sequence_span
 
 # How the backward produces dQ:
 #   "kernel": a separate dQ kernel walks the kv lists and recomputes P and dP (7 tile products per tile pair in
@@ -135,16 +135,10 @@ def attention_bwd_dq_kernel(
     index_row = KV_INDEX + off_b.to(tl.int64) * stride_ib + off_h.to(tl.int64) * stride_ih + q_block * stride_iq
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for it in range(0, count * TILES_PER_BLOCK):
-        kv_block = tl.load(index_row + it // TILES_PER_BLOCK)
-        start_n = kv_block * BLOCK_KV + (it % TILES_PER_BLOCK) * BLOCK_N
-        offs_n = start_n + offs_n0
-        n_ok = offs_n < seq_kv
-        k = load_tile_or_box(K_DESC, off_b, off_hkv, kv_start + start_n,
-                             k_base + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd,
-                             n_ok, d_ok, EVEN_KV, HEAD_DIM == BLOCK_D, TMA_LOADS, BLOCK_N, BLOCK_D)  # [BN, BD]
-        v = load_tile_or_box(V_DESC, off_b, off_hkv, kv_start + start_n,
-                             v_base + offs_n[:, None].to(tl.int64) * stride_vs + offs_dv[None, :] * stride_vd,
-                             n_ok, dv_ok, EVEN_KV, HEAD_DIM_V == BLOCK_DV, TMA_LOADS, BLOCK_N, BLOCK_DV)  # [BN, BDV]
+        offs_n, k, v = kv_list_tiles(it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base,
+                                     stride_ks, stride_kd, stride_vs, stride_vd, offs_n0, offs_d, offs_dv, d_ok, dv_ok,
+                                     BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV,
+                                     TMA_LOADS)  # [BN], [BN, BD], [BN, BDV]
         qk = dot(q, tl.trans(k), None, FP32_PRECISION)  # [BM, BN]
         p = tl.math.exp2(qk * scale_log2 - lse[:, None])
         if MASKED:

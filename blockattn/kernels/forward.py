@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -9,7 +10,7 @@ import triton
 import triton.language as tl
 
 from . import autotune, buffers, tma
-from .primitives import dot, element_keep, load_tile_or_box, sequence_span
+from .primitives import dot, element_keep, kv_list_tiles, sequence_span
 from .varlen import Varlen
 
 LOG2E = 1.4426950408889634
@@ -82,16 +83,10 @@ def attention_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     for it in range(0, count * TILES_PER_BLOCK):
-        kv_block = tl.load(index_row + it // TILES_PER_BLOCK)
-        start_n = kv_block * BLOCK_KV + (it % TILES_PER_BLOCK) * BLOCK_N
-        offs_n = start_n + offs_n0
-        n_ok = offs_n < seq_kv
-        k = load_tile_or_box(K_DESC, off_b, off_hkv, kv_start + start_n,
-                             k_base + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd,
-                             n_ok, d_ok, EVEN_KV, HEAD_DIM == BLOCK_D, TMA_LOADS, BLOCK_N, BLOCK_D)  # [BN, BD]
-        v = load_tile_or_box(V_DESC, off_b, off_hkv, kv_start + start_n,
-                             v_base + offs_n[:, None].to(tl.int64) * stride_vs + offs_dv[None, :] * stride_vd,
-                             n_ok, dv_ok, EVEN_KV, HEAD_DIM_V == BLOCK_DV, TMA_LOADS, BLOCK_N, BLOCK_DV)  # [BN, BDV]
+        offs_n, k, v = kv_list_tiles(it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base,
+                                     stride_ks, stride_kd, stride_vs, stride_vd, offs_n0, offs_d, offs_dv, d_ok, dv_ok,
+                                     BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV,
+                                     TMA_LOADS)  # [BN], [BN, BD], [BN, BDV]
         qk = dot(q, tl.trans(k), None, FP32_PRECISION)  # [BM, BN]
         if MASKED:
             keep = element_keep(offs_m[:, None], offs_n[None, :], seq_q, seq_kv, off_b, off_h,
@@ -147,9 +142,18 @@ def strides(tensor: Optional[torch.Tensor], ndim: int) -> tuple:
     return tuple(st if n > 1 else 0 for st, n in zip(tensor.stride()[:ndim], tensor.shape[:ndim]))
 
 
+@functools.lru_cache(maxsize=None)
+def _stride_names(prefix: str, suffixes: str) -> tuple:
+    return tuple(f"stride_{prefix}{s}" for s in suffixes)
+
+
 def stride_args(prefix: str, tensor: Optional[torch.Tensor], suffixes: str) -> dict:
-    """Keyword stride arguments ``stride_<prefix><suffix>`` for a kernel, from strides()."""
-    return {f"stride_{prefix}{s}": st for s, st in zip(suffixes, strides(tensor, len(suffixes)))}
+    """Keyword stride arguments ``stride_<prefix><suffix>`` for a kernel, as strides() gives them (written out:
+    launchers call this a score of times per call, which counts at short sequences)."""
+    names = _stride_names(prefix, suffixes)
+    if tensor is None:
+        return dict.fromkeys(names, 0)
+    return {name: st if n > 1 else 0 for name, st, n in zip(names, tensor.stride(), tensor.shape)}
 
 
 def fp32_precision(dtype: torch.dtype, kernel_fn):

@@ -91,6 +91,28 @@ def load_tile_or_box(desc, off_b, off_h, row, ptrs, rows_ok, cols_ok, EVEN_ROWS:
 
 
 @triton.jit
+def kv_list_tiles(it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base,
+                  stride_ks, stride_kd, stride_vs, stride_vd, offs_n0, offs_d, offs_dv, d_ok, dv_ok,
+                  BLOCK_KV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_KV: tl.constexpr, TMA_LOADS: tl.constexpr):
+    """Step it of a walk over a kv list (the forward's and the dQ kernel's loop): the key tile's positions
+    offs_n [BN] and its K [BN, BD] and V [BN, BDV] tiles. index_row points at the query block's list; k_base /
+    v_base at this (batch, kv head, sequence)'s first key; K_DESC / V_DESC as in load_tile_or_box."""
+    TILES_PER_BLOCK: tl.constexpr = BLOCK_KV // BLOCK_N
+    kv_block = tl.load(index_row + it // TILES_PER_BLOCK)
+    start_n = kv_block * BLOCK_KV + (it % TILES_PER_BLOCK) * BLOCK_N
+    offs_n = start_n + offs_n0
+    n_ok = offs_n < seq_kv
+    k = load_tile_or_box(K_DESC, off_b, off_hkv, kv_start + start_n,
+                         k_base + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd,
+                         n_ok, d_ok, EVEN_KV, HEAD_DIM == BLOCK_D, TMA_LOADS, BLOCK_N, BLOCK_D)
+    v = load_tile_or_box(V_DESC, off_b, off_hkv, kv_start + start_n,
+                         v_base + offs_n[:, None].to(tl.int64) * stride_vs + offs_dv[None, :] * stride_vd,
+                         n_ok, dv_ok, EVEN_KV, HEAD_DIM_V == BLOCK_DV, TMA_LOADS, BLOCK_N, BLOCK_DV)
+    return offs_n, k, v
+
+
+@triton.jit
 def first_entry_at_or_after(index_row, count, pivot):
     """Position of the first entry >= pivot in an ascending list of count entries (count if none): a walk that
     starts there and wraps around visits the same blocks in a fixed order, but programs of neighbouring blocks no
