@@ -10,10 +10,12 @@ from blockattn.kernels import backward, forward, tma
 from conftest import DEVICE, ON_GPU, assert_one_ulp, check_against_oracle, expand, qkv, random_keep
 
 # (seq_q, seq_kv, head dim, query heads, kv heads, causal): ragged tails, a head dim under its padded width (40 ->
-# 64: the box reads zero columns past the end), GQA, cross lengths.
+# 64: the box reads zero columns past the end), GQA, cross lengths, and lengths that fill whole blocks (the
+# pointer path's unmasked loads).
 CASES = {
     "ragged_gqa_causal": (250 if not ON_GPU else 1000, None, 32 if not ON_GPU else 64, 4, 2, True),
     "padded_head_dim_cross": (200 if not ON_GPU else 900, 150 if not ON_GPU else 700, 40, 2, 2, False),
+    "whole_blocks": (256 if not ON_GPU else 1024, None, 32 if not ON_GPU else 128, 2, 2, False),  # plain loads
 }
 
 
