@@ -12,7 +12,8 @@ import triton.language as tl
 from . import autotune, buffers, tma
 from .forward import LOG2E, TUNING_KEY, fp32_precision, head_dims, stride_args, strides, tile_descriptors
 from .varlen import Varlen
-from .primitives import dot, element_keep, first_entry_at_or_after, kv_list_tiles, load_tile_or_box, sequence_span
+from .primitives import (dot, element_keep, first_entry_at_or_after, kv_list_start, kv_list_tiles, load_tile_or_box,
+                         query_tile_program, sequence_span)
 
 # How the backward produces dQ:
 #   "kernel": a separate dQ kernel walks the kv lists and recomputes P and dP (7 tile products per tile pair in
@@ -101,15 +102,8 @@ def attention_bwd_dq_kernel(
     TILES_PER_BLOCK: tl.constexpr = BLOCK_KV // BLOCK_N
     MASKED: tl.constexpr = (not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID
 
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    off_b = pid_bh // num_heads
-    off_h = pid_bh % num_heads
-    off_hkv = off_h // group_size
-    start_m = pid_m * BLOCK_M
-    q_block = start_m // BLOCK_Q
-    q_start, seq_q = sequence_span(CU_SEQLENS_Q, off_b, seq_q, IS_VARLEN)
-    kv_start, seq_kv = sequence_span(CU_SEQLENS_KV, off_b, seq_kv, IS_VARLEN)
+    off_b, off_h, off_hkv, start_m, q_block, q_start, seq_q, kv_start, seq_kv = query_tile_program(
+        CU_SEQLENS_Q, CU_SEQLENS_KV, seq_q, seq_kv, num_heads, group_size, BLOCK_Q, BLOCK_M, IS_VARLEN)
     if IS_VARLEN:
         if start_m >= seq_q:
             return
@@ -128,11 +122,10 @@ def attention_bwd_dq_kernel(
                  + offs_dv[None, :] * stride_dod, mask=m_ok[:, None] & dv_ok[None, :], other=0.0)  # [BM, BDV]
     lse, delta = _row_stats(Lse, Delta, off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
                             + (q_start + offs_m).to(tl.int64) * stride_ls, m_ok, False)
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh + kv_start.to(tl.int64) * stride_ks
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh + kv_start.to(tl.int64) * stride_vs
 
-    count = tl.load(KV_COUNT + off_b * stride_cb + off_h * stride_ch + q_block)
-    index_row = KV_INDEX + off_b.to(tl.int64) * stride_ib + off_h.to(tl.int64) * stride_ih + q_block * stride_iq
+    count, index_row, k_base, v_base = kv_list_start(
+        KV_COUNT, KV_INDEX, K, V, off_b, off_h, off_hkv, q_block, kv_start, stride_cb, stride_ch, stride_ib, stride_ih,
+        stride_iq, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for it in range(0, count * TILES_PER_BLOCK):
         offs_n, k, v = kv_list_tiles(it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base,

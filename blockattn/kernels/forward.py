@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from . import autotune, buffers, tma
-from .primitives import dot, element_keep, kv_list_tiles, sequence_span
+from .primitives import dot, element_keep, kv_list_start, kv_list_tiles, query_tile_program
 from .varlen import Varlen
 
 LOG2E = 1.4426950408889634
@@ -49,15 +49,8 @@ def attention_fwd_kernel(
     TILES_PER_BLOCK: tl.constexpr = BLOCK_KV // BLOCK_N
     MASKED: tl.constexpr = (not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID
 
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    off_b = pid_bh // num_heads
-    off_h = pid_bh % num_heads
-    off_hkv = off_h // group_size
-    start_m = pid_m * BLOCK_M
-    q_block = start_m // BLOCK_Q
-    q_start, seq_q = sequence_span(CU_SEQLENS_Q, off_b, seq_q, IS_VARLEN)
-    kv_start, seq_kv = sequence_span(CU_SEQLENS_KV, off_b, seq_kv, IS_VARLEN)
+    off_b, off_h, off_hkv, start_m, q_block, q_start, seq_q, kv_start, seq_kv = query_tile_program(
+        CU_SEQLENS_Q, CU_SEQLENS_KV, seq_q, seq_kv, num_heads, group_size, BLOCK_Q, BLOCK_M, IS_VARLEN)
     if IS_VARLEN:
         if start_m >= seq_q:  # this sequence is shorter than the longest
             return
@@ -72,11 +65,10 @@ def attention_fwd_kernel(
     q_ptrs = (Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
               + (q_start + offs_m[:, None]).to(tl.int64) * stride_qs + offs_d[None, :] * stride_qd)
     q = tl.load(q_ptrs, mask=(offs_m[:, None] < seq_q) & d_ok[None, :], other=0.0)  # [BM, BD]
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh + kv_start.to(tl.int64) * stride_ks
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh + kv_start.to(tl.int64) * stride_vs
 
-    count = tl.load(KV_COUNT + off_b * stride_cb + off_h * stride_ch + q_block)
-    index_row = KV_INDEX + off_b.to(tl.int64) * stride_ib + off_h.to(tl.int64) * stride_ih + q_block * stride_iq
+    count, index_row, k_base, v_base = kv_list_start(
+        KV_COUNT, KV_INDEX, K, V, off_b, off_h, off_hkv, q_block, kv_start, stride_cb, stride_ch, stride_ib, stride_ih,
+        stride_iq, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max of scaled scores, log2 units
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -91,6 +91,36 @@ def load_tile_or_box(desc, off_b, off_h, row, ptrs, rows_ok, cols_ok, EVEN_ROWS:
 
 
 @triton.jit
+def query_tile_program(CU_SEQLENS_Q, CU_SEQLENS_KV, seq_q, seq_kv, num_heads, group_size,
+                       BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Where a program of a kv-list walk works (grid: query tiles x batch * query heads): (off_b, off_h, off_hkv,
+    start_m, q_block, q_start, seq_q, kv_start, seq_kv), the last four its sequence's spans (sequence_span)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // num_heads
+    off_h = pid_bh % num_heads
+    off_hkv = off_h // group_size
+    start_m = pid_m * BLOCK_M
+    q_block = start_m // BLOCK_Q
+    q_start, seq_q = sequence_span(CU_SEQLENS_Q, off_b, seq_q, IS_VARLEN)
+    kv_start, seq_kv = sequence_span(CU_SEQLENS_KV, off_b, seq_kv, IS_VARLEN)
+    return off_b, off_h, off_hkv, start_m, q_block, q_start, seq_q, kv_start, seq_kv
+
+
+@triton.jit
+def kv_list_start(KV_COUNT, KV_INDEX, K, V, off_b, off_h, off_hkv, q_block, kv_start,
+                  stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+                  stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs):
+    """(count, index_row, k_base, v_base): the length of query block q_block's kv list, a pointer to the list,
+    and pointers to this (batch, kv head, sequence)'s first key in K and V."""
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh + kv_start.to(tl.int64) * stride_ks
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh + kv_start.to(tl.int64) * stride_vs
+    count = tl.load(KV_COUNT + off_b * stride_cb + off_h * stride_ch + q_block)
+    index_row = KV_INDEX + off_b.to(tl.int64) * stride_ib + off_h.to(tl.int64) * stride_ih + q_block * stride_iq
+    return count, index_row, k_base, v_base
+
+
+@triton.jit
 def kv_list_tiles(it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base,
                   stride_ks, stride_kd, stride_vs, stride_vd, offs_n0, offs_d, offs_dv, d_ok, dv_ok,
                   BLOCK_KV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
