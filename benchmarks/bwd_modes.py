@@ -10,7 +10,7 @@ import torch
 import triton.testing
 
 from blockattn.bench import Case, block_mask, _runners
-from blockattn.kernels import autotune, backward
+from blockattn.kernels import autotune, backward, tma
 
 DKDV_SWEEP = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 2), (64, 64, 8, 3), (32, 128, 8, 2), (128, 64, 8, 2)]
 
@@ -28,7 +28,7 @@ def main():
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     device = torch.device("cuda")
-    print("tma reductions available:", backward.tma_reductions_available(backward.attention_bwd_dkdv_kernel, device))
+    print("tma reductions available:", tma.reductions_available(backward.attention_bwd_dkdv_kernel, device))
     if args.sweep:
         autotune._DEFAULTS["BWD_DKDV"] = DKDV_SWEEP
         autotune._MAX_TUNED = len(DKDV_SWEEP)

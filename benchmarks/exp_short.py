@@ -18,15 +18,10 @@ from blockattn.bench import Case, block_mask
 from blockattn.kernels import backward
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--density", type=float, default=0.5)
-    args = parser.parse_args()
-    case = Case(batch=args.batch, heads=args.heads, kv_heads=args.heads, seq=args.seq, density=args.density,
-                block=(128, 128))
+def short_case(batch: int, heads: int, seq: int, density: float):
+    """(fwd, fwd_bwd): closures running blockattn on a B x H x S, D=128 bf16 case with 128x128 blocks on the GPU,
+    the forward without gradients and forward+backward through autograd."""
+    case = Case(batch=batch, heads=heads, kv_heads=heads, seq=seq, density=density, block=(128, 128))
     device = torch.device("cuda")
     blocks = blockattn.BlockSparsity.from_mask(block_mask(case, device), case.block, case.seq, case.seq)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -40,19 +35,35 @@ def main():
 
     def fwd_bwd():
         return torch.autograd.grad(blockattn.attention(q, k, v, blocks), (q, k, v), grad)
+    return fwd, fwd_bwd
+
+
+def host_ms(fn, calls: int = 100) -> float:
+    """Host time per call (ms): calls enqueued back to back, without waiting for the GPU."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e3
+    torch.cuda.synchronize()
+    return host
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--density", type=float, default=0.5)
+    args = parser.parse_args()
+    fwd, fwd_bwd = short_case(args.batch, args.heads, args.seq, args.density)
 
     for mode in ("atomic", "kernel"):
         backward.DQ_MODE_DEFAULT = mode
         t_fwd = triton.testing.do_bench(fwd, warmup=50, rep=200, return_mode="median")
         t_all = triton.testing.do_bench(fwd_bwd, warmup=50, rep=200, return_mode="median")
-        torch.cuda.synchronize()
         for name, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
-            start = time.perf_counter()
-            for _ in range(100):
-                fn()
-            host = (time.perf_counter() - start) / 100 * 1e3
-            torch.cuda.synchronize()
-            print(f"dq {mode} {name}: host enqueue {host:.3f} ms/call", flush=True)
+            print(f"dq {mode} {name}: host enqueue {host_ms(fn):.3f} ms/call", flush=True)
         print(f"dq {mode}: do_bench fwd {t_fwd:.3f} ms, fwd+bwd {t_all:.3f} ms, bwd {t_all - t_fwd:.3f} ms",
               flush=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,

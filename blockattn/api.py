@@ -338,22 +338,22 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             grads = torch.autograd.grad(recomputed, inputs, grad_out.to(recomputed.dtype))
     else:
         ops = _kernel_ops()
-        lists, gather_mask = _kernel_inputs(p.sparsity, is_causal)
-        q_count, q_index = lists.q_lists()
-        token_mask = p.token_mask.view(torch.uint8) if p.token_mask is not None else None
         op = ops.sparse_attention_bwd if torch.compiler.is_compiling() else ops.backward_eager
-        grads = op(grad_out.contiguous(), None, p.q, p.k, p.v, out, lse, lists.kv_count, lists.kv_index, q_count,
-                   q_index, token_mask, gather_mask, p.kv_valid, *_varlen_args(p), p.scale, *lists.block_size,
-                   *p.sparsity.block_size, is_causal, *_varlen_lengths(p))
+        grads = op(grad_out.contiguous(), None, p.q, p.k, p.v, out, lse, *_op_args(p, is_causal, need_q_lists=True))
     return tuple(_to_layout(g, None, layout)[0] for g in grads)
 
 
-def _varlen_args(p: _Prepared):
-    return (p.varlen.cu_q, p.varlen.cu_kv) if p.varlen else (None, None)
-
-
-def _varlen_lengths(p: _Prepared):
-    return (p.varlen.max_q, p.varlen.max_kv) if p.varlen else (0, 0)
+def _op_args(p: _Prepared, is_causal: bool, need_q_lists: bool) -> tuple:
+    """The kernel ops' arguments after q, k, v (forward) or after out, lse (backward): kv lists, q lists (None,
+    None unless need_q_lists), token mask, gathered block mask, kv_valid, cu_seqlens_q / _kv, scale, list block
+    sizes, mask block sizes, is_causal, max_seqlen_q / _kv."""
+    lists, gather_mask = _kernel_inputs(p.sparsity, is_causal)
+    q_count, q_index = lists.q_lists() if need_q_lists else (None, None)
+    token_mask = p.token_mask.view(torch.uint8) if p.token_mask is not None else None
+    cu_seqlens, max_seqlens = ((p.varlen.cu_q, p.varlen.cu_kv), (p.varlen.max_q, p.varlen.max_kv)) if p.varlen else (
+        (None, None), (0, 0))
+    return (lists.kv_count, lists.kv_index, q_count, q_index, token_mask, gather_mask, p.kv_valid, *cu_seqlens,
+            p.scale, *lists.block_size, *p.sparsity.block_size, is_causal, *max_seqlens)
 
 
 def _kernel_inputs(sparsity: BlockSparsity, is_causal: bool):
@@ -377,14 +377,10 @@ def _tile_side(seq: int) -> int:
 
 def _triton_attention(p: _Prepared, is_causal: bool):
     ops = _kernel_ops()
-    lists, gather_mask = _kernel_inputs(p.sparsity, is_causal)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (p.q, p.k, p.v))
-    q_count, q_index = lists.q_lists() if needs_grad else (None, None)
-    token_mask = p.token_mask.view(torch.uint8) if p.token_mask is not None else None
     # The custom op when torch.compile traces; in eager mode the launchers directly (its dispatch costs host time).
     if torch.compiler.is_compiling():
         op = ops.sparse_attention_fwd
     else:
         op = ops.EagerAttention.apply if needs_grad else ops.forward_eager
-    return op(p.q, p.k, p.v, lists.kv_count, lists.kv_index, q_count, q_index, token_mask, gather_mask, p.kv_valid,
-              *_varlen_args(p), p.scale, *lists.block_size, *p.sparsity.block_size, is_causal, *_varlen_lengths(p))
+    return op(p.q, p.k, p.v, *_op_args(p, is_causal, need_q_lists=needs_grad))

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import blockattn
-from blockattn.kernels import backward
+from blockattn.kernels import backward, tma
 from conftest import DEVICE, ON_GPU, assert_one_ulp, expand, oracle, qkv, random_keep
 
 
@@ -96,7 +96,7 @@ def test_dropped_blocks_get_exactly_zero_gradients(geometry, poisoned, backend):
 
 
 # The dQ modes this machine runs for real ("tma" needs a Hopper GPU and compiled Triton).
-ACCUMULATING_MODES = ["atomic"] + (["tma"] if ON_GPU and backward.tma_reductions_available(
+ACCUMULATING_MODES = ["atomic"] + (["tma"] if ON_GPU and tma.reductions_available(
     backward.attention_bwd_dkdv_kernel, torch.device(DEVICE)) else [])
 
 

@@ -56,10 +56,14 @@ def test_the_descriptor_path_is_taken_where_available(monkeypatch):
     """Not a silent no-op: where descriptors are available, the launchers hand descriptors to the kernels."""
     q, k, v = qkv(1, 2, 128, 32)
     available = tma.available(forward.attention_fwd_kernel, q.device)
-    descs = forward.tile_descriptors(forward.attention_fwd_kernel, None, k, v)
-    assert all((d is not None) == available for d in descs)
+    args = tma.tile_args(forward.attention_fwd_kernel, False, q, K_DESC=k, V_DESC=v)
+    assert args["TMA_LOADS"] == available
+    assert all((args[name] is not q) == available for name in ("K_DESC", "V_DESC"))
+    assert tma.tile_args(forward.attention_fwd_kernel, True, q, K_DESC=k, V_DESC=v) == {
+        "K_DESC": q, "V_DESC": q, "TMA_LOADS": False}, "a packed batch must keep pointer loads"
     monkeypatch.setattr(tma, "TMA_LOADS", False)
-    assert forward.tile_descriptors(forward.attention_fwd_kernel, None, k, v) == (None, None)
+    assert tma.tile_args(forward.attention_fwd_kernel, False, q, K_DESC=k, V_DESC=v) == {
+        "K_DESC": q, "V_DESC": q, "TMA_LOADS": False}
 
 
 def test_tensors_the_tma_cannot_describe(monkeypatch, poisoned):

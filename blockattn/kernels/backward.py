@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from . import autotune, buffers, tma
-from .forward import LOG2E, TUNING_KEY, fp32_precision, head_dims, stride_args, strides, tile_descriptors
+from .forward import LOG2E, TUNING_KEY, fp32_precision, head_dims, stride_args, strides
 from .varlen import Varlen
 from .primitives import (dot, element_keep, first_entry_at_or_after, kv_list_start, kv_list_tiles, load_tile_or_box,
                          query_tile_program, sequence_span)
@@ -331,19 +331,18 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         # fp32 [B * H, Sq, BD] (a packed batch: [H, T, BD]); BD-wide rows keep a descriptor's strides aligned.
         dq_acc = torch.zeros(q.shape[0] * heads, q.shape[2], block_d, device=device, dtype=torch.float32)
         dq_acc4 = dq_acc.view(q.shape[0], heads, q.shape[2], block_d)
-        dq_desc = _tensor_descriptor(dq_acc) if dq_mode == "tma" else None
+        dq_desc = tma.accumulator_descriptor(dq_acc) if dq_mode == "tma" else None
     else:
         dq_acc4, dq_desc = None, None
         dq_configs = autotune.nesting(
             "BWD_DQ", block_q, block_kv,
             smem_per_stage=lambda bm, bn: bn * (block_d + block_dv) * elt,
             fixed_smem=lambda bm, bn: bm * (block_d + block_dv) * elt, cache_key=(block_d, block_dv, elt))
-        k_desc, v_desc = tile_descriptors(attention_bwd_dq_kernel, varlen, k, v)
+        kv_tiles = tma.tile_args(attention_bwd_dq_kernel, varlen is not None, dummy, K_DESC=k, V_DESC=v)
         autotune.launch(
             attention_bwd_dq_kernel, lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads), dq_configs,
-            TUNING_KEY, pre_hook=tma.set_boxes if k_desc is not None else None,
-            K_DESC=k_desc if k_desc is not None else dummy, V_DESC=v_desc if v_desc is not None else dummy,
-            TMA_LOADS=k_desc is not None, DQ=dq, KV_COUNT=kv_count, KV_INDEX=kv_index, num_heads=heads,
+            TUNING_KEY, pre_hook=tma.set_boxes if kv_tiles["TMA_LOADS"] else None, **kv_tiles, DQ=dq,
+            KV_COUNT=kv_count, KV_INDEX=kv_index, num_heads=heads,
             **stride_args("dq", dq, "bhsd"), **stride_args("c", kv_count, "bh"),
             **stride_args("i", kv_index, "bhq"), **common)
 
@@ -352,16 +351,14 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         smem_per_stage=lambda bm, bn: bm * (block_d + block_dv) * elt,
         fixed_smem=lambda bm, bn: bn * (block_d + block_dv) * elt + (bm * block_d * 4 if dq_mode == "tma" else 0),
         cache_key=(block_d, block_dv, elt, dq_mode))
-    q_desc, do_desc = (tile_descriptors(attention_bwd_dkdv_kernel, varlen, q, grad_out) if tma.DKDV_TMA_LOADS
-                       else (None, None))
+    q_tiles = tma.tile_args(attention_bwd_dkdv_kernel, varlen is not None, dummy, use=tma.DKDV_TMA_LOADS,
+                            Q_DESC=q, DO_DESC=grad_out)
     autotune.launch(
         attention_bwd_dkdv_kernel, lambda meta: (triton.cdiv(seq_kv, meta["BLOCK_N"]), batch * kv_heads),
         dkdv_configs, TUNING_KEY + ("DQ_MODE",), DK=dk, DV=dv, DQ_ACC=dq_acc4 if accumulate else delta,
-        DQ_DESC=dq_desc, Q_DESC=q_desc if q_desc is not None else dummy,
-        DO_DESC=do_desc if do_desc is not None else dummy, TMA_LOADS=q_desc is not None,
-        Q_COUNT=q_count, Q_INDEX=q_index, kv_heads=kv_heads, DQ_MODE=dq_mode,
+        DQ_DESC=dq_desc, **q_tiles, Q_COUNT=q_count, Q_INDEX=q_index, kv_heads=kv_heads, DQ_MODE=dq_mode,
         reset_to_zero=("DQ_ACC",) if accumulate else (),
-        pre_hook=tma.set_boxes if dq_desc is not None or q_desc is not None else None,
+        pre_hook=tma.set_boxes if dq_desc is not None or q_tiles["TMA_LOADS"] else None,
         **stride_args("dk", dk, "bhsd"), **stride_args("dv", dv, "bhsd"), **stride_args("c", q_count, "bh"),
         **stride_args("i", q_index, "bhq"), **stride_args("qa", dq_acc4, "bhs"), **common)
     if accumulate:
@@ -381,26 +378,9 @@ def resolve_dq_mode(dq_mode: Optional[str], kernel_fn, device: torch.device, blo
     mode = DQ_MODE_DEFAULT if dq_mode is None else dq_mode
     if mode == "auto":
         mode = "atomic" if block_kv % 128 == 0 else "kernel"
-    if mode == "tma" and not tma_reductions_available(kernel_fn, device):
+    if mode == "tma" and not tma.reductions_available(kernel_fn, device):
         if dq_mode == "tma":
             raise ValueError("dq_mode='tma' needs Triton tensor-descriptor reductions on a GPU of compute "
                              "capability >= 9 (not the interpreter)")
         mode = "atomic"
     return mode
-
-
-def tma_reductions_available(kernel_fn, device: torch.device) -> bool:
-    """Whether kernel_fn can run DQ_MODE "tma" on device."""
-    if autotune.is_interpreted(kernel_fn) or device.type != "cuda":
-        return False
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:
-        return False
-    return hasattr(tl.tensor_descriptor, "atomic_add") and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _tensor_descriptor(acc: torch.Tensor):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    # The block's height is the tile's, set per config by tma.set_boxes.
-    return TensorDescriptor(acc, list(acc.shape), list(acc.stride()), [1, 16, acc.shape[-1]])

@@ -162,15 +162,6 @@ def head_dims(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
     return head_dim, head_dim_v, max(16, triton.next_power_of_2(head_dim)), max(16, triton.next_power_of_2(head_dim_v))
 
 
-def tile_descriptors(kernel_fn, varlen: Optional[Varlen], *tensors: torch.Tensor) -> tuple:
-    """Descriptors for the tensors whose tiles kernel_fn's loop walks, or Nones: pointer loads for packed batches,
-    where the GPU has no TMA, or when any of them cannot be described (tma.tile_descriptor)."""
-    if varlen is not None or not tma.available(kernel_fn, tensors[0].device):
-        return (None,) * len(tensors)
-    descs = tuple(tma.tile_descriptor(t) for t in tensors)
-    return (None,) * len(tensors) if any(d is None for d in descs) else descs
-
-
 def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, scale: float,
                       token_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                       block_mask: Optional[torch.Tensor] = None, mask_block_q: int = 0, mask_block_kv: int = 0,
@@ -206,15 +197,14 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
         HAS_KV_VALID=kv_valid is not None, FP32_PRECISION=fp32_precision(q.dtype, attention_fwd_kernel),
         IS_VARLEN=varlen is not None)
     dummy = kv_count
-    k_desc, v_desc = tile_descriptors(attention_fwd_kernel, varlen, k, v)
+    kv_tiles = tma.tile_args(attention_fwd_kernel, varlen is not None, dummy, K_DESC=k, V_DESC=v)
     autotune.launch(
         attention_fwd_kernel,
         lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads),
         configs,
         key=TUNING_KEY,
-        pre_hook=tma.set_boxes if k_desc is not None else None,
-        Q=q, K=k, V=v, K_DESC=k_desc if k_desc is not None else dummy, V_DESC=v_desc if v_desc is not None else dummy,
-        TMA_LOADS=k_desc is not None, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index,
+        pre_hook=tma.set_boxes if kv_tiles["TMA_LOADS"] else None,
+        Q=q, K=k, V=v, **kv_tiles, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index,
         TOKEN_MASK=token_mask if token_mask is not None else dummy,
         BLOCK_MASK=block_mask if gather else dummy,
         KV_VALID=kv_valid if kv_valid is not None else dummy,

@@ -36,9 +36,8 @@ def forward_eager(q: Tensor, k: Tensor, v: Tensor, kv_count: Tensor, kv_index: T
                              varlen=_varlen(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv))
 
 
-# The op autograd and torch.compile see. blockattn.api calls forward_eager itself when neither is involved (no
-# input needs a gradient, not compiling): the custom-op dispatch costs ~0.1 ms of host time per call, which is
-# most of a short sequence's runtime.
+# The op torch.compile sees. In eager mode blockattn.api calls forward_eager itself (no gradient needed) or
+# EagerAttention below: the custom-op dispatch measured about 1 ms of host time per call (BENCHMARKS.md).
 sparse_attention_fwd = torch.library.custom_op("blockattn::sparse_attention_fwd", mutates_args=())(forward_eager)
 
 

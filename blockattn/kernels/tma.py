@@ -9,9 +9,8 @@ loads: a box that crosses a sequence's end would read the next sequence's tokens
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
+import triton.language as tl
 
 from . import autotune
 
@@ -34,14 +33,23 @@ def _descriptor_class():
     return TensorDescriptor
 
 
+def _gpu_has_tma(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def available(kernel_fn, device: torch.device) -> bool:
     """Whether kernel_fn can read through host descriptors on device: a GPU of compute capability 9 or more, or
     Triton's interpreter (which emulates them)."""
     if not TMA_LOADS or _descriptor_class() is None:
         return False
-    if autotune.is_interpreted(kernel_fn):
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return autotune.is_interpreted(kernel_fn) or _gpu_has_tma(device)
+
+
+def reductions_available(kernel_fn, device: torch.device) -> bool:
+    """Whether kernel_fn can add into a descriptor (atomic_add: Hopper's bulk reductions, dQ mode "tma") on
+    device: compiled Triton on a GPU of compute capability 9 or more; the interpreter has no reductions."""
+    return (_descriptor_class() is not None and not autotune.is_interpreted(kernel_fn) and _gpu_has_tma(device)
+            and hasattr(tl.tensor_descriptor, "atomic_add"))
 
 
 def tile_descriptor(t: torch.Tensor):
@@ -57,6 +65,24 @@ def tile_descriptor(t: torch.Tensor):
     if any(st <= 0 or (st * elt) % 16 for st in strides[:-1]) or min(t.shape) == 0:
         return None
     return cls(t, list(t.shape), strides, [1, 1, 16, 16])
+
+
+def tile_args(kernel_fn, packed: bool, dummy: torch.Tensor, use: bool = True, **tensors: torch.Tensor) -> dict:
+    """Kernel arguments for reading the tiles of tensors ([B, H, S, D], keyed by their descriptor argument's
+    name) through descriptors: {name: descriptor, ..., "TMA_LOADS": True}; or {name: dummy, ...,
+    "TMA_LOADS": False} when not use, for packed batches, where kernel_fn cannot use descriptors on this device,
+    or when any of the tensors cannot be described (tile_descriptor)."""
+    if use and not packed and available(kernel_fn, next(iter(tensors.values())).device):
+        descs = {name: tile_descriptor(t) for name, t in tensors.items()}
+        if all(d is not None for d in descs.values()):
+            return dict(descs, TMA_LOADS=True)
+    return dict(dict.fromkeys(tensors, dummy), TMA_LOADS=False)
+
+
+def accumulator_descriptor(acc: torch.Tensor):
+    """A descriptor over the fp32 dQ accumulator [B * H, Sq, BD] for bulk adds; its box height is the tile's,
+    set per config by set_boxes."""
+    return _descriptor_class()(acc, list(acc.shape), list(acc.stride()), [1, 16, acc.shape[-1]])
 
 
 def set_boxes(nargs: dict) -> None:
