@@ -30,12 +30,72 @@ def _load_kv(desc, base, start_n, offs_n0, offs_d, HEAD_DIM: tl.constexpr, TMA: 
 
 
 @triton.jit
-def _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2):
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
-    p = tl.math.exp2(qk * scale_log2 - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
+def _exp2_poly(x):
+    """2^x on the FMA pipe (FlashAttention-4's trick): 2^round(x) from the exponent bits, 2^f for f in
+    [-0.5, 0.5] from a degree-3 polynomial (relative error 7.5e-5, far below bf16's 3.9e-3)."""
+    x = tl.maximum(x, -126.0)
+    shifted = x + 12582912.0  # 1.5 * 2^23: rounds x to an integer j in the low mantissa bits
+    f = x - (shifted - 12582912.0)
+    p = 0.0551716685295105 * f + 0.24261115491390228
+    p = p * f + 0.6932609677314758
+    p = p * f + 0.9999280571937561
+    bits = p.to(tl.int32, bitcast=True) + (shifted.to(tl.int32, bitcast=True) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _halves(x):
+    """[R, C] -> its left and right [R, C/2] halves (in the MMA layout a thread holds columns c and c + C/2)."""
+    rows: tl.constexpr = x.shape[0]
+    cols: tl.constexpr = x.shape[1]
+    return tl.split(tl.permute(tl.reshape(x, [rows, 2, cols // 2]), (0, 2, 1)))
+
+
+@triton.jit
+def _joined(left, right):
+    rows: tl.constexpr = left.shape[0]
+    cols: tl.constexpr = left.shape[1]
+    return tl.reshape(tl.permute(tl.join(left, right), (0, 2, 1)), [rows, 2 * cols])
+
+
+@triton.jit
+def _exp2_mixed(x, POLY_QUARTERS: tl.constexpr):
+    """2^x with POLY_QUARTERS of the 4 column quarters on the FMA pipe (_exp2_poly), the rest on the MUFU."""
+    if POLY_QUARTERS == 0:
+        return tl.math.exp2(x)
+    elif POLY_QUARTERS == 4:
+        return _exp2_poly(x)
+    else:
+        left, right = _halves(x)
+        if POLY_QUARTERS == 2:
+            return _joined(tl.math.exp2(left), _exp2_poly(right))
+        else:
+            tl.static_assert(POLY_QUARTERS == 1, "POLY_QUARTERS: 0, 1, 2 or 4")
+            right_a, right_b = _halves(right)
+            return _joined(tl.math.exp2(left), _joined(tl.math.exp2(right_a), _exp2_poly(right_b)))
+
+
+@triton.jit
+def _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2, POLY_QUARTERS: tl.constexpr = 0, LAZY: tl.constexpr = False):
+    m_cand = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+    if LAZY:
+        # Rescale only when some row's max grew by more than 2^8 (FlashAttention-4): otherwise keep the stale max,
+        # p stays below 256, and the [BM, D] accumulator skips its multiply. Exact: the final division uses the
+        # same max as the sums.
+        if tl.max(m_cand - m_i, 0) > 8.0:
+            alpha = tl.math.exp2(m_i - m_cand)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_cand
+        p = _exp2_mixed(qk * scale_log2 - m_i[:, None], POLY_QUARTERS)
+        l_i = l_i + tl.sum(p, 1)
+        m_new = m_i
+    else:
+        m_new = m_cand
+        p = _exp2_mixed(qk * scale_log2 - m_new[:, None], POLY_QUARTERS)
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc)
     return m_new, l_i, acc
 
@@ -43,7 +103,8 @@ def _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2):
 @triton.jit
 def fwd_variant(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list,
                 HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, PIPELINE_QK: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, PIPELINE_QK: tl.constexpr,
+                POLY_QUARTERS: tl.constexpr, LAZY: tl.constexpr):
     TILES: tl.constexpr = BLOCK_KV // BLOCK_N
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -70,26 +131,26 @@ def fwd_variant(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list,
             k = _load_kv(K, base, start_next, offs_n0, offs_d, HEAD_DIM, TMA)
             qk_next = tl.dot(q, tl.trans(k))
             v = _load_kv(V, base, start_n, offs_n0, offs_d, HEAD_DIM, TMA)
-            m_i, l_i, acc = _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2)
+            m_i, l_i, acc = _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2, POLY_QUARTERS, LAZY)
             qk = qk_next
             start_n = start_next
         v = _load_kv(V, base, start_n, offs_n0, offs_d, HEAD_DIM, TMA)
-        m_i, l_i, acc = _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2)
+        m_i, l_i, acc = _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2, POLY_QUARTERS, LAZY)
     else:
         for it in range(0, total):
             start_n = tl.load(index_row + it // TILES) * BLOCK_KV + (it % TILES) * BLOCK_N
             k = _load_kv(K, base, start_n, offs_n0, offs_d, HEAD_DIM, TMA)
             v = _load_kv(V, base, start_n, offs_n0, offs_d, HEAD_DIM, TMA)
             qk = tl.dot(q, tl.trans(k))
-            m_i, l_i, acc = _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2)
+            m_i, l_i, acc = _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2, POLY_QUARTERS, LAZY)
     acc = acc / l_i[:, None]
     tl.store(Out + (base + offs_m[:, None]).to(tl.int64) * HEAD_DIM + offs_d[None, :], acc.to(Out.dtype.element_ty))
 
 
-CONFIGS = [(128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3)]
+CONFIGS = [(128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3)]
 
 
-def run_variant(q, k, v, blocks, tma, pipeline, config):
+def run_variant(q, k, v, blocks, tma, pipeline, config, poly_quarters=0, lazy=False):
     from triton.tools.tensor_descriptor import TensorDescriptor
     block_m, block_n, warps, stages = config
     batch, heads, seq, dim = q.shape
@@ -103,7 +164,8 @@ def run_variant(q, k, v, blocks, tma, pipeline, config):
     def call():
         fwd_variant[grid](q, kd, vd, out, blocks.kv_count, blocks.kv_index, q.shape[-1] ** -0.5 * LOG2E, seq,
                           blocks.kv_index.shape[-1], HEAD_DIM=dim, BLOCK_Q=block_q, BLOCK_KV=block_kv,
-                          BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, PIPELINE_QK=pipeline, num_warps=warps,
+                          BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, PIPELINE_QK=pipeline,
+                          POLY_QUARTERS=poly_quarters, LAZY=lazy, num_warps=warps,
                           num_stages=stages)
         return out
     return call
@@ -115,6 +177,8 @@ def main():
     parser.add_argument("--density", type=float, default=0.25)
     parser.add_argument("--seq", type=int, default=32768)
     parser.add_argument("--heads", type=int, default=24)
+    parser.add_argument("--pipeline", action="store_true", help="the loads x hand-pipelined QK^T grid instead of the "
+                        "exponential / lazy-rescale grid")
     args = parser.parse_args()
     case = Case(heads=args.heads, seq=args.seq, dim=args.dim, block=(128, 128), density=args.density)
     device = torch.device("cuda")
@@ -129,18 +193,19 @@ def main():
     ms = triton.testing.do_bench(lambda: blockattn.attention(q, k, v, blocks), warmup=50, rep=200,
                                  return_mode="median")
     print(f"== {case.label}: package forward {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
-    for tma in (False, True):
-        for pipeline in (False, True):
-            for config in CONFIGS:
-                label = f"tma={int(tma)} pipeline_qk={int(pipeline)} {config[0]}x{config[1]} w{config[2]} s{config[3]}"
-                try:
-                    call = run_variant(q, k, v, blocks, tma, pipeline, config)
-                    err = (call().float() - expected.float()).abs().max().item()
-                    ms = triton.testing.do_bench(call, warmup=50, rep=200, return_mode="median")
-                    print(f"{label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s) max err {err:.1e}", flush=True)
-                except Exception as error:  # a variant that does not compile is a result too
-                    print(f"{label}: failed {type(error).__name__}: {str(error)[:200]}", flush=True)
-
+    variants = ([(tma, pipeline, 0, False) for tma in (False, True) for pipeline in (False, True)] if args.pipeline
+                else [(True, False, split, lazy) for lazy in (False, True) for split in (0, 1, 2, 4)])
+    for tma, pipeline, split, lazy in variants:
+        for config in CONFIGS:
+            label = (f"tma={int(tma)} pipeline_qk={int(pipeline)} poly_quarters={split} lazy={int(lazy)} "
+                     f"{config[0]}x{config[1]} w{config[2]} s{config[3]}")
+            try:
+                call = run_variant(q, k, v, blocks, tma, pipeline, config, split, lazy)
+                err = (call().float() - expected.float()).abs().max().item()
+                ms = triton.testing.do_bench(call, warmup=50, rep=200, return_mode="median")
+                print(f"{label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s) max err {err:.1e}", flush=True)
+            except Exception as error:  # a variant that does not compile is a result too
+                print(f"{label}: failed {type(error).__name__}: {str(error)[:200]}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -156,8 +156,8 @@ def test_dq_mode_is_checked():
         with pytest.raises(ValueError, match="tma"):
             backward.resolve_dq_mode("tma", backward.attention_bwd_dkdv_kernel, device)
     assert backward.resolve_dq_mode(None, backward.attention_bwd_dkdv_kernel, device) in backward.DQ_MODES
-    assert backward.resolve_dq_mode("auto", backward.attention_bwd_dkdv_kernel, device, 64) == "kernel"
-    assert backward.resolve_dq_mode("auto", backward.attention_bwd_dkdv_kernel, device, 256) == "atomic"
+    assert backward.resolve_dq_mode("auto", backward.attention_bwd_dkdv_kernel, device) == "kernel"
+    assert backward.resolve_dq_mode("atomic", backward.attention_bwd_dkdv_kernel, device) == "atomic"
 
 
 FEATURES = {

@@ -21,23 +21,27 @@ from .primitives import (dot, element_keep, first_entry_at_or_after, kv_list_sta
 #   "atomic": the dK/dV kernel adds each tile's dS K into an fp32 buffer with element atomics (5 products);
 #   "tma":    the same, through Hopper's bulk tensor reductions (a tensor descriptor's atomic_add), which leave
 #             the adds to the TMA unit instead of one atomic per element.
-# The default, "auto", is chosen by measurement (BENCHMARKS.md): "atomic" where the key block is a multiple of 128
-# (the dK/dV tile is then 128 keys wide, so each dQ element takes few atomic adds), else "kernel" (with 64-wide
-# tiles the adds double and "atomic" measured slower). Deterministic mode always runs "kernel".
+# The default, "auto", is chosen by measurement (BENCHMARKS.md, fourth session): "kernel" for every block shape. With
+# the dK/dV kernel's Q/dO tiles read through descriptors (its loop then has no atomics), it ran 79.3 / 19.4 / 8.1 ms
+# at densities 1 / 0.25 / 0.1 (128x128 blocks) against 87.7 / 21.0 / 9.0 for "atomic", which is bound by the
+# atomic traffic. It is also deterministic. Deterministic mode always runs "kernel".
 DQ_MODES = ("kernel", "atomic", "tma")
 DQ_MODE_DEFAULT = "auto"
 
 
 @triton.jit
-def attention_bwd_preprocess_kernel(Out, DO, GradLse, Delta, seq_q, num_heads,
+def attention_bwd_preprocess_kernel(Out, DO, GradLse, Lse, Lse2, Delta, seq_q, num_heads,
                                     stride_ob, stride_oh, stride_os, stride_od,
                                     stride_db, stride_dh, stride_ds, stride_dd,
                                     stride_gb, stride_gh, stride_gs,
                                     stride_eb, stride_eh, stride_es,
                                     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
                                     BLOCK_M: tl.constexpr):
-    """Delta [B, H, Sq] fp32 = rowsum(dO * O) - dLSE: the softmax-backward row term (dLSE folds in here because
-    d lse / d s = p, the same shape as the dO term). Packed batches run as one sequence of all their tokens."""
+    """The row terms of the backward, fp32 [B, H, Sq] each, in Lse's layout (strides stride_e*):
+    Delta = rowsum(dO * O) - dLSE, the softmax-backward term (dLSE folds in here because d lse / d s = p, the same
+    shape as the dO term); Lse2 = LSE in log2 units, +inf where a row saw nothing (so p = exp2(s - lse2) is exactly
+    0), which spares the dK/dV loop a multiply and a select per element. Packed batches run as one sequence of all
+    their tokens."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = pid_bh // num_heads
@@ -55,26 +59,27 @@ def attention_bwd_preprocess_kernel(Out, DO, GradLse, Delta, seq_q, num_heads,
     if HAS_GRAD_LSE:
         delta -= tl.load(GradLse + off_b.to(tl.int64) * stride_gb + off_h.to(tl.int64) * stride_gh
                          + rows * stride_gs, mask=m_ok, other=0.0)
-    tl.store(Delta + off_b.to(tl.int64) * stride_eb + off_h.to(tl.int64) * stride_eh + rows * stride_es, delta,
-             mask=m_ok)
+    row_ptr = off_b.to(tl.int64) * stride_eb + off_h.to(tl.int64) * stride_eh + rows * stride_es
+    tl.store(Delta + row_ptr, delta, mask=m_ok)
+    lse = tl.load(Lse + row_ptr, mask=m_ok, other=0.0)
+    tl.store(Lse2 + row_ptr, tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634), mask=m_ok)
 
 
 @triton.jit
-def _row_stats(Lse, Delta, row_ptr, rows_ok, EVEN_ROWS: tl.constexpr):
-    """LSE in log2 units (a row that saw nothing gets +inf, so its p = exp2(s - lse) is exactly 0) and delta."""
+def _row_stats(Lse2, Delta, row_ptr, rows_ok, EVEN_ROWS: tl.constexpr):
+    """The preprocess's LSE in log2 units and delta for rows row_ptr; rows past the end get +inf (so p = 0) and 0."""
     if EVEN_ROWS:
-        lse = tl.load(Lse + row_ptr) * 1.4426950408889634
+        lse2 = tl.load(Lse2 + row_ptr)
         delta = tl.load(Delta + row_ptr)
     else:
-        lse = tl.load(Lse + row_ptr, mask=rows_ok, other=float("inf")) * 1.4426950408889634
+        lse2 = tl.load(Lse2 + row_ptr, mask=rows_ok, other=float("inf"))
         delta = tl.load(Delta + row_ptr, mask=rows_ok, other=0.0)
-    lse = tl.where(lse == float("-inf"), float("inf"), lse)
-    return lse, delta
+    return lse2, delta
 
 
 @triton.jit(do_not_specialize=["seq_bucket"])
 def attention_bwd_dq_kernel(
-    Q, K, V, K_DESC, V_DESC, DO, DQ, Lse, Delta, KV_COUNT, KV_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID, CU_SEQLENS_Q, CU_SEQLENS_KV,
+    Q, K, V, K_DESC, V_DESC, DO, DQ, Lse2, Delta, KV_COUNT, KV_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID, CU_SEQLENS_Q, CU_SEQLENS_KV,
     scale_log2, scale, seq_q, seq_kv, num_heads, group_size, mask_block_q, mask_block_kv, seq_bucket,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -95,8 +100,8 @@ def attention_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: dQ [BM, D] of one query tile of one (batch, head), walking its query block's kv list.
-    Lse and Delta share one layout (strides stride_l*); IS_VARLEN and TMA_LOADS (K_DESC, V_DESC) as in the forward
-    kernel."""
+    Lse2 and Delta (the preprocess's row terms) share one layout (strides stride_l*); IS_VARLEN and TMA_LOADS
+    (K_DESC, V_DESC) as in the forward kernel."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     TILES_PER_BLOCK: tl.constexpr = BLOCK_KV // BLOCK_N
@@ -120,7 +125,7 @@ def attention_bwd_dq_kernel(
                 + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
     do = tl.load(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh + rows * stride_dos
                  + offs_dv[None, :] * stride_dod, mask=m_ok[:, None] & dv_ok[None, :], other=0.0)  # [BM, BDV]
-    lse, delta = _row_stats(Lse, Delta, off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
+    lse2, delta = _row_stats(Lse2, Delta, off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
                             + (q_start + offs_m).to(tl.int64) * stride_ls, m_ok, False)
 
     count, index_row, k_base, v_base = kv_list_start(
@@ -133,7 +138,7 @@ def attention_bwd_dq_kernel(
                                      BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV,
                                      TMA_LOADS)  # [BN], [BN, BD], [BN, BDV]
         qk = dot(q, tl.trans(k), None, FP32_PRECISION)  # [BM, BN]
-        p = tl.math.exp2(qk * scale_log2 - lse[:, None])
+        p = tl.math.exp2(qk * scale_log2 - lse2[:, None])
         if MASKED:
             keep = element_keep(offs_m[:, None], offs_n[None, :], seq_q, seq_kv, off_b, off_h,
                                 TOKEN_MASK, stride_tb, stride_th, stride_tq, stride_tk,
@@ -151,7 +156,7 @@ def attention_bwd_dq_kernel(
 
 @triton.jit(do_not_specialize=["seq_bucket"])
 def attention_bwd_dkdv_kernel(
-    Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, DQ_ACC, DQ_DESC, Lse, Delta, Q_COUNT, Q_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID,
+    Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, DQ_ACC, DQ_DESC, Lse2, Delta, Q_COUNT, Q_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID,
     CU_SEQLENS_Q, CU_SEQLENS_KV,
     scale_log2, scale, seq_q, seq_kv, kv_heads, group_size, mask_block_q, mask_block_kv, seq_bucket,
     stride_qb, stride_qh, stride_qs, stride_qd,
@@ -160,7 +165,7 @@ def attention_bwd_dkdv_kernel(
     stride_dob, stride_doh, stride_dos, stride_dod,
     stride_dkb, stride_dkh, stride_dks, stride_dkd,
     stride_dvb, stride_dvh, stride_dvs, stride_dvd,
-    stride_qab, stride_qah, stride_qas,
+    stride_qab, stride_qah,
     stride_lb, stride_lh, stride_ls,
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
@@ -177,10 +182,11 @@ def attention_bwd_dkdv_kernel(
     """One program: dK [BN, D] and dV [BN, Dv] of one key tile of one (batch, kv head), summed over the query heads
     of its group in a fixed order, each walking its q list for this key block.
 
-    DQ_MODE "atomic" / "tma" (see DQ_MODES): also add this tile's share of dQ into DQ_ACC (fp32 [B * H, Sq, BD],
-    zeroed; [H, T, BD] for a packed batch) with element atomics, or through DQ_DESC, a tensor descriptor of DQ_ACC
-    with block [1, BLOCK_M, BD]. That saves the dQ kernel's recomputation of P and dP, but dQ's summation order
-    then varies between runs. TMA_LOADS: Q and dO tiles come through Q_DESC / DO_DESC (kernels/tma.py)."""
+    DQ_MODE "atomic" / "tma" (see DQ_MODES): also add this tile's share of dQ, without the softmax scale, into
+    DQ_ACC (fp32 [B * H, Sq, BD], rows BD apart, zeroed; [H, T, BD] for a packed batch) with element atomics, or
+    through DQ_DESC, a tensor descriptor of DQ_ACC with block [1, BLOCK_M, BD]. That saves the dQ kernel's
+    recomputation of P and dP, but dQ's summation order then varies between runs. TMA_LOADS: Q and dO tiles come
+    through Q_DESC / DO_DESC (kernels/tma.py)."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     TILES_PER_BLOCK: tl.constexpr = BLOCK_Q // BLOCK_M
@@ -212,6 +218,7 @@ def attention_bwd_dkdv_kernel(
                 + offs_dv[None, :] * stride_vd, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # [BN, BDV]
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    dq_tile = offs_m0[:, None] * BLOCK_D + offs_d[None, :]  # [BM, BD] offsets of a dQ tile in DQ_ACC
 
     for g in range(0, group_size):
         off_h = off_hkv * group_size + g
@@ -219,6 +226,8 @@ def attention_bwd_dkdv_kernel(
         do_base = (DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
                    + q_start.to(tl.int64) * stride_dos)
         row_base = off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + q_start.to(tl.int64) * stride_ls
+        dq_base = (DQ_ACC + off_b.to(tl.int64) * stride_qab + off_h.to(tl.int64) * stride_qah
+                   + q_start.to(tl.int64) * BLOCK_D)
         count = tl.load(Q_COUNT + off_b * stride_cb + off_h * stride_ch + kv_block)
         index_row = Q_INDEX + off_b.to(tl.int64) * stride_ib + off_h.to(tl.int64) * stride_ih + kv_block * stride_iq
         # Start at the query block on this key block's diagonal and wrap around (a fixed order: deterministic).
@@ -238,9 +247,9 @@ def attention_bwd_dkdv_kernel(
             do = load_tile_or_box(DO_DESC, off_b, off_h, q_start + start_m,
                                   do_base + rows * stride_dos + offs_dv[None, :] * stride_dod,
                                   m_ok, dv_ok, EVEN_Q, HEAD_DIM_V == BLOCK_DV, TMA_LOADS, BLOCK_M, BLOCK_DV)  # [BM, BDV]
-            lse, delta = _row_stats(Lse, Delta, row_base + offs_m.to(tl.int64) * stride_ls, m_ok, EVEN_Q)
+            lse2, delta = _row_stats(Lse2, Delta, row_base + offs_m.to(tl.int64) * stride_ls, m_ok, EVEN_Q)
             kq = dot(k, tl.trans(q), None, FP32_PRECISION)  # [BN, BM]
-            p_t = tl.math.exp2(kq * scale_log2 - lse[None, :])
+            p_t = tl.math.exp2(kq * scale_log2 - lse2[None, :])
             if MASKED:
                 keep = element_keep(offs_m[None, :], offs_n[:, None], seq_q, seq_kv, off_b, off_h,
                                     TOKEN_MASK, stride_tb, stride_th, stride_tq, stride_tk,
@@ -253,7 +262,7 @@ def attention_bwd_dkdv_kernel(
             ds_t = p_t * (dp_t - delta[None, :])
             dk = dot(ds_t.to(q.dtype), q, dk, FP32_PRECISION)  # [BN, BD]
             if DQ_MODE != "kernel":
-                dq_part = dot(tl.trans(ds_t.to(k.dtype)), k, None, FP32_PRECISION) * scale  # [BM, BD]
+                dq_part = dot(tl.trans(ds_t.to(k.dtype)), k, None, FP32_PRECISION)  # [BM, BD], unscaled
                 if DQ_MODE == "tma":
                     # Rows past this sequence's end carry exact zeros (their P is 0), so the bulk add may cover
                     # them; the descriptor clips at the buffer's edges.
@@ -261,9 +270,13 @@ def attention_bwd_dkdv_kernel(
                     DQ_DESC.atomic_add([acc_head, q_start + start_m, 0],
                                        dq_part.reshape(1, BLOCK_M, BLOCK_D))
                 else:
-                    dq_ptrs = (DQ_ACC + off_b.to(tl.int64) * stride_qab + off_h.to(tl.int64) * stride_qah
-                               + (q_start + offs_m[:, None]).to(tl.int64) * stride_qas + offs_d[None, :])
-                    tl.atomic_add(dq_ptrs, dq_part, mask=m_ok[:, None] & d_ok[None, :], sem="relaxed")
+                    # The accumulator's rows are BD wide, so a tile is one base pointer plus fixed offsets; columns
+                    # past D add zeros into padding, and only rows past the buffer's end need a mask.
+                    dq_ptrs = dq_base + start_m * BLOCK_D + dq_tile
+                    if EVEN_Q:
+                        tl.atomic_add(dq_ptrs, dq_part, sem="relaxed")
+                    else:
+                        tl.atomic_add(dq_ptrs, dq_part, mask=m_ok[:, None], sem="relaxed")
     dk = dk * scale
     n_store = n_ok[:, None]
     tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hkv.to(tl.int64) * stride_dkh + keys * stride_dks
@@ -294,12 +307,13 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
 
     if 0 in lse.stride():
         lse = lse.contiguous()
-    delta = torch.empty_strided(lse.shape, lse.stride(), device=device, dtype=torch.float32)  # lse's layout
+    # The row terms in lse's layout (for "thd" batches a token-major one).
+    delta, lse2 = (torch.empty_strided(lse.shape, lse.stride(), device=device, dtype=torch.float32) for _ in "dl")
     if grad_lse is not None:
         grad_lse = grad_lse.float()
     preprocess_rows = 64
     attention_bwd_preprocess_kernel[(triton.cdiv(out.shape[2], preprocess_rows), out.shape[0] * heads)](
-        out, grad_out, grad_lse if grad_lse is not None else delta, delta, out.shape[2], heads,
+        out, grad_out, grad_lse if grad_lse is not None else delta, lse, lse2, delta, out.shape[2], heads,
         *out.stride(), *grad_out.stride(), *(grad_lse if grad_lse is not None else delta).stride(), *delta.stride(),
         HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, HAS_GRAD_LSE=grad_lse is not None, BLOCK_M=preprocess_rows)
 
@@ -307,7 +321,7 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
     elt = q.element_size()
     dummy = lse
     common = dict(
-        Q=q, K=k, V=v, DO=grad_out, Lse=lse, Delta=delta,
+        Q=q, K=k, V=v, DO=grad_out, Lse2=lse2, Delta=delta,
         TOKEN_MASK=token_mask if token_mask is not None else dummy,
         BLOCK_MASK=block_mask if gather else dummy,
         KV_VALID=kv_valid if kv_valid is not None else dummy,
@@ -325,7 +339,7 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather, HAS_KV_VALID=kv_valid is not None,
         FP32_PRECISION=fp32_precision(q.dtype, attention_bwd_dq_kernel), IS_VARLEN=varlen is not None)
 
-    dq_mode = resolve_dq_mode(dq_mode, attention_bwd_dkdv_kernel, device, block_kv)
+    dq_mode = resolve_dq_mode(dq_mode, attention_bwd_dkdv_kernel, device)
     accumulate = dq_mode != "kernel"
     if accumulate:
         # fp32 [B * H, Sq, BD] (a packed batch: [H, T, BD]); BD-wide rows keep a descriptor's strides aligned.
@@ -351,8 +365,8 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         smem_per_stage=lambda bm, bn: bm * (block_d + block_dv) * elt,
         fixed_smem=lambda bm, bn: bn * (block_d + block_dv) * elt + (bm * block_d * 4 if dq_mode == "tma" else 0),
         cache_key=(block_d, block_dv, elt, dq_mode))
-    q_tiles = tma.tile_args(attention_bwd_dkdv_kernel, varlen is not None, dummy, use=tma.DKDV_TMA_LOADS,
-                            Q_DESC=q, DO_DESC=grad_out)
+    q_tiles = tma.tile_args(attention_bwd_dkdv_kernel, varlen is not None, dummy,
+                            use=tma.DKDV_TMA_LOADS and not accumulate, Q_DESC=q, DO_DESC=grad_out)
     autotune.launch(
         attention_bwd_dkdv_kernel, lambda meta: (triton.cdiv(seq_kv, meta["BLOCK_N"]), batch * kv_heads),
         dkdv_configs, TUNING_KEY + ("DQ_MODE",), DK=dk, DV=dv, DQ_ACC=dq_acc4 if accumulate else delta,
@@ -360,15 +374,15 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         reset_to_zero=("DQ_ACC",) if accumulate else (),
         pre_hook=tma.set_boxes if dq_desc is not None or q_tiles["TMA_LOADS"] else None,
         **stride_args("dk", dk, "bhsd"), **stride_args("dv", dv, "bhsd"), **stride_args("c", q_count, "bh"),
-        **stride_args("i", q_index, "bhq"), **stride_args("qa", dq_acc4, "bhs"), **common)
+        **stride_args("i", q_index, "bhq"), **stride_args("qa", dq_acc4, "bh"), **common)
     if accumulate:
-        dq.copy_(dq_acc4[..., :head_dim])
+        torch.mul(dq_acc4[..., :head_dim], scale, out=dq)  # the tiles were added unscaled: one multiply here
     return dq, dk, dv
 
 
-def resolve_dq_mode(dq_mode: Optional[str], kernel_fn, device: torch.device, block_kv: int = 128) -> str:
+def resolve_dq_mode(dq_mode: Optional[str], kernel_fn, device: torch.device) -> str:
     """The dQ mode to run: "kernel" whenever torch.are_deterministic_algorithms_enabled(); otherwise dq_mode, or
-    DQ_MODE_DEFAULT for None ("auto": "atomic" if block_kv is a multiple of 128, else "kernel"). "tma" needs
+    DQ_MODE_DEFAULT for None ("auto": the measured fastest, now "kernel"). "tma" needs
     compiled Triton with tensor-descriptor reductions on a GPU of compute capability 9 or more; where it is
     missing, a default of "tma" runs "atomic", an explicit "tma" raises."""
     if dq_mode is not None and dq_mode not in DQ_MODES + ("auto",):
@@ -377,7 +391,7 @@ def resolve_dq_mode(dq_mode: Optional[str], kernel_fn, device: torch.device, blo
         return "kernel"
     mode = DQ_MODE_DEFAULT if dq_mode is None else dq_mode
     if mode == "auto":
-        mode = "atomic" if block_kv % 128 == 0 else "kernel"
+        mode = "kernel"
     if mode == "tma" and not tma.reductions_available(kernel_fn, device):
         if dq_mode == "tma":
             raise ValueError("dq_mode='tma' needs Triton tensor-descriptor reductions on a GPU of compute "

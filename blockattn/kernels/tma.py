@@ -16,9 +16,10 @@ from . import autotune
 
 # Whether the kernels may read tiles through descriptors at all (tests switch it off to cover the pointer loads).
 TMA_LOADS = True
-# The dK/dV kernel's Q and dO tiles: off by measurement. With them on, the 128x128 backward (atomic dQ) ran 26.7 ms
-# against 20.3 at density 0.25 and 110.6 against 84.0 at density 1 (H200, BENCHMARKS.md).
-DKDV_TMA_LOADS = False
+# The dK/dV kernel's Q and dO tiles, when its loop has no dQ atomics (dQ mode "kernel"): 79.3 / 19.4 ms against
+# 81.4 / 20.8 ms for pointer loads at densities 1 / 0.25 (128x128 blocks, H200, BENCHMARKS.md). Beside the atomics
+# they spill registers and ran slower (92.7 against 87.7 ms), so the accumulating modes keep pointer loads.
+DKDV_TMA_LOADS = True
 
 # Descriptor argument -> (tile rows, tile columns) meta-parameters of its box.
 _BOX = {"K_DESC": ("BLOCK_N", "BLOCK_D"), "V_DESC": ("BLOCK_N", "BLOCK_DV"),
