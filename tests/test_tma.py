@@ -21,7 +21,7 @@ CASES = {
 
 def run(q, k, v, keep, block, is_causal, tma_loads, monkeypatch):
     monkeypatch.setattr(tma, "TMA_LOADS", tma_loads)
-    monkeypatch.setattr(tma, "DKDV_TMA_LOADS", True)  # off by default (measured slower), covered here
+    monkeypatch.setattr(tma, "DKDV_TMA_LOADS", True)  # the default; pinned so the dK/dV descriptor path stays covered
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     out, lse = blockattn.attention(*leaves, keep, block, is_causal=is_causal, return_lse=True, backend="triton")
     grad = torch.randn(out.shape, generator=torch.Generator(device=DEVICE).manual_seed(4), device=DEVICE)
@@ -64,6 +64,24 @@ def test_the_descriptor_path_is_taken_where_available(monkeypatch):
     monkeypatch.setattr(tma, "TMA_LOADS", False)
     assert tma.tile_args(forward.attention_fwd_kernel, False, q, K_DESC=k, V_DESC=v) == {
         "K_DESC": q, "V_DESC": q, "TMA_LOADS": False}
+
+
+@pytest.mark.parametrize("dq_mode, expected", [("kernel", True), ("atomic", False)])
+def test_dkdv_descriptors_only_without_dq_atomics(monkeypatch, dq_mode, expected):
+    """The dK/dV kernel asks for Q/dO descriptors in dQ mode "kernel" only: beside the atomics they spilled
+    registers and measured slower on the H200 (tma.DKDV_TMA_LOADS)."""
+    asked = {}
+    tile_args = tma.tile_args
+
+    def spy(kernel_fn, packed, dummy, use=True, **tensors):
+        asked[kernel_fn] = use
+        return tile_args(kernel_fn, packed, dummy, use=use, **tensors)
+    monkeypatch.setattr(tma, "tile_args", spy)
+    monkeypatch.setattr(backward, "DQ_MODE_DEFAULT", dq_mode)
+    q, k, v = (t.requires_grad_(True) for t in qkv(1, 2, 128, 32))
+    keep = random_keep(1, 2, 128, 128, (64, 64))
+    blockattn.attention(q, k, v, keep, (64, 64), backend="triton").sum().backward()
+    assert asked[backward.attention_bwd_dkdv_kernel] is expected
 
 
 def test_tensors_the_tma_cannot_describe(monkeypatch, poisoned):
