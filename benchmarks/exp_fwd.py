@@ -2,10 +2,15 @@
 
 Knobs: TMA (K and V tiles through host tensor descriptors, Hopper's bulk copies, instead of pointer loads);
 PIPELINE_QK (the next tile's Q K^T is issued before this tile's softmax, so the tensor cores can work while the
-softmax runs: the "intra-warpgroup overlap" of FlashAttention-3, written by hand since Triton does not reorder it).
-Square 128 blocks, contiguous [B, H, S, D] inputs, no masks; the package's forward is timed alongside.
+softmax runs: the "intra-warpgroup overlap" of FlashAttention-3, written by hand since Triton does not reorder it);
+POLY_QUARTERS (that many quarters of the exponentials as a polynomial on the FMA pipe, FlashAttention-4's trick);
+LAZY (rescale the accumulator only when a row max grows by more than 2^8). Square 128 blocks, contiguous
+[B, H, S, D] inputs, no masks; the package's forward is timed alongside. All of PIPELINE_QK, POLY_QUARTERS and
+LAZY measured slower on the H200 (BENCHMARKS.md).
 
-    python benchmarks/exp_fwd.py --dim 128 --density 0.25
+    python benchmarks/exp_fwd.py --dim 128 --density 0.25             # exponential / lazy-rescale grid
+    python benchmarks/exp_fwd.py --dim 128 --pipeline                 # loads x hand-pipelined QK^T grid
+    python benchmarks/exp_fwd.py --dim 64 --plain --configs 64,128,4,2 128,64,8,3   # tiles of the plain loop
 """
 
 import argparse
@@ -177,6 +182,8 @@ def main():
     parser.add_argument("--density", type=float, default=0.25)
     parser.add_argument("--seq", type=int, default=32768)
     parser.add_argument("--heads", type=int, default=24)
+    parser.add_argument("--configs", nargs="+", help="tile configs as BLOCK_M,BLOCK_N,warps,stages (default: CONFIGS)")
+    parser.add_argument("--plain", action="store_true", help="only the plain loop (descriptor loads), no variants")
     parser.add_argument("--pipeline", action="store_true", help="the loads x hand-pipelined QK^T grid instead of the "
                         "exponential / lazy-rescale grid")
     args = parser.parse_args()
@@ -195,8 +202,11 @@ def main():
     print(f"== {case.label}: package forward {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
     variants = ([(tma, pipeline, 0, False) for tma in (False, True) for pipeline in (False, True)] if args.pipeline
                 else [(True, False, split, lazy) for lazy in (False, True) for split in (0, 1, 2, 4)])
+    if args.plain:
+        variants = [(True, False, 0, False)]
+    configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else CONFIGS
     for tma, pipeline, split, lazy in variants:
-        for config in CONFIGS:
+        for config in configs:
             label = (f"tma={int(tma)} pipeline_qk={int(pipeline)} poly_quarters={split} lazy={int(lazy)} "
                      f"{config[0]}x{config[1]} w{config[2]} s{config[3]}")
             try:

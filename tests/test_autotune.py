@@ -58,7 +58,9 @@ def test_a_pin_leaves_one_candidate(monkeypatch):
 
 
 def test_shared_memory_budget_drops_oversized_tiles(monkeypatch):
-    set_lists(monkeypatch, m="128", n="64,128", stages="2")
+    """D=256 bf16: a 64-key stage takes 64 KiB, Q 64 KiB. Three stages keep two buffers in flight (Triton's
+    pipeliner), 192 KiB, which fits; 128-key stages (2 x 128 + 64 KiB) do not."""
+    set_lists(monkeypatch, m="128", n="64,128", stages="3")
     kept = autotune.nesting("FWD", 128, 128, lambda bm, bn: bn * 512 * 2, lambda bm, bn: bm * 256 * 2)
     assert [c.kwargs["BLOCK_N"] for c in kept] == [64]
 
