@@ -124,7 +124,8 @@ def test_a_launch_with_a_memoized_list_reuses_its_tuner(monkeypatch):
     kernel = object()
     for _ in range(3):
         autotune.launch(kernel, "grid", memo, ("A",), x=1)
-    assert built == [("A",)] and len(launched) == 3 and launched[2][2] == {"x": 1}
+    assert built == [("A",)] and len(launched) == 3
+    assert launched[2][2] == {"x": 1, "enable_fp_fusion": True}, "the pinned compile options reach the tuner"
     assert launched[0][0] is launched[2][0]
     autotune.launch(kernel, "grid", memo, ("B",), x=2)
     autotune.launch(kernel, "grid", memo, ("A",), pre_hook=print, x=3)

@@ -105,6 +105,10 @@ def nesting(kernel: str, block_m_of: int, block_n_of: int, smem_per_stage, fixed
     return kept if overridden else kept[:_MAX_TUNED_BY_KERNEL.get(kernel, _MAX_TUNED)]
 
 
+# Compile options every launch passes. Fused multiply-adds are pinned on: the kernels' score step `s * c - m` is
+# one FMA per element, and Triton 3.10 turns the default off (3.9 warns about it; 3.6 has it on).
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
+
 _TUNERS: dict = {}
 
 
@@ -164,6 +168,7 @@ def launch(kernel_fn, grid, configs: list[triton.Config], key: tuple, reset_to_z
     """Run kernel_fn over grid(meta) with the best of configs (the first, under the interpreter). reset_to_zero
     names the arguments a kernel accumulates into, zeroed before each benchmarked run; pre_hook(arguments with the
     config's values) runs before every launch of a config (host tensor descriptors take their block shape there)."""
+    kwargs.update(COMPILE_OPTIONS)  # the interpreter drops them
     fast_key = (id(kernel_fn), id(configs), key, reset_to_zero, pre_hook)
     cached = _LAUNCH_TUNERS.get(fast_key)
     if cached is not None and cached[0] is configs:

@@ -315,7 +315,8 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
     attention_bwd_preprocess_kernel[(triton.cdiv(out.shape[2], preprocess_rows), out.shape[0] * heads)](
         out, grad_out, grad_lse if grad_lse is not None else delta, lse, lse2, delta, out.shape[2], heads,
         *out.stride(), *grad_out.stride(), *(grad_lse if grad_lse is not None else delta).stride(), *delta.stride(),
-        HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, HAS_GRAD_LSE=grad_lse is not None, BLOCK_M=preprocess_rows)
+        HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, HAS_GRAD_LSE=grad_lse is not None, BLOCK_M=preprocess_rows,
+        **autotune.COMPILE_OPTIONS)
 
     dq, dk, dv = (buffers.empty_like(t) for t in (q, k, v))
     elt = q.element_size()
