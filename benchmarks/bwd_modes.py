@@ -34,7 +34,7 @@ def main():
     print("tma reductions available:", tma.reductions_available(backward.attention_bwd_dkdv_kernel, device))
     if args.sweep:
         autotune._DEFAULTS["BWD_DKDV"] = DKDV_SWEEP
-        autotune._MAX_TUNED = len(DKDV_SWEEP)
+        autotune._MAX_TUNED["BWD_DKDV"] = len(DKDV_SWEEP)
     block = tuple(int(x) for x in args.block.split("x"))
     for density in args.density:
         case = Case(block=block, density=density)
@@ -51,7 +51,8 @@ def main():
                                       for l in loads):
             if name.startswith("blockattn"):
                 backward.DQ_MODE_DEFAULT = name.split("-")[1]
-                tma.DKDV_TMA_LOADS = name.endswith("-tma")
+                if args.dkdv_tma:  # otherwise the package's own choice
+                    tma.DKDV_TMA_LOADS = name.endswith("-tma")
                 fn = runners["blockattn"][0]
             else:
                 fn = runners[name][0]

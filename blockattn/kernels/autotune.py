@@ -28,8 +28,8 @@ from typing import Optional
 import triton
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages), best first. Of those that nest and fit, the first _MAX_TUNED are
-# benchmarked (the interpreter takes the first); the small tiles at the end serve small or odd blocks.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages), best first. Of those that nest and fit, the first _MAX_TUNED[kernel]
+# are benchmarked (the interpreter takes the first); the small tiles at the end serve small or odd blocks.
 _DEFAULTS = {
     "FWD": [(128, 64, 4, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 2), (64, 64, 4, 3),
             (128, 128, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (32, 32, 4, 2), (32, 16, 4, 2), (16, 16, 4, 2)],
@@ -38,10 +38,9 @@ _DEFAULTS = {
     "BWD_DKDV": [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3), (32, 128, 4, 3),
                  (32, 32, 4, 2), (16, 32, 4, 2), (16, 16, 4, 2)],
 }
-_MAX_TUNED = 4
 # The forward benchmarks one more: 64x128 with 4 warps is the best tile at D=64 (3.74 ms against 3.92 for the
 # next, H200), and far the worst at D=128 (10.0 against 6.2), so it has to be measured, not assumed.
-_MAX_TUNED_BY_KERNEL = {"FWD": 5}
+_MAX_TUNED = {"FWD": 5, "BWD_DQ": 4, "BWD_DKDV": 4}
 _LIST_DEFAULTS = {"BLOCK_M": "64,128", "BLOCK_N": "32,64,128", "NUM_WARPS": "4,8", "NUM_STAGES": "2,3"}
 # Shared memory a config may plan for (bytes); Hopper allows 227 KiB per program.
 _SMEM_BUDGET = 227 * 1024
@@ -102,7 +101,7 @@ def nesting(kernel: str, block_m_of: int, block_n_of: int, smem_per_stage, fixed
             f"no {kernel} tile candidate nests in the block {block_m_of}x{block_n_of} (tile sides must divide the "
             f"block sides and be at least 16) within shared memory; candidates {candidates(kernel)}; adjust "
             f"{', '.join(env_names(kernel))}")
-    return kept if overridden else kept[:_MAX_TUNED_BY_KERNEL.get(kernel, _MAX_TUNED)]
+    return kept if overridden else kept[:_MAX_TUNED[kernel]]
 
 
 # Compile options every launch passes. Fused multiply-adds are pinned on: the kernels' score step `s * c - m` is

@@ -307,8 +307,10 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
 
     if 0 in lse.stride():
         lse = lse.contiguous()
-    # The row terms in lse's layout (for "thd" batches a token-major one).
-    delta, lse2 = (torch.empty_strided(lse.shape, lse.stride(), device=device, dtype=torch.float32) for _ in "dl")
+    # The row terms in lse's layout (for "thd" batches a token-major one): the kernels read all three with one set
+    # of strides.
+    delta = torch.empty_strided(lse.shape, lse.stride(), device=device, dtype=torch.float32)
+    lse2 = torch.empty_strided(lse.shape, lse.stride(), device=device, dtype=torch.float32)
     if grad_lse is not None:
         grad_lse = grad_lse.float()
     preprocess_rows = 64
