@@ -18,16 +18,21 @@ from blockattn.bench import Case, block_mask
 from blockattn.kernels import backward
 
 
-def short_case(batch: int, heads: int, seq: int, density: float):
-    """(fwd, fwd_bwd): closures running blockattn on a B x H x S, D=128 bf16 case with 128x128 blocks on the GPU,
-    the forward without gradients and forward+backward through autograd."""
+def short_inputs(batch: int, heads: int, seq: int, density: float):
+    """(q, k, v, blocks, grad): a B x H x S, D=128 bf16 case with 128x128 blocks on the GPU, inputs requiring grad."""
     case = Case(batch=batch, heads=heads, kv_heads=heads, seq=seq, density=density, block=(128, 128))
     device = torch.device("cuda")
     blocks = blockattn.BlockSparsity.from_mask(block_mask(case, device), case.block, case.seq, case.seq)
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(case.batch, case.heads, case.seq, case.dim, device=device, dtype=torch.bfloat16,
                            generator=gen).requires_grad_(True) for _ in range(3))
-    grad = torch.randn_like(q)
+    return q, k, v, blocks, torch.randn_like(q)
+
+
+def short_case(batch: int, heads: int, seq: int, density: float):
+    """(fwd, fwd_bwd): closures running blockattn on short_inputs(), the forward without gradients and
+    forward+backward through autograd."""
+    q, k, v, blocks, grad = short_inputs(batch, heads, seq, density)
 
     def fwd():
         with torch.no_grad():

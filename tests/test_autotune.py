@@ -106,6 +106,8 @@ def test_a_launch_with_a_memoized_list_reuses_its_tuner(monkeypatch):
     built, launched = [], []
 
     class FakeTuner:
+        best_config = None
+
         def __init__(self, configs):
             self.configs = configs
 

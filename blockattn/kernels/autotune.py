@@ -21,6 +21,7 @@ benchmarking.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from typing import Optional
@@ -46,8 +47,15 @@ _LIST_DEFAULTS = {"BLOCK_M": "64,128", "BLOCK_N": "32,64,128", "NUM_WARPS": "4,8
 _SMEM_BUDGET = 227 * 1024
 
 
-def env_names(kernel: str) -> list[str]:
-    return [f"BLOCKATTN_{kernel}_{field}" for field in _LIST_DEFAULTS]
+@functools.lru_cache(maxsize=None)
+def env_names(kernel: str) -> tuple[str, ...]:
+    return tuple(f"BLOCKATTN_{kernel}_{field}" for field in _LIST_DEFAULTS)
+
+
+def env_key(kernel: str) -> tuple:
+    """The current values of kernel's environment variables (None where unset): part of every key that caches a
+    decision built on the candidate list."""
+    return tuple(map(os.environ.get, env_names(kernel)))
 
 
 def _env_list(name: str, default: str) -> list[int]:
@@ -81,7 +89,7 @@ def nesting(kernel: str, block_m_of: int, block_n_of: int, smem_per_stage, fixed
     cache_key: whatever else the two estimates depend on; given it, the list is memoized (with the environment
     variables' current values in the key, so changing them still takes effect), sparing short calls the work."""
     if cache_key is not None:
-        key = (kernel, block_m_of, block_n_of, cache_key, tuple(os.environ.get(n) for n in env_names(kernel)))
+        key = (kernel, block_m_of, block_n_of, cache_key, env_key(kernel))
         if key not in _NESTING_CACHE:
             _NESTING_CACHE[key] = nesting(kernel, block_m_of, block_n_of, smem_per_stage, fixed_smem)
         return _NESTING_CACHE[key]
@@ -164,30 +172,33 @@ _LAUNCH_TUNERS: dict = {}
 
 def launch(kernel_fn, grid, configs: list[triton.Config], key: tuple, reset_to_zero: tuple = (), pre_hook=None,
            **kwargs):
-    """Run kernel_fn over grid(meta) with the best of configs (the first, under the interpreter). reset_to_zero
-    names the arguments a kernel accumulates into, zeroed before each benchmarked run; pre_hook(arguments with the
-    config's values) runs before every launch of a config (host tensor descriptors take their block shape there)."""
+    """Run kernel_fn over grid(meta) with the best of configs (the first, under the interpreter); returns (the
+    compiled kernel, or None under the interpreter; the config it ran). reset_to_zero names the arguments a kernel
+    accumulates into, zeroed before each benchmarked run; pre_hook(arguments with the config's values) runs before
+    every launch of a config (host tensor descriptors take their block shape there). A single config runs without
+    Triton's autotuner (nothing to choose)."""
     kwargs.update(COMPILE_OPTIONS)  # the interpreter drops them
     fast_key = (id(kernel_fn), id(configs), key, reset_to_zero, pre_hook)
     cached = _LAUNCH_TUNERS.get(fast_key)
     if cached is not None and cached[0] is configs:
-        cached[1][grid](**kwargs)
-        return
+        tuner = cached[1]
+        return tuner[grid](**kwargs), tuner.best_config
+    interpreted = is_interpreted(kernel_fn)
+    if interpreted or len(configs) == 1:
+        config = configs[0]
+        meta = dict(kwargs, **(config.kwargs if interpreted else config.all_kwargs()))
+        if pre_hook is not None:
+            pre_hook(meta)
+        kernel = kernel_fn[grid(meta)](**meta)
+        return (None if interpreted else kernel), config
     original = configs
     if pre_hook is not None:
         configs = [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=pre_hook)
                    for c in configs]
-    if is_interpreted(kernel_fn):
-        config = configs[0]
-        meta = dict(kwargs, **config.kwargs)
-        if pre_hook is not None:
-            pre_hook(meta)
-        kernel_fn[grid(meta)](**meta)
-        return
     tuner = _tuner(kernel_fn, _HashableConfigs(configs), key, tuple(reset_to_zero))
     if any(original is memo for memo in _NESTING_CACHE.values()):  # only lists that live on anyway
         _LAUNCH_TUNERS[fast_key] = (original, tuner)
-    tuner[grid](**kwargs)
+    return tuner[grid](**kwargs), tuner.best_config
 
 
 def is_interpreted(kernel_fn) -> bool:

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import autotune, buffers, tma
+from . import autotune, buffers, launch, tma
 from .forward import LOG2E, TUNING_KEY, fp32_precision, head_dims, stride_args, strides
 from .varlen import Varlen
 from .primitives import (dot, element_keep, first_entry_at_or_after, kv_list_start, kv_list_tiles, load_tile_or_box,
@@ -297,14 +297,8 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
     Lists, masks and varlen as in forward.attention_forward; q_count int32 [Bm, Hm, nk], q_index int32
     [Bm, Hm, nk, L]. dq_mode: one of DQ_MODES or "auto", None for DQ_MODE_DEFAULT (see resolve_dq_mode)."""
     heads, kv_heads = q.shape[1], k.shape[1]
-    batch, seq_q, seq_kv = (varlen.batch, varlen.max_q, varlen.max_kv) if varlen else (q.shape[0], q.shape[2],
-                                                                                        k.shape[2])
-    head_dim, head_dim_v, block_d, block_dv = head_dims(q, v)
-    gather = block_mask is not None
-    if not gather:
-        mask_block_q, mask_block_kv = block_q, block_kv
+    packed = varlen is not None
     device = q.device
-
     if 0 in lse.stride():
         lse = lse.contiguous()
     # The row terms in lse's layout (for "thd" batches a token-major one): the kernels read all three with one set
@@ -313,74 +307,111 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
     lse2 = torch.empty_strided(lse.shape, lse.stride(), device=device, dtype=torch.float32)
     if grad_lse is not None:
         grad_lse = grad_lse.float()
-    preprocess_rows = 64
-    attention_bwd_preprocess_kernel[(triton.cdiv(out.shape[2], preprocess_rows), out.shape[0] * heads)](
-        out, grad_out, grad_lse if grad_lse is not None else delta, lse, lse2, delta, out.shape[2], heads,
-        *out.stride(), *grad_out.stride(), *(grad_lse if grad_lse is not None else delta).stride(), *delta.stride(),
-        HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, HAS_GRAD_LSE=grad_lse is not None, BLOCK_M=preprocess_rows,
-        **autotune.COMPILE_OPTIONS)
+    launch.run(attention_bwd_preprocess_kernel, (heads, grad_lse is None),
+               dict(Out=out, DO=grad_out, GradLse=delta if grad_lse is None else grad_lse, Lse=lse, Lse2=lse2,
+                    Delta=delta),
+               lambda: _preprocess_spec(out, grad_out, grad_lse, delta, heads))
 
     dq, dk, dv = (buffers.empty_like(t) for t in (q, k, v))
-    elt = q.element_size()
-    dummy = lse
-    common = dict(
-        Q=q, K=k, V=v, DO=grad_out, Lse2=lse2, Delta=delta,
-        TOKEN_MASK=token_mask if token_mask is not None else dummy,
-        BLOCK_MASK=block_mask if gather else dummy,
-        KV_VALID=kv_valid if kv_valid is not None else dummy,
-        CU_SEQLENS_Q=varlen.cu_q if varlen else dummy, CU_SEQLENS_KV=varlen.cu_kv if varlen else dummy,
-        scale_log2=scale * LOG2E, scale=scale, seq_q=seq_q, seq_kv=seq_kv, group_size=heads // kv_heads,
-        mask_block_q=mask_block_q, mask_block_kv=mask_block_kv,
-        seq_bucket=autotune.seq_bucket(max(seq_q, seq_kv)),
-        **stride_args("q", q, "bhsd"), **stride_args("k", k, "bhsd"), **stride_args("v", v, "bhsd"),
-        **stride_args("do", grad_out, "bhsd"), **stride_args("l", lse, "bhs"),
-        **stride_args("t", token_mask, "bhqk"), **stride_args("m", block_mask, "bhq"),
-        stride_vvb=strides(kv_valid, 1)[0],
-        BLOCK_Q=block_q, BLOCK_KV=block_kv, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d,
-        BLOCK_DV=block_dv, EVEN_Q=seq_q % block_q == 0 and varlen is None,
-        EVEN_KV=seq_kv % block_kv == 0 and varlen is None, IS_CAUSAL=bool(is_causal),
-        HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather, HAS_KV_VALID=kv_valid is not None,
-        FP32_PRECISION=fp32_precision(q.dtype, attention_bwd_dq_kernel), IS_VARLEN=varlen is not None)
-
     dq_mode = resolve_dq_mode(dq_mode, attention_bwd_dkdv_kernel, device)
     accumulate = dq_mode != "kernel"
     if accumulate:
         # fp32 [B * H, Sq, BD] (a packed batch: [H, T, BD]); BD-wide rows keep a descriptor's strides aligned.
+        block_d = head_dims(q, v)[2]
         dq_acc = torch.zeros(q.shape[0] * heads, q.shape[2], block_d, device=device, dtype=torch.float32)
         dq_acc4 = dq_acc.view(q.shape[0], heads, q.shape[2], block_d)
-        dq_desc = tma.accumulator_descriptor(dq_acc) if dq_mode == "tma" else None
     else:
-        dq_acc4, dq_desc = None, None
-        dq_configs = autotune.nesting(
-            "BWD_DQ", block_q, block_kv,
-            smem_per_stage=lambda bm, bn: bn * (block_d + block_dv) * elt,
-            fixed_smem=lambda bm, bn: bm * (block_d + block_dv) * elt, cache_key=(block_d, block_dv, elt))
-        kv_tiles = tma.tile_args(attention_bwd_dq_kernel, varlen is not None, dummy, K_DESC=k, V_DESC=v)
-        autotune.launch(
-            attention_bwd_dq_kernel, lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads), dq_configs,
-            TUNING_KEY, pre_hook=tma.set_boxes if kv_tiles["TMA_LOADS"] else None, **kv_tiles, DQ=dq,
-            KV_COUNT=kv_count, KV_INDEX=kv_index, num_heads=heads,
-            **stride_args("dq", dq, "bhsd"), **stride_args("c", kv_count, "bh"),
-            **stride_args("i", kv_index, "bhq"), **common)
+        dq_acc = dq_acc4 = None
+    dummy = lse  # stands in for absent optional tensors (their flags keep the kernels off them)
+    shared = dict(Q=q, K=k, V=v, DO=grad_out, Lse2=lse2, Delta=delta,
+                  TOKEN_MASK=dummy if token_mask is None else token_mask,
+                  BLOCK_MASK=dummy if block_mask is None else block_mask,
+                  KV_VALID=dummy if kv_valid is None else kv_valid,
+                  CU_SEQLENS_Q=varlen.cu_q if packed else dummy, CU_SEQLENS_KV=varlen.cu_kv if packed else dummy)
+    site = (block_q, block_kv, scale, bool(is_causal), token_mask is None, block_mask is None, mask_block_q,
+            mask_block_kv, kv_valid is None, (varlen.batch, varlen.max_q, varlen.max_kv) if packed else None,
+            dq_mode, tma.TMA_LOADS, tma.DKDV_TMA_LOADS, torch.backends.cuda.matmul.allow_tf32)
+    batch, seq_q, seq_kv = (varlen.batch, varlen.max_q, varlen.max_kv) if packed else (q.shape[0], q.shape[2],
+                                                                                        k.shape[2])
 
-    dkdv_configs = autotune.nesting(
-        "BWD_DKDV", block_q, block_kv,
-        smem_per_stage=lambda bm, bn: bm * (block_d + block_dv) * elt,
-        fixed_smem=lambda bm, bn: bn * (block_d + block_dv) * elt + (bm * block_d * 4 if dq_mode == "tma" else 0),
-        cache_key=(block_d, block_dv, elt, dq_mode))
-    q_tiles = tma.tile_args(attention_bwd_dkdv_kernel, varlen is not None, dummy,
-                            use=tma.DKDV_TMA_LOADS and not accumulate, Q_DESC=q, DO_DESC=grad_out)
-    autotune.launch(
-        attention_bwd_dkdv_kernel, lambda meta: (triton.cdiv(seq_kv, meta["BLOCK_N"]), batch * kv_heads),
-        dkdv_configs, TUNING_KEY + ("DQ_MODE",), DK=dk, DV=dv, DQ_ACC=dq_acc4 if accumulate else delta,
-        DQ_DESC=dq_desc, **q_tiles, Q_COUNT=q_count, Q_INDEX=q_index, kv_heads=kv_heads, DQ_MODE=dq_mode,
-        reset_to_zero=("DQ_ACC",) if accumulate else (),
-        pre_hook=tma.set_boxes if dq_desc is not None or q_tiles["TMA_LOADS"] else None,
-        **stride_args("dk", dk, "bhsd"), **stride_args("dv", dv, "bhsd"), **stride_args("c", q_count, "bh"),
-        **stride_args("i", q_index, "bhq"), **stride_args("qa", dq_acc4, "bh"), **common)
+    def common() -> dict:
+        """The keyword arguments both kernels take beside their tensors (built on a plan miss only)."""
+        head_dim, head_dim_v, block_d, block_dv = head_dims(q, v)
+        gather = block_mask is not None
+        return dict(
+            scale_log2=scale * LOG2E, scale=scale, seq_q=seq_q, seq_kv=seq_kv, group_size=heads // kv_heads,
+            mask_block_q=mask_block_q if gather else block_q, mask_block_kv=mask_block_kv if gather else block_kv,
+            seq_bucket=autotune.seq_bucket(max(seq_q, seq_kv)),
+            **stride_args("q", q, "bhsd"), **stride_args("k", k, "bhsd"), **stride_args("v", v, "bhsd"),
+            **stride_args("do", grad_out, "bhsd"), **stride_args("l", lse, "bhs"),
+            **stride_args("t", token_mask, "bhqk"), **stride_args("m", block_mask, "bhq"),
+            stride_vvb=strides(kv_valid, 1)[0],
+            BLOCK_Q=block_q, BLOCK_KV=block_kv, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d,
+            BLOCK_DV=block_dv, EVEN_Q=seq_q % block_q == 0 and not packed,
+            EVEN_KV=seq_kv % block_kv == 0 and not packed, IS_CAUSAL=bool(is_causal),
+            HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather, HAS_KV_VALID=kv_valid is not None,
+            FP32_PRECISION=fp32_precision(q.dtype, attention_bwd_dq_kernel), IS_VARLEN=packed)
+
+    if not accumulate:
+        def build_dq() -> launch.LaunchSpec:
+            static = common()
+            block_d, block_dv, elt = static["BLOCK_D"], static["BLOCK_DV"], q.element_size()
+            configs = autotune.nesting(
+                "BWD_DQ", block_q, block_kv,
+                smem_per_stage=lambda bm, bn: bn * (block_d + block_dv) * elt,
+                fixed_smem=lambda bm, bn: bm * (block_d + block_dv) * elt, cache_key=(block_d, block_dv, elt))
+            kv_tiles = tma.tile_args(attention_bwd_dq_kernel, packed, K_DESC=k, V_DESC=v)
+            static.update(kv_tiles, num_heads=heads, **stride_args("dq", dq, "bhsd"),
+                          **stride_args("c", kv_count, "bh"), **stride_args("i", kv_index, "bhq"))
+            return launch.LaunchSpec(
+                grid=lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads), configs=configs,
+                tuning_key=TUNING_KEY, static=static, pre_hook=tma.set_boxes if kv_tiles["TMA_LOADS"] else None)
+        launch.run(attention_bwd_dq_kernel, site + (autotune.env_key("BWD_DQ"),),
+                   dict(shared, K_DESC=k, V_DESC=v, DQ=dq, KV_COUNT=kv_count, KV_INDEX=kv_index), build_dq)
+
+    def build_dkdv() -> launch.LaunchSpec:
+        static = common()
+        block_d, block_dv, elt = static["BLOCK_D"], static["BLOCK_DV"], q.element_size()
+        configs = autotune.nesting(
+            "BWD_DKDV", block_q, block_kv,
+            smem_per_stage=lambda bm, bn: bm * (block_d + block_dv) * elt,
+            fixed_smem=lambda bm, bn: bn * (block_d + block_dv) * elt + (bm * block_d * 4 if dq_mode == "tma" else 0),
+            cache_key=(block_d, block_dv, elt, dq_mode))
+        q_tiles = tma.tile_args(attention_bwd_dkdv_kernel, packed, use=tma.DKDV_TMA_LOADS and not accumulate,
+                                Q_DESC=q, DO_DESC=grad_out)
+        dq_desc = tma.accumulator_descriptor(dq_acc) if dq_mode == "tma" else None
+        static.update(q_tiles, DQ_DESC=dq_desc, kv_heads=kv_heads, DQ_MODE=dq_mode,
+                      **stride_args("dk", dk, "bhsd"), **stride_args("dv", dv, "bhsd"),
+                      **stride_args("c", q_count, "bh"), **stride_args("i", q_index, "bhq"),
+                      **stride_args("qa", dq_acc4 if accumulate else None, "bh"))
+        return launch.LaunchSpec(
+            grid=lambda meta: (triton.cdiv(seq_kv, meta["BLOCK_N"]), batch * kv_heads), configs=configs,
+            tuning_key=TUNING_KEY + ("DQ_MODE",), static=static,
+            pre_hook=tma.set_boxes if dq_desc is not None or q_tiles["TMA_LOADS"] else None,
+            reset_to_zero=("DQ_ACC",) if accumulate else ())
+    dkdv_tensors = dict(shared, Q_DESC=q, DO_DESC=grad_out, DK=dk, DV=dv, DQ_ACC=dq_acc4 if accumulate else delta,
+                        Q_COUNT=q_count, Q_INDEX=q_index)
+    if dq_mode == "tma":
+        dkdv_tensors["DQ_DESC"] = dq_acc
+    launch.run(attention_bwd_dkdv_kernel, site + (autotune.env_key("BWD_DKDV"),), dkdv_tensors, build_dkdv)
     if accumulate:
-        torch.mul(dq_acc4[..., :head_dim], scale, out=dq)  # the tiles were added unscaled: one multiply here
+        torch.mul(dq_acc4[..., :q.shape[-1]], scale, out=dq)  # the tiles were added unscaled: one multiply here
     return dq, dk, dv
+
+
+# The preprocess kernel's one tile: 64 rows of O and dO per program.
+_PREPROCESS_CONFIGS = [triton.Config({"BLOCK_M": 64}, num_warps=4)]
+
+
+def _preprocess_spec(out, grad_out, grad_lse, delta, heads: int) -> launch.LaunchSpec:
+    head_dim_v, block_dv = out.shape[-1], head_dims(out, out)[3]
+    rows = delta if grad_lse is None else grad_lse
+    static = dict(seq_q=out.shape[2], num_heads=heads, **stride_args("o", out, "bhsd"),
+                  **stride_args("d", grad_out, "bhsd"), **stride_args("g", rows, "bhs"),
+                  **stride_args("e", delta, "bhs"), HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv,
+                  HAS_GRAD_LSE=grad_lse is not None)
+    return launch.LaunchSpec(grid=lambda meta: (triton.cdiv(out.shape[2], meta["BLOCK_M"]), out.shape[0] * heads),
+                             configs=_PREPROCESS_CONFIGS, tuning_key=(), static=static)
 
 
 def resolve_dq_mode(dq_mode: Optional[str], kernel_fn, device: torch.device) -> str:

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import autotune, buffers, tma
+from . import autotune, buffers, launch, tma
 from .primitives import dot, element_keep, kv_list_start, kv_list_tiles, query_tile_program
 from .varlen import Varlen
 
@@ -176,48 +176,48 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
     kv_valid: int32 [B|1, nk'] expanded to [B, nk'].
     varlen: a packed batch; q, k, v are then [1, H, T, D] views of "thd" tensors, and out / lse come back as
     [1, H, Tq, Dv] / [1, H, Tq] views of "thd"-ordered [Tq, H, Dv] / [Tq, H] buffers."""
-    heads = q.shape[1]
-    kv_heads = k.shape[1]
-    batch, seq_q, seq_kv = (varlen.batch, varlen.max_q, varlen.max_kv) if varlen else (q.shape[0], q.shape[2],
-                                                                                        k.shape[2])
-    head_dim, head_dim_v, block_d, block_dv = head_dims(q, v)
-    out, lse = output_buffers(q, head_dim_v, varlen is not None)
-    gather = block_mask is not None
-    if not gather:
-        mask_block_q, mask_block_kv = block_q, block_kv
-    elt = q.element_size()
-    configs = autotune.nesting(
-        "FWD", block_q, block_kv,
-        smem_per_stage=lambda bm, bn: bn * (block_d + block_dv) * elt,
-        fixed_smem=lambda bm, bn: bm * block_d * elt, cache_key=(block_d, block_dv, elt))
-    flags = dict(
-        BLOCK_Q=block_q, BLOCK_KV=block_kv, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d,
-        BLOCK_DV=block_dv, EVEN_KV=seq_kv % block_kv == 0 and varlen is None,
-        IS_CAUSAL=bool(is_causal), HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather,
-        HAS_KV_VALID=kv_valid is not None, FP32_PRECISION=fp32_precision(q.dtype, attention_fwd_kernel),
-        IS_VARLEN=varlen is not None)
-    dummy = kv_count
-    kv_tiles = tma.tile_args(attention_fwd_kernel, varlen is not None, dummy, K_DESC=k, V_DESC=v)
-    autotune.launch(
-        attention_fwd_kernel,
-        lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads),
-        configs,
-        key=TUNING_KEY,
-        pre_hook=tma.set_boxes if kv_tiles["TMA_LOADS"] else None,
-        Q=q, K=k, V=v, **kv_tiles, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index,
-        TOKEN_MASK=token_mask if token_mask is not None else dummy,
-        BLOCK_MASK=block_mask if gather else dummy,
-        KV_VALID=kv_valid if kv_valid is not None else dummy,
-        CU_SEQLENS_Q=varlen.cu_q if varlen else dummy, CU_SEQLENS_KV=varlen.cu_kv if varlen else dummy,
-        scale_log2=scale * LOG2E, seq_q=seq_q, seq_kv=seq_kv, num_heads=heads, group_size=heads // kv_heads,
-        mask_block_q=mask_block_q, mask_block_kv=mask_block_kv,
-        seq_bucket=autotune.seq_bucket(max(seq_q, seq_kv)),
-        **stride_args("q", q, "bhsd"), **stride_args("k", k, "bhsd"), **stride_args("v", v, "bhsd"),
-        **stride_args("o", out, "bhsd"), **stride_args("l", lse, "bhs"),
-        **stride_args("c", kv_count, "bh"), **stride_args("i", kv_index, "bhq"),
-        **stride_args("t", token_mask, "bhqk"), **stride_args("m", block_mask, "bhq"),
-        stride_vvb=strides(kv_valid, 1)[0],
-        **flags,
-    )
+    packed = varlen is not None
+    out, lse = output_buffers(q, v.shape[-1], packed)
+    dummy = kv_count  # stands in for absent optional tensors (their flags keep the kernel off them)
+    tensors = dict(Q=q, K=k, V=v, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index,
+                   TOKEN_MASK=dummy if token_mask is None else token_mask,
+                   BLOCK_MASK=dummy if block_mask is None else block_mask,
+                   KV_VALID=dummy if kv_valid is None else kv_valid,
+                   CU_SEQLENS_Q=varlen.cu_q if packed else dummy, CU_SEQLENS_KV=varlen.cu_kv if packed else dummy)
+    site = (block_q, block_kv, scale, bool(is_causal), token_mask is None, block_mask is None, mask_block_q,
+            mask_block_kv, kv_valid is None, (varlen.batch, varlen.max_q, varlen.max_kv) if packed else None,
+            tma.TMA_LOADS, torch.backends.cuda.matmul.allow_tf32, autotune.env_key("FWD"))
+
+    def build() -> launch.LaunchSpec:
+        heads, kv_heads = q.shape[1], k.shape[1]
+        batch, seq_q, seq_kv = (varlen.batch, varlen.max_q, varlen.max_kv) if packed else (q.shape[0], q.shape[2],
+                                                                                            k.shape[2])
+        head_dim, head_dim_v, block_d, block_dv = head_dims(q, v)
+        gather = block_mask is not None
+        elt = q.element_size()
+        configs = autotune.nesting(
+            "FWD", block_q, block_kv,
+            smem_per_stage=lambda bm, bn: bn * (block_d + block_dv) * elt,
+            fixed_smem=lambda bm, bn: bm * block_d * elt, cache_key=(block_d, block_dv, elt))
+        kv_tiles = tma.tile_args(attention_fwd_kernel, packed, K_DESC=k, V_DESC=v)
+        static = dict(
+            kv_tiles, scale_log2=scale * LOG2E, seq_q=seq_q, seq_kv=seq_kv, num_heads=heads,
+            group_size=heads // kv_heads, mask_block_q=mask_block_q if gather else block_q,
+            mask_block_kv=mask_block_kv if gather else block_kv, seq_bucket=autotune.seq_bucket(max(seq_q, seq_kv)),
+            **stride_args("q", q, "bhsd"), **stride_args("k", k, "bhsd"), **stride_args("v", v, "bhsd"),
+            **stride_args("o", out, "bhsd"), **stride_args("l", lse, "bhs"),
+            **stride_args("c", kv_count, "bh"), **stride_args("i", kv_index, "bhq"),
+            **stride_args("t", token_mask, "bhqk"), **stride_args("m", block_mask, "bhq"),
+            stride_vvb=strides(kv_valid, 1)[0],
+            BLOCK_Q=block_q, BLOCK_KV=block_kv, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d,
+            BLOCK_DV=block_dv, EVEN_KV=seq_kv % block_kv == 0 and not packed,
+            IS_CAUSAL=bool(is_causal), HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather,
+            HAS_KV_VALID=kv_valid is not None, FP32_PRECISION=fp32_precision(q.dtype, attention_fwd_kernel),
+            IS_VARLEN=packed)
+        return launch.LaunchSpec(
+            grid=lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads), configs=configs,
+            tuning_key=TUNING_KEY, static=static, pre_hook=tma.set_boxes if kv_tiles["TMA_LOADS"] else None)
+
+    launch.run(attention_fwd_kernel, site, tensors, build)
     return out, lse
 

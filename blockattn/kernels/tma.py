@@ -68,16 +68,16 @@ def tile_descriptor(t: torch.Tensor):
     return cls(t, list(t.shape), strides, [1, 1, 16, 16])
 
 
-def tile_args(kernel_fn, packed: bool, dummy: torch.Tensor, use: bool = True, **tensors: torch.Tensor) -> dict:
+def tile_args(kernel_fn, packed: bool, use: bool = True, **tensors: torch.Tensor) -> dict:
     """Kernel arguments for reading the tiles of tensors ([B, H, S, D], keyed by their descriptor argument's
-    name) through descriptors: {name: descriptor, ..., "TMA_LOADS": True}; or {name: dummy, ...,
-    "TMA_LOADS": False} when not use, for packed batches, where kernel_fn cannot use descriptors on this device,
-    or when any of the tensors cannot be described (tile_descriptor)."""
+    name) through descriptors: {name: descriptor, ..., "TMA_LOADS": True}; or {name: the tensor itself, ...,
+    "TMA_LOADS": False} (unused by the kernel) when not use, for packed batches, where kernel_fn cannot use
+    descriptors on this device, or when any of the tensors cannot be described (tile_descriptor)."""
     if use and not packed and available(kernel_fn, next(iter(tensors.values())).device):
         descs = {name: tile_descriptor(t) for name, t in tensors.items()}
         if all(d is not None for d in descs.values()):
             return dict(descs, TMA_LOADS=True)
-    return dict(dict.fromkeys(tensors, dummy), TMA_LOADS=False)
+    return dict(tensors, TMA_LOADS=False)
 
 
 def accumulator_descriptor(acc: torch.Tensor):

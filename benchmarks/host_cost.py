@@ -1,0 +1,74 @@
+"""Where an eager short call's host time goes: B8 H16 D128 bf16, 128x128 blocks at density 0.5. Host times per
+call (enqueue only: calls back to back, no waiting for the GPU; the fastest of 7 rounds, as the machine's host
+noise is large) of the public call, the argument preparation and the launcher, with launch plans on and off and
+with descriptor loads on and off; then the same for forward + backward, and a cProfile table of an eager
+forward + backward with plans.
+
+    python benchmarks/host_cost.py [--seq 1024] [--calls 300]
+"""
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+from blockattn import api
+from blockattn.kernels import launch, ops, tma
+
+from exp_short import short_case, short_inputs
+
+
+def per_call_us(fn, calls: int) -> float:
+    """The fastest of 7 rounds of the host time per call (us), calls enqueued back to back."""
+    rounds = []
+    for _ in range(7):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        rounds.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return min(rounds)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--calls", type=int, default=300)
+    args = parser.parse_args()
+    fwd, fwd_bwd = short_case(8, 16, args.seq, 0.5)
+    q, k, v, blocks, _ = short_inputs(8, 16, args.seq, 0.5)
+
+    def prepare():
+        p = api._prepare(q, k, v, blocks, None, "bhsd", None, None, None, None, False, None, None, "auto")
+        return p, api._op_args(p, False, need_q_lists=False)
+    p, op_args = prepare()
+
+    def launcher():
+        with torch.no_grad():
+            ops.forward_eager(p.q, p.k, p.v, *op_args)
+    print(f"S{args.seq}: _prepare + _op_args {per_call_us(prepare, args.calls):.1f} us", flush=True)
+    for plans in (True, False):
+        launch.ENABLED = plans
+        for descriptors in (True, False):
+            tma.TMA_LOADS = descriptors
+            fwd(), launcher(), fwd_bwd()
+            label = f"S{args.seq} plans={plans} descriptors={descriptors}"
+            print(f"{label}: forward launcher {per_call_us(launcher, args.calls):.1f} us, attention() forward "
+                  f"{per_call_us(fwd, args.calls):.1f} us, forward + backward {per_call_us(fwd_bwd, args.calls // 3):.1f}"
+                  " us", flush=True)
+    launch.ENABLED, tma.TMA_LOADS = True, True
+    fwd_bwd()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(100):
+        fwd_bwd()
+    profile.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()

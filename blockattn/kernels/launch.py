@@ -1,0 +1,136 @@
+"""Launch plans: the first launch of a kernel for one set of static arguments goes through Triton's autotuner and
+JIT (tile choice, compilation); later launches with the same static arguments relaunch the compiled kernel with
+the new tensors, skipping the launcher's argument building, the autotuner's wrapper and the JIT's argument binding.
+
+Why: at short sequences an eager call is host-bound. On the H200 machine's CPU a forward launch took ~200 us of host
+time (~80 us building arguments, ~55 us in the autotuner's wrapper, ~50 us in the JIT's binding) against ~15 us
+for the compiled kernel's own launcher (benchmarks/host_cost.py).
+
+A plan is keyed by the launch site's key (the launcher's scalar arguments and every switch it reads), the current
+device, and each tensor argument's shape, strides, dtype and 16-byte alignment: everything Triton specializes a
+kernel on and everything the launcher derives its other arguments from. Only the tensors change between
+relaunches; descriptor arguments are rebuilt around the new tensors from the first launch's descriptors. A plan
+is made only after checking that its argument list equals the one Triton's own binder produced; a Triton whose
+internals differ gets no plans, and every launch takes the full path (same results, more host time).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import torch
+from triton import knobs
+from triton.runtime.driver import driver
+
+from . import autotune
+
+# Whether launches use plans (benchmarks/host_cost.py switches them off to time the full path).
+ENABLED = True
+# Plans kept; a full table is cleared (a workload that keeps changing shapes pays the full path per new shape).
+_MAX_PLANS = 512
+_PLANS: dict = {}
+
+
+class LaunchSpec(NamedTuple):
+    """What a launcher builds on a plan miss. grid(meta) -> grid tuple; configs, tuning_key, reset_to_zero and
+    pre_hook as autotune.launch takes them; static: every non-tensor keyword argument, and for arguments read
+    through descriptors the descriptor (built on the call's tensors)."""
+    grid: Callable
+    configs: list
+    tuning_key: tuple
+    static: dict
+    pre_hook: Optional[Callable] = None
+    reset_to_zero: tuple = ()
+
+
+def tensor_key(tensor: torch.Tensor) -> tuple:
+    """What a plan depends on in one tensor argument: shape, strides, dtype, and 16-byte alignment of its base."""
+    return tensor.shape, tensor.stride(), tensor.dtype, tensor.data_ptr() % 16
+
+
+class Plan:
+    """A compiled kernel, its grid and its argument list in signature order; relaunch() puts the call's tensors in
+    their slots (tensor_slots: (index, name); descriptor_slots: (index, name, first launch's descriptor))."""
+
+    __slots__ = ("kernel", "grid", "args", "tensor_slots", "descriptor_slots")
+
+    def __init__(self, kernel, grid: tuple, args: list, tensor_slots: tuple, descriptor_slots: tuple):
+        self.kernel, self.grid, self.args = kernel, grid, args
+        self.tensor_slots, self.descriptor_slots = tensor_slots, descriptor_slots
+
+    def relaunch(self, tensors: dict, device: int) -> None:
+        args = self.args.copy()
+        for index, name in self.tensor_slots:
+            args[index] = tensors[name]
+        for index, name, template in self.descriptor_slots:
+            args[index] = rebased(template, tensors[name])
+        kernel, grid = self.kernel, self.grid
+        stream = driver.active.get_current_stream(device)
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        metadata = kernel.launch_metadata(grid, stream, *args) if enter is not None else None
+        kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, metadata, enter, leave,
+                   *args)
+
+
+def rebased(descriptor, base: torch.Tensor):
+    """A copy of a host tensor descriptor over base (same shape, strides, dtype and alignment as the original's
+    base: the plan key guarantees it, so Triton's checks need not run again)."""
+    copy = object.__new__(type(descriptor))
+    copy.__dict__.update(descriptor.__dict__)
+    copy.base = base
+    return copy
+
+
+def run(kernel_fn, site_key: tuple, tensors: dict, build: Callable[[], LaunchSpec]) -> None:
+    """Launch kernel_fn. tensors: every tensor argument by name for this call (an argument read through a
+    descriptor maps to the tensor it describes); site_key: hashable, everything else build() depends on.
+    build() runs on a plan miss only."""
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    key = (kernel_fn, site_key, device, tuple(tensor_key(t) for t in tensors.values()))
+    plan = _PLANS.get(key) if ENABLED else None
+    if plan is not None:
+        plan.relaunch(tensors, device)
+        return
+    spec = build()
+    kwargs = {**tensors, **spec.static}
+    kernel, config = autotune.launch(kernel_fn, spec.grid, spec.configs, spec.tuning_key, spec.reset_to_zero,
+                                     spec.pre_hook, **kwargs)
+    if kernel is None:  # the interpreter: nothing compiled to relaunch
+        return
+    plan = make_plan(kernel_fn, kernel, config, spec.grid, kwargs, tensors, device) if ENABLED else None
+    if plan is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+
+
+def make_plan(kernel_fn, kernel, config, grid, kwargs: dict, tensors: dict, device) -> Optional[Plan]:
+    """The plan for relaunching kernel (compiled by kernel_fn for config on device) with kwargs; None where this
+    Triton's internals do not match what Plan.relaunch uses (its binder must give the same argument list)."""
+    meta = {**kwargs, **config.all_kwargs()}
+    try:
+        names = kernel_fn.arg_names
+        args = [meta[name] for name in names]
+        binder = kernel_fn.device_caches[device][4]
+        bound = list(binder(**meta)[0].values())
+        if len(bound) != len(args) or any(a is not b for a, b in zip(bound, args)):
+            return None
+        kernel.run, kernel.function, kernel.packed_metadata, kernel.launch_metadata  # noqa: B018 (present?)
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return None
+    tensor_slots, descriptor_slots = [], []
+    for index, name in enumerate(names):
+        if name in tensors:  # the plan must not keep this call's tensors alive
+            if isinstance(args[index], torch.Tensor):
+                tensor_slots.append((index, name))
+            else:
+                descriptor_slots.append((index, name, rebased(args[index], None)))
+            args[index] = None
+    g = tuple(grid(meta))
+    g = g + (1,) * (3 - len(g))
+    return Plan(kernel, g, args, tuple(tensor_slots), tuple(descriptor_slots))
+
+
+def plans() -> dict:
+    """The plans made so far (tests read it)."""
+    return _PLANS

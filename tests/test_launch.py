@@ -1,0 +1,170 @@
+"""Launch plans: a relaunch puts the new call's tensors in every tensor and descriptor slot, anything a kernel is
+specialized on makes a new plan, a plan keeps no tensor alive, and repeated real calls stay exact."""
+
+import collections
+import gc
+import weakref
+
+import pytest
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from blockattn.kernels import autotune, backward, forward, launch
+from conftest import DEVICE, ON_GPU, check_against_oracle, expand, kernel, oracle, qkv, random_keep, rel_error
+
+ARG_NAMES = ("X", "X_DESC", "Out", "n", "BLOCK")
+CONFIG = triton.Config({"BLOCK": 32}, num_warps=4, num_stages=2)
+
+
+class FakeCompiled:
+    """Stands in for Triton's CompiledKernel: records what the plan launches."""
+    function, packed_metadata = "function", "packed"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+    def launch_metadata(self, grid, stream, *args):
+        return "metadata"
+
+
+class FakeKernelFn:
+    """Stands in for a JITFunction: its names and a binder that binds the way Triton's does (mismatch: a binder
+    that gives another argument list)."""
+
+    def __init__(self, mismatch=False):
+        self.arg_names = ARG_NAMES
+        self.__name__ = "fake_kernel"
+
+        def binder(**kwargs):
+            bound = {name: kwargs[name] for name in ARG_NAMES}
+            if mismatch:
+                bound["n"] = object()
+            return bound, [], {}
+        self.device_caches = collections.defaultdict(lambda: (None, None, None, None, binder))
+
+
+class FakeDriver:
+    class active:
+        @staticmethod
+        def get_current_stream(device):
+            return "stream"
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    """(compiled kernel, launches through the full path, builds): autotune.launch and the driver faked."""
+    compiled, full, builds = FakeCompiled(), [], []
+
+    def fake_launch(kernel_fn, grid, configs, key, reset_to_zero=(), pre_hook=None, **kwargs):
+        full.append(kwargs)
+        return compiled, CONFIG
+    monkeypatch.setattr(autotune, "launch", fake_launch)
+    monkeypatch.setattr(launch, "driver", FakeDriver)
+    monkeypatch.setattr(launch, "_PLANS", {})
+    return compiled, full, builds
+
+
+def call(kernel_fn, x, out, builds, site=("site",)):
+    def build():
+        builds.append(x)
+        return launch.LaunchSpec(grid=lambda meta: (meta["n"] // meta["BLOCK"], 2), configs=[CONFIG],
+                                 tuning_key=(), static={"X_DESC": TensorDescriptor.from_tensor(x, [2, 16]), "n": 64})
+    launch.run(kernel_fn, site, {"X": x, "X_DESC": x, "Out": out}, build)
+
+
+def test_a_relaunch_puts_the_new_tensors_in_every_slot(fakes):
+    compiled, full, builds = fakes
+    fn = FakeKernelFn()
+    x1, out1 = torch.randn(4, 16), torch.empty(4, 16)
+    call(fn, x1, out1, builds)
+    assert len(builds) == 1 and len(full) == 1 and full[0]["X"] is x1 and full[0]["n"] == 64
+    x2, out2 = torch.randn(4, 16), torch.empty(4, 16)
+    call(fn, x2, out2, builds)
+    assert len(builds) == 1 and len(full) == 1, "a second call of the same shapes must relaunch the plan"
+    grid0, grid1, grid2, stream, function, packed, metadata, enter, leave, *args = compiled.runs[-1]
+    assert (grid0, grid1, grid2, stream, function, packed) == (2, 2, 1, "stream", "function", "packed")
+    x_arg, desc, out_arg, n, block = args
+    assert x_arg is x2 and out_arg is out2 and (n, block) == (64, 32)
+    assert isinstance(desc, TensorDescriptor) and desc.base is x2
+    assert (list(desc.shape), list(desc.strides), desc.block_shape) == (list(x2.shape), list(x2.stride()), [2, 16])
+
+
+def test_what_a_kernel_is_specialized_on_makes_a_new_plan(fakes):
+    compiled, full, builds = fakes
+    fn = FakeKernelFn()
+    call(fn, torch.randn(4, 16), torch.empty(4, 16), builds)
+    variants = [
+        ("strides", torch.randn(4, 32)[:, :16], torch.empty(4, 16), ("site",), True),
+        ("dtype", torch.randn(4, 16, dtype=torch.float64), torch.empty(4, 16), ("site",), True),
+        ("a base 4 bytes off alignment", torch.randn(4 * 16 + 1)[1:].view(4, 16), torch.empty(4, 16), ("site",),
+         True),
+        ("the launcher's scalars or switches", torch.randn(4, 16), torch.empty(4, 16), ("other site",), True),
+        ("an output 64 bytes in (same alignment)", torch.randn(4, 16), torch.empty(5, 16)[1:], ("site",), False),
+    ]
+    for label, x, out, site, new_plan in variants:
+        before = len(builds)
+        try:
+            call(fn, x, out, builds, site)
+        except AssertionError:  # Triton refuses a descriptor over a misaligned base (the launchers check first)
+            assert x.data_ptr() % 16, label
+        assert (len(builds) > before) == new_plan, label
+
+
+def test_a_plan_keeps_no_tensor_alive(fakes):
+    compiled, full, builds = fakes
+    x, out = torch.randn(4, 16), torch.empty(4, 16)
+    watched = weakref.ref(x)
+    call(FakeKernelFn(), x, out, builds)
+    full.clear()
+    builds.clear()
+    del x
+    gc.collect()
+    assert watched() is None and len(launch.plans()) == 1
+
+
+def test_no_plan_where_the_binder_disagrees(fakes):
+    compiled, full, builds = fakes
+    fn = FakeKernelFn(mismatch=True)
+    for _ in range(2):
+        call(fn, torch.randn(4, 16), torch.empty(4, 16), builds)
+    assert len(full) == 2 and not launch.plans()
+
+
+def test_the_plan_table_is_bounded(fakes, monkeypatch):
+    compiled, full, builds = fakes
+    monkeypatch.setattr(launch, "_MAX_PLANS", 2)
+    for width in (16, 32, 48):
+        call(FakeKernelFn(), torch.randn(4, width), torch.empty(4, width), builds)
+    assert len(launch.plans()) <= 2
+
+
+@pytest.mark.parametrize("dq_mode", ["kernel", "atomic"])
+def test_repeated_calls_with_fresh_tensors_stay_exact(geometry, poisoned, monkeypatch, dq_mode):
+    """The same shapes three times with new data (relaunches on a GPU), then a token mask (a new plan): outputs and
+    gradients against the fp64 oracle every time."""
+    monkeypatch.setattr(launch, "_PLANS", {})
+    monkeypatch.setattr(backward, "DQ_MODE_DEFAULT", dq_mode)
+    seq = geometry.seqs[0]
+    keep = random_keep(1, geometry.heads, seq, seq, geometry.block)
+    visible = expand(keep, geometry.block, seq, seq)
+    token_mask = torch.rand(seq, seq, device=DEVICE) < 0.9
+    for seed, mask in ((0, None), (1, None), (2, None), (3, token_mask)):
+        q, k, v = (t.requires_grad_(True) for t in qkv(geometry.batch, geometry.heads, seq, geometry.dim, seed=seed))
+        out, lse = kernel(q, k, v, keep, geometry.block, attn_mask=mask, return_lse=True)
+        seen = visible if mask is None else visible & mask
+        check_against_oracle(out.detach(), lse.detach(), q.detach(), k.detach(), v.detach(), seen)
+        grad = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), grad)
+        want = torch.autograd.grad(oracle(q, k, v, seen)[0], (q, k, v), grad.double())
+        for name, g, w in zip("qkv", got, want):
+            assert torch.isfinite(g).all(), f"d{name} not finite (seed {seed})"
+            assert rel_error(g, w) < 2e-2, f"d{name} off the oracle (seed {seed}): {rel_error(g, w):.3e}"
+    kernels = {key[0] for key in launch.plans()}
+    expected = {forward.attention_fwd_kernel, backward.attention_bwd_preprocess_kernel,
+                backward.attention_bwd_dkdv_kernel} | ({backward.attention_bwd_dq_kernel} if dq_mode == "kernel"
+                                                       else set())
+    assert kernels == (expected if ON_GPU else set()), "plans on a GPU for every kernel; none under the interpreter"
