@@ -31,6 +31,7 @@ def main():
                         "through pointer loads and through descriptors (tma.DKDV_TMA_LOADS off and on)")
     args = parser.parse_args()
     device = torch.device("cuda")
+    autotune.DISK_CACHE = False  # benchmark the candidates this run prints, not a stored choice
     print("tma reductions available:", tma.reductions_available(backward.attention_bwd_dkdv_kernel, device))
     if args.sweep:
         autotune._DEFAULTS["BWD_DKDV"] = DKDV_SWEEP

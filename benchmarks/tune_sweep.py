@@ -32,6 +32,7 @@ def main():
     from blockattn.bench import Case, block_mask
     from blockattn.kernels import autotune
 
+    autotune.DISK_CACHE = False  # benchmark every candidate this run prints, not a stored choice
     block = tuple(int(x) for x in args.block.split("x"))
     case = Case(heads=args.heads, kv_heads=args.kv_heads or args.heads, seq=args.seq, dim=args.dim, block=block,
                 density=args.density)

@@ -99,41 +99,62 @@ def test_every_kernel_builds_a_tuner_from_the_shared_key(kernel_name):
     assert "seq_bucket" in tuner.keys and "TMA_LOADS" in tuner.keys
 
 
-def test_a_launch_with_a_memoized_list_reuses_its_tuner(monkeypatch):
-    """The launch fast path (compiled Triton only; faked here): a memoized candidate list finds its tuner without
-    rebuilding configs; another list, key or pre-hook builds its own; a list nesting() did not memoize is not
-    remembered (it would be kept alive forever)."""
-    built, launched = [], []
+class FakeKernelFn:
+    """Stands in for a compiled JITFunction: records each direct launch's arguments."""
+    __name__ = "fake_kernel"
+    cache_key = "source-hash"
+
+    def __init__(self):
+        self.launched = []
+
+    def __getitem__(self, grid):
+        return lambda **meta: self.launched.append((grid, meta)) or "compiled"
+
+
+def test_a_tuned_choice_is_remembered_in_memory_and_on_disk(monkeypatch, tmp_path):
+    """The tuner benchmarks a tuning key once; later launches of that key (in this process, or after a restart,
+    from Triton's cache directory) run the chosen config directly, through the pre-hook; another key, or the disk
+    cache switched off in a fresh process, tunes again."""
+    benchmarked = []
 
     class FakeTuner:
-        best_config = None
-
         def __init__(self, configs):
             self.configs = configs
 
         def __getitem__(self, grid):
-            return lambda **kwargs: launched.append((self, grid, kwargs))
+            def run(**kwargs):
+                benchmarked.append(kwargs)
+                self.best_config = self.configs[1]
+                return "compiled"
+            return run
 
-    def fake_tuner(kernel_fn, configs, key, reset_to_zero):
-        built.append(key)
-        return FakeTuner(configs)
-
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(autotune, "is_interpreted", lambda fn: False)
-    monkeypatch.setattr(autotune, "_tuner", fake_tuner)
-    monkeypatch.setattr(autotune, "_LAUNCH_TUNERS", {})
-    monkeypatch.setattr(autotune, "_NESTING_CACHE", {})
-    memo = autotune.nesting("FWD", 128, 128, no_smem, no_smem, cache_key=("test",))
-    kernel = object()
-    for _ in range(3):
-        autotune.launch(kernel, "grid", memo, ("A",), x=1)
-    assert built == [("A",)] and len(launched) == 3
-    assert launched[2][2] == {"x": 1, "enable_fp_fusion": True}, "the pinned compile options reach the tuner"
-    assert launched[0][0] is launched[2][0]
-    autotune.launch(kernel, "grid", memo, ("B",), x=2)
-    autotune.launch(kernel, "grid", memo, ("A",), pre_hook=print, x=3)
-    assert built == [("A",), ("B",), ("A",)]
-    assert all(c.pre_hook is print for c in launched[-1][0].configs)
-    fresh = autotune.nesting("FWD", 128, 128, no_smem, no_smem)
-    autotune.launch(kernel, "grid", fresh, ("A",))
-    autotune.launch(kernel, "grid", fresh, ("A",))
-    assert built[-2:] == [("A",), ("A",)], "a list nesting() did not memoize must not be cached by identity"
+    monkeypatch.setattr(autotune, "_tuner", lambda kernel_fn, configs, key, reset_to_zero: FakeTuner(configs))
+    monkeypatch.setattr(autotune, "_CHOICES", {})
+    set_lists(monkeypatch, m="64,128", n="64", warps="4", stages="2")
+    configs = autotune.nesting("FWD", 128, 128, no_smem, no_smem)
+    fn, hooked = FakeKernelFn(), []
+
+    def grid(meta):
+        return (meta["BLOCK_M"],)
+
+    def launch(key_value):
+        return autotune.launch(fn, grid, configs, ("A",), pre_hook=lambda meta: hooked.append(meta["BLOCK_M"]),
+                               A=key_value, x=torch.zeros(1))
+    kernel, config = launch(1)
+    assert len(benchmarked) == 1 and config is configs[1] and kernel == "compiled"
+    assert benchmarked[0]["enable_fp_fusion"] is True, "the pinned compile options reach the tuner"
+    for restart in (False, True):
+        if restart:
+            monkeypatch.setattr(autotune, "_CHOICES", {})  # a new process: only the disk remembers
+        kernel, config = launch(1)
+        assert len(benchmarked) == 1 and config is configs[1] and kernel == "compiled"
+        grid_used, meta = fn.launched[-1]
+        assert grid_used == (128,) and meta["BLOCK_M"] == 128 and meta["num_warps"] == 4 and hooked[-1] == 128
+    launch(2)
+    assert len(benchmarked) == 2, "another tuning key is benchmarked"
+    monkeypatch.setattr(autotune, "_CHOICES", {})
+    monkeypatch.setattr(autotune, "DISK_CACHE", False)
+    launch(1)
+    assert len(benchmarked) == 3, "without the disk cache a new process tunes again"

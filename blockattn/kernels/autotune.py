@@ -165,40 +165,98 @@ class _HashableConfigs(tuple):
         return [_config_key(c) for c in self] == [_config_key(c) for c in other]
 
 
-# (kernel, id(configs), key, reset_to_zero, pre_hook) -> (configs, tuner) for candidate lists memoized by
-# nesting(): a launch with the same list skips rebuilding and hashing the configs (~15 us of host time).
-_LAUNCH_TUNERS: dict = {}
+# Whether tile choices persist on disk, so a process pays the benchmarking of a shape once per machine. Triton's
+# own autotune cache skips every kernel whose configs carry a pre-hook, and the descriptor kernels' do (their boxes
+# are set per config), so blockattn keeps its choices itself, in Triton's cache directory (TRITON_CACHE_DIR):
+# clearing that cache retunes. Benchmarks that sweep the candidates switch it off.
+DISK_CACHE = True
+_CHOICE_FORMAT = "blockattn-tile-choice-1"
+# (kernel, candidate list, tuning-key values, argument dtypes) -> the config chosen for them in this process.
+_CHOICES: dict = {}
 
 
 def launch(kernel_fn, grid, configs: list[triton.Config], key: tuple, reset_to_zero: tuple = (), pre_hook=None,
            **kwargs):
-    """Run kernel_fn over grid(meta) with the best of configs (the first, under the interpreter); returns (the
-    compiled kernel, or None under the interpreter; the config it ran). reset_to_zero names the arguments a kernel
-    accumulates into, zeroed before each benchmarked run; pre_hook(arguments with the config's values) runs before
-    every launch of a config (host tensor descriptors take their block shape there). A single config runs without
-    Triton's autotuner (nothing to choose)."""
+    """Run kernel_fn over grid(meta) with the best of configs; returns (the compiled kernel, or None under the
+    interpreter; the config it ran). The best is benchmarked through triton.autotune the first time a tuning key
+    (the values of the arguments named in key, and the arguments' dtypes) is seen, then remembered in memory and on
+    disk (DISK_CACHE); a single config, a remembered choice and the interpreter (which takes the first) launch
+    directly. reset_to_zero names the arguments a kernel accumulates into, zeroed before each benchmarked run;
+    pre_hook(arguments with the config's values) runs before every launch of a config (host tensor descriptors
+    take their block shape there)."""
     kwargs.update(COMPILE_OPTIONS)  # the interpreter drops them
-    fast_key = (id(kernel_fn), id(configs), key, reset_to_zero, pre_hook)
-    cached = _LAUNCH_TUNERS.get(fast_key)
-    if cached is not None and cached[0] is configs:
-        tuner = cached[1]
-        return tuner[grid](**kwargs), tuner.best_config
     interpreted = is_interpreted(kernel_fn)
     if interpreted or len(configs) == 1:
-        config = configs[0]
-        meta = dict(kwargs, **(config.kwargs if interpreted else config.all_kwargs()))
-        if pre_hook is not None:
-            pre_hook(meta)
-        kernel = kernel_fn[grid(meta)](**meta)
-        return (None if interpreted else kernel), config
-    original = configs
+        return _launch_config(kernel_fn, grid, configs[0], pre_hook, kwargs, interpreted)
+    candidates = _HashableConfigs(configs)
+    choice_key = (kernel_fn, candidates, tuple(kwargs.get(name) for name in key),
+                  tuple(str(value.dtype) for value in kwargs.values() if hasattr(value, "dtype")))
+    config = _CHOICES.get(choice_key)
+    if config is None and DISK_CACHE:
+        config = _read_choice(choice_key)
+    if config is not None:
+        _CHOICES[choice_key] = config
+        return _launch_config(kernel_fn, grid, config, pre_hook, kwargs, False)
     if pre_hook is not None:
-        configs = [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=pre_hook)
-                   for c in configs]
-    tuner = _tuner(kernel_fn, _HashableConfigs(configs), key, tuple(reset_to_zero))
-    if any(original is memo for memo in _NESTING_CACHE.values()):  # only lists that live on anyway
-        _LAUNCH_TUNERS[fast_key] = (original, tuner)
-    return tuner[grid](**kwargs), tuner.best_config
+        candidates = _HashableConfigs(triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages,
+                                                    pre_hook=pre_hook) for c in configs)
+    tuner = _tuner(kernel_fn, candidates, key, tuple(reset_to_zero))
+    kernel = tuner[grid](**kwargs)
+    best = _config_key(tuner.best_config)
+    config = next(c for c in configs if _config_key(c) == best)
+    _CHOICES[choice_key] = config
+    if DISK_CACHE:
+        _write_choice(choice_key, config)
+    return kernel, config
+
+
+def _launch_config(kernel_fn, grid, config: triton.Config, pre_hook, kwargs: dict, interpreted: bool):
+    meta = dict(kwargs, **(config.kwargs if interpreted else config.all_kwargs()))
+    if pre_hook is not None:
+        pre_hook(meta)
+    kernel = kernel_fn[grid(meta)](**meta)
+    return (None if interpreted else kernel), config
+
+
+def _choice_file(choice_key: tuple) -> tuple:
+    """(Triton cache manager, file name) holding the choice for choice_key on this GPU and Triton, for this
+    kernel source."""
+    import hashlib
+
+    import torch
+    from triton.runtime.cache import get_cache_manager
+    kernel_fn, candidates, values, dtypes = choice_key
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    parts = [_CHOICE_FORMAT, triton.__version__, gpu, kernel_fn.cache_key,
+             repr(values), repr(dtypes), repr(COMPILE_OPTIONS)] + [str(c) for c in candidates]
+    digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    return get_cache_manager(digest), f"{kernel_fn.__name__}.tile.json"
+
+
+def _read_choice(choice_key: tuple) -> Optional[triton.Config]:
+    """The config stored for choice_key, or None (none stored, or unreadable: then it is tuned again)."""
+    import json
+    try:
+        cache, name = _choice_file(choice_key)
+        path = cache.get_file(name)
+        if path is None:
+            return None
+        with open(path) as f:
+            stored = json.load(f)
+        config = choice_key[1][stored["index"]]
+        return config if str(config) == stored["config"] else None
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+
+
+def _write_choice(choice_key: tuple, config: triton.Config) -> None:
+    import json
+    try:
+        cache, name = _choice_file(choice_key)
+        index = [_config_key(c) for c in choice_key[1]].index(_config_key(config))
+        cache.put(json.dumps({"index": index, "config": str(config)}), name, binary=False)
+    except (OSError, ValueError, AttributeError):
+        pass  # a read-only or missing cache directory: the choice lives in memory only
 
 
 def is_interpreted(kernel_fn) -> bool:
