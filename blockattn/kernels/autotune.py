@@ -1,4 +1,5 @@
-"""Tile candidates, the nesting filter and the launch through Triton's autotuner.
+"""Tile candidates, the nesting filter, and the launch through Triton's autotuner with the choice remembered in
+memory and on disk (DISK_CACHE).
 
 Environment variables (this is the one place they are documented; they are read at call time, never at import):
 
