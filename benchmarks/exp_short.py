@@ -54,6 +54,17 @@ def host_ms(fn, calls: int = 100) -> float:
     return host
 
 
+def print_profile(fn, calls: int, rows: int = 25) -> None:
+    """A cProfile table (own time first) of calls of fn, enqueued back to back."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(rows)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq", type=int, default=1024)
@@ -80,13 +91,7 @@ def main():
               flush=True)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60),
               flush=True)
-        profile = cProfile.Profile()
-        profile.enable()
-        for _ in range(50):
-            fwd_bwd()
-        profile.disable()
-        torch.cuda.synchronize()
-        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+        print_profile(fwd_bwd, 50)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,6 @@ forward + backward with plans.
 """
 
 import argparse
-import cProfile
-import pstats
 import time
 
 import torch
@@ -17,7 +15,7 @@ import torch
 from blockattn import api
 from blockattn.kernels import launch, ops, tma
 
-from exp_short import short_case, short_inputs
+from exp_short import print_profile, short_case, short_inputs
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -61,13 +59,7 @@ def main():
                   " us", flush=True)
     launch.ENABLED, tma.TMA_LOADS = True, True
     fwd_bwd()
-    profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(100):
-        fwd_bwd()
-    profile.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+    print_profile(fwd_bwd, 100)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 from . import autotune, buffers, launch, tma
-from .forward import LOG2E, TUNING_KEY, fp32_precision, head_dims, stride_args, strides
+from .forward import (LOG2E, TUNING_KEY, fp32_precision, head_dims, optional_tensors, site_key, stride_args,
+                      strides)
 from .varlen import Varlen
 from .primitives import (dot, element_keep, first_entry_at_or_after, kv_list_start, kv_list_tiles, load_tile_or_box,
                          query_tile_program, sequence_span)
@@ -322,15 +323,10 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         dq_acc4 = dq_acc.view(q.shape[0], heads, q.shape[2], block_d)
     else:
         dq_acc = dq_acc4 = None
-    dummy = lse  # stands in for absent optional tensors (their flags keep the kernels off them)
     shared = dict(Q=q, K=k, V=v, DO=grad_out, Lse2=lse2, Delta=delta,
-                  TOKEN_MASK=dummy if token_mask is None else token_mask,
-                  BLOCK_MASK=dummy if block_mask is None else block_mask,
-                  KV_VALID=dummy if kv_valid is None else kv_valid,
-                  CU_SEQLENS_Q=varlen.cu_q if packed else dummy, CU_SEQLENS_KV=varlen.cu_kv if packed else dummy)
-    site = (block_q, block_kv, scale, bool(is_causal), token_mask is None, block_mask is None, mask_block_q,
-            mask_block_kv, kv_valid is None, (varlen.batch, varlen.max_q, varlen.max_kv) if packed else None,
-            dq_mode, tma.TMA_LOADS, tma.DKDV_TMA_LOADS, torch.backends.cuda.matmul.allow_tf32)
+                  **optional_tensors(lse, token_mask, block_mask, kv_valid, varlen))
+    site = site_key(block_q, block_kv, scale, is_causal, token_mask, block_mask, mask_block_q, mask_block_kv,
+                    kv_valid, varlen) + (dq_mode, tma.DKDV_TMA_LOADS)
     batch, seq_q, seq_kv = (varlen.batch, varlen.max_q, varlen.max_kv) if packed else (q.shape[0], q.shape[2],
                                                                                         k.shape[2])
 

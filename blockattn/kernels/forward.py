@@ -162,6 +162,25 @@ def head_dims(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
     return head_dim, head_dim_v, max(16, triton.next_power_of_2(head_dim)), max(16, triton.next_power_of_2(head_dim_v))
 
 
+def optional_tensors(dummy: torch.Tensor, token_mask, block_mask, kv_valid, varlen: Optional[Varlen]) -> dict:
+    """The optional tensor arguments every attention kernel takes; dummy stands in for absent ones (their flags
+    keep the kernels off them)."""
+    packed = varlen is not None
+    return dict(TOKEN_MASK=dummy if token_mask is None else token_mask,
+                BLOCK_MASK=dummy if block_mask is None else block_mask,
+                KV_VALID=dummy if kv_valid is None else kv_valid,
+                CU_SEQLENS_Q=varlen.cu_q if packed else dummy, CU_SEQLENS_KV=varlen.cu_kv if packed else dummy)
+
+
+def site_key(block_q: int, block_kv: int, scale: float, is_causal: bool, token_mask, block_mask, mask_block_q: int,
+             mask_block_kv: int, kv_valid, varlen: Optional[Varlen]) -> tuple:
+    """What every attention launcher's plan key holds besides its tensors (launch.run): the scalar arguments,
+    which optional tensors are present, and the switches the launchers read."""
+    return (block_q, block_kv, scale, bool(is_causal), token_mask is None, block_mask is None, mask_block_q,
+            mask_block_kv, kv_valid is None, (varlen.batch, varlen.max_q, varlen.max_kv) if varlen else None,
+            tma.TMA_LOADS, torch.backends.cuda.matmul.allow_tf32)
+
+
 def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, scale: float,
                       token_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                       block_mask: Optional[torch.Tensor] = None, mask_block_q: int = 0, mask_block_kv: int = 0,
@@ -178,15 +197,10 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
     [1, H, Tq, Dv] / [1, H, Tq] views of "thd"-ordered [Tq, H, Dv] / [Tq, H] buffers."""
     packed = varlen is not None
     out, lse = output_buffers(q, v.shape[-1], packed)
-    dummy = kv_count  # stands in for absent optional tensors (their flags keep the kernel off them)
     tensors = dict(Q=q, K=k, V=v, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index,
-                   TOKEN_MASK=dummy if token_mask is None else token_mask,
-                   BLOCK_MASK=dummy if block_mask is None else block_mask,
-                   KV_VALID=dummy if kv_valid is None else kv_valid,
-                   CU_SEQLENS_Q=varlen.cu_q if packed else dummy, CU_SEQLENS_KV=varlen.cu_kv if packed else dummy)
-    site = (block_q, block_kv, scale, bool(is_causal), token_mask is None, block_mask is None, mask_block_q,
-            mask_block_kv, kv_valid is None, (varlen.batch, varlen.max_q, varlen.max_kv) if packed else None,
-            tma.TMA_LOADS, torch.backends.cuda.matmul.allow_tf32, autotune.env_key("FWD"))
+                   **optional_tensors(kv_count, token_mask, block_mask, kv_valid, varlen))
+    site = site_key(block_q, block_kv, scale, is_causal, token_mask, block_mask, mask_block_q, mask_block_kv,
+                    kv_valid, varlen) + (autotune.env_key("FWD"),)
 
     def build() -> launch.LaunchSpec:
         heads, kv_heads = q.shape[1], k.shape[1]
