@@ -141,7 +141,7 @@ def _stride_names(prefix: str, suffixes: str) -> tuple:
 
 def stride_args(prefix: str, tensor: Optional[torch.Tensor], suffixes: str) -> dict:
     """Keyword stride arguments ``stride_<prefix><suffix>`` for a kernel, as strides() gives them (written out:
-    launchers call this a score of times per call, which counts at short sequences)."""
+    launchers call this a score of times per plan miss)."""
     names = _stride_names(prefix, suffixes)
     if tensor is None:
         return dict.fromkeys(names, 0)
