@@ -12,8 +12,9 @@ import time
 import torch
 
 import blockattn
-from blockattn.bench import Case, block_mask
 from blockattn.kernels import autotune
+
+from exp_short import short_inputs
 
 
 def main():
@@ -23,18 +24,13 @@ def main():
     parser.add_argument("--no-disk-cache", action="store_true")
     args = parser.parse_args()
     autotune.DISK_CACHE = not args.no_disk_cache
-    device = torch.device("cuda")
-    case = Case(seq=args.seq, density=args.density)
-    blocks = blockattn.BlockSparsity.from_mask(block_mask(case, device), case.block, case.seq, case.seq)
-    q, k, v = (torch.randn(1, 24, case.seq, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
-    grad = torch.randn_like(q)
+    q, k, v, blocks, grad = short_inputs(1, 24, args.seq, args.density)
     for call in ("first", "second"):
         torch.cuda.synchronize()
         start = time.perf_counter()
         torch.autograd.grad(blockattn.attention(q, k, v, blocks), (q, k, v), grad)
         torch.cuda.synchronize()
-        print(f"S{case.seq} d={args.density} disk cache={autotune.DISK_CACHE}: {call} call "
+        print(f"S{args.seq} d={args.density} disk cache={autotune.DISK_CACHE}: {call} call "
               f"{time.perf_counter() - start:.2f} s", flush=True)
 
 

@@ -8,27 +8,18 @@ forward + backward with plans.
 """
 
 import argparse
-import time
 
 import torch
 
 from blockattn import api
 from blockattn.kernels import launch, ops, tma
 
-from exp_short import print_profile, short_case, short_inputs
+from exp_short import host_ms, print_profile, short_case, short_inputs
 
 
 def per_call_us(fn, calls: int) -> float:
-    """The fastest of 7 rounds of the host time per call (us), calls enqueued back to back."""
-    rounds = []
-    for _ in range(7):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        rounds.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return min(rounds)
+    """The fastest of 7 rounds of exp_short.host_ms (host time per call, calls enqueued back to back), in us."""
+    return min(host_ms(fn, calls) for _ in range(7)) * 1e3
 
 
 def main():
