@@ -6,11 +6,16 @@ softmax runs: the "intra-warpgroup overlap" of FlashAttention-3, written by hand
 POLY_QUARTERS (that many quarters of the exponentials as a polynomial on the FMA pipe, FlashAttention-4's trick);
 LAZY (rescale the accumulator only when a row max grows by more than 2^8). Square 128 blocks, contiguous
 [B, H, S, D] inputs, no masks; the package's forward is timed alongside. All of PIPELINE_QK, POLY_QUARTERS and
-LAZY measured slower on the H200 (BENCHMARKS.md).
+LAZY measured slower on the H200 (BENCHMARKS.md). --warp-specialize: the plain loop under Triton's automatic warp
+specialization (tl.range(warp_specialize=True)); with Triton 3.6 on the H200 it fails to compile with 4 warps and
+changes nothing with 8. --layout: the plain loop on a persistent grid (tile loop flattened or not), with the walk
+rotated, Q through a descriptor, or a register cap; none beat one program per tile (BENCHMARKS.md, sixth session).
 
     python benchmarks/exp_fwd.py --dim 128 --density 0.25             # exponential / lazy-rescale grid
     python benchmarks/exp_fwd.py --dim 128 --pipeline                 # loads x hand-pipelined QK^T grid
     python benchmarks/exp_fwd.py --dim 64 --plain --configs 64,128,4,2 128,64,8,3   # tiles of the plain loop
+    python benchmarks/exp_fwd.py --dim 128 --warp-specialize --configs 128,64,4,2 128,128,8,2
+    python benchmarks/exp_fwd.py --dim 128 --layout --persistent 2 3 --maxnreg 168 --configs 128,64,4,2
 """
 
 import argparse
@@ -109,7 +114,7 @@ def _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2, POLY_QUARTERS: tl.con
 def fwd_variant(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list,
                 HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, PIPELINE_QK: tl.constexpr,
-                POLY_QUARTERS: tl.constexpr, LAZY: tl.constexpr):
+                POLY_QUARTERS: tl.constexpr, LAZY: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False):
     TILES: tl.constexpr = BLOCK_KV // BLOCK_N
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -142,7 +147,7 @@ def fwd_variant(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list,
         v = _load_kv(V, base, start_n, offs_n0, offs_d, HEAD_DIM, TMA)
         m_i, l_i, acc = _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2, POLY_QUARTERS, LAZY)
     else:
-        for it in range(0, total):
+        for it in tl.range(0, total, warp_specialize=WARP_SPECIALIZE):
             start_n = tl.load(index_row + it // TILES) * BLOCK_KV + (it % TILES) * BLOCK_N
             k = _load_kv(K, base, start_n, offs_n0, offs_d, HEAD_DIM, TMA)
             v = _load_kv(V, base, start_n, offs_n0, offs_d, HEAD_DIM, TMA)
@@ -152,10 +157,92 @@ def fwd_variant(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list,
     tl.store(Out + (base + offs_m[:, None]).to(tl.int64) * HEAD_DIM + offs_d[None, :], acc.to(Out.dtype.element_ty))
 
 
+@triton.jit
+def _plain_tile(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list, pid_m, bh,
+                HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROTATE: tl.constexpr, Q_TMA: tl.constexpr):
+    """The plain loop (descriptor loads) for one query tile; ROTATE starts the walk at entry q_block % count;
+    Q_TMA: Q comes through a descriptor too (Q is one then), so it can stay in shared memory."""
+    TILES: tl.constexpr = BLOCK_KV // BLOCK_N
+    start_m = pid_m * BLOCK_M
+    q_block = start_m // BLOCK_Q
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = bh * seq
+    if Q_TMA:
+        q = Q.load([base + start_m, 0])
+    else:
+        q = tl.load(Q + (base + offs_m[:, None]).to(tl.int64) * HEAD_DIM + offs_d[None, :])
+    count = tl.load(KV_COUNT + bh * (seq // BLOCK_Q) + q_block)
+    index_row = KV_INDEX + (bh * (seq // BLOCK_Q) + q_block).to(tl.int64) * n_list
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    total = count * TILES
+    shift = (q_block % tl.maximum(count, 1)) * TILES if ROTATE else 0
+    for it in range(0, total):
+        rot = it
+        if ROTATE:
+            rot = it + shift
+            rot = tl.where(rot >= total, rot - total, rot)
+        start_n = tl.load(index_row + rot // TILES) * BLOCK_KV + (rot % TILES) * BLOCK_N
+        k = K.load([base + start_n, 0])
+        v = V.load([base + start_n, 0])
+        qk = tl.dot(q, tl.trans(k))
+        m_i, l_i, acc = _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2)
+    acc = acc / l_i[:, None]
+    tl.store(Out + (base + offs_m[:, None]).to(tl.int64) * HEAD_DIM + offs_d[None, :], acc.to(Out.dtype.element_ty))
+
+
+@triton.jit
+def fwd_persistent(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list, num_tiles,
+                   HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
+                   ROTATE: tl.constexpr, Q_TMA: tl.constexpr):
+    """PERSISTENT: a grid of a few programs per SM, each walking query tiles pid, pid + grid, ... (FLATTEN asks
+    Triton to fuse the tile loop with the key loop, so the pipeline runs across tiles); else one tile each."""
+    if PERSISTENT:
+        tiles_per_head = seq // BLOCK_M
+        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
+            _plain_tile(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list, tile % tiles_per_head,
+                        tile // tiles_per_head, HEAD_DIM, BLOCK_Q, BLOCK_KV, BLOCK_M, BLOCK_N, ROTATE, Q_TMA)
+    else:
+        _plain_tile(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list, tl.program_id(0), tl.program_id(1),
+                    HEAD_DIM, BLOCK_Q, BLOCK_KV, BLOCK_M, BLOCK_N, ROTATE, Q_TMA)
+
+
+def run_plain(q, k, v, blocks, config, persistent=0, flatten=False, rotate=False, maxnreg=None, q_tma=False):
+    """The plain loop with descriptor loads; persistent = programs per SM (0: one program per tile)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    block_m, block_n, warps, stages = config
+    batch, heads, seq, dim = q.shape
+    out = torch.empty_like(q)
+    kd = TensorDescriptor.from_tensor(k.view(-1, dim), [block_n, dim])
+    vd = TensorDescriptor.from_tensor(v.view(-1, dim), [block_n, dim])
+    qd = TensorDescriptor.from_tensor(q.view(-1, dim), [block_m, dim]) if q_tma else q
+    block_q, block_kv = blocks.block_size
+    num_tiles = seq // block_m * batch * heads
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    grid = (min(num_tiles, persistent * sms),) if persistent else (seq // block_m, batch * heads)
+    extra = {} if maxnreg is None else {"maxnreg": maxnreg}
+    compiled = []
+
+    def call():
+        kernel = fwd_persistent[grid](qd, kd, vd, out, blocks.kv_count, blocks.kv_index, q.shape[-1] ** -0.5 * LOG2E,
+                                      seq, blocks.kv_index.shape[-1], num_tiles, HEAD_DIM=dim, BLOCK_Q=block_q,
+                                      BLOCK_KV=block_kv, BLOCK_M=block_m, BLOCK_N=block_n,
+                                      PERSISTENT=bool(persistent), FLATTEN=flatten, ROTATE=rotate, Q_TMA=q_tma,
+                                      num_warps=warps, num_stages=stages, **extra)
+        if not compiled:
+            compiled.append(kernel)
+        return out
+    return call, compiled
+
+
 CONFIGS = [(128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3)]
 
 
-def run_variant(q, k, v, blocks, tma, pipeline, config, poly_quarters=0, lazy=False):
+def run_variant(q, k, v, blocks, tma, pipeline, config, poly_quarters=0, lazy=False, warp_specialize=False):
     from triton.tools.tensor_descriptor import TensorDescriptor
     block_m, block_n, warps, stages = config
     batch, heads, seq, dim = q.shape
@@ -170,7 +257,7 @@ def run_variant(q, k, v, blocks, tma, pipeline, config, poly_quarters=0, lazy=Fa
         fwd_variant[grid](q, kd, vd, out, blocks.kv_count, blocks.kv_index, q.shape[-1] ** -0.5 * LOG2E, seq,
                           blocks.kv_index.shape[-1], HEAD_DIM=dim, BLOCK_Q=block_q, BLOCK_KV=block_kv,
                           BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, PIPELINE_QK=pipeline,
-                          POLY_QUARTERS=poly_quarters, LAZY=lazy, num_warps=warps,
+                          POLY_QUARTERS=poly_quarters, LAZY=lazy, WARP_SPECIALIZE=warp_specialize, num_warps=warps,
                           num_stages=stages)
         return out
     return call
@@ -184,6 +271,13 @@ def main():
     parser.add_argument("--heads", type=int, default=24)
     parser.add_argument("--configs", nargs="+", help="tile configs as BLOCK_M,BLOCK_N,warps,stages (default: CONFIGS)")
     parser.add_argument("--plain", action="store_true", help="only the plain loop (descriptor loads), no variants")
+    parser.add_argument("--warp-specialize", action="store_true", help="the plain loop with and without Triton's "
+                        "automatic warp specialization (tl.range(warp_specialize=True))")
+    parser.add_argument("--layout", action="store_true", help="the plain loop: one program per tile, Q by pointers "
+                        "or through a descriptor, the walk rotated, register caps (--maxnreg), persistent grids "
+                        "(--persistent, tile loop flattened or not)")
+    parser.add_argument("--maxnreg", type=int, nargs="*", default=[], help="register caps for --layout")
+    parser.add_argument("--persistent", type=int, nargs="*", default=[], help="programs per SM for --layout")
     parser.add_argument("--pipeline", action="store_true", help="the loads x hand-pipelined QK^T grid instead of the "
                         "exponential / lazy-rescale grid")
     args = parser.parse_args()
@@ -200,17 +294,36 @@ def main():
     ms = triton.testing.do_bench(lambda: blockattn.attention(q, k, v, blocks), warmup=50, rep=200,
                                  return_mode="median")
     print(f"== {case.label}: package forward {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
-    variants = ([(tma, pipeline, 0, False) for tma in (False, True) for pipeline in (False, True)] if args.pipeline
-                else [(True, False, split, lazy) for lazy in (False, True) for split in (0, 1, 2, 4)])
+    variants = ([(tma, pipeline, 0, False, False) for tma in (False, True) for pipeline in (False, True)]
+                if args.pipeline else [(True, False, split, lazy, False) for lazy in (False, True) for split in (0, 1, 2, 4)])
     if args.plain:
-        variants = [(True, False, 0, False)]
+        variants = [(True, False, 0, False, False)]
+    if args.warp_specialize:
+        variants = [(tma, False, 0, False, ws) for ws in (False, True) for tma in (True, False)]
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else CONFIGS
-    for tma, pipeline, split, lazy in variants:
+    if args.layout:
+        layouts = ([(0, False, False, None, False), (0, False, False, None, True), (0, False, True, None, True)]
+                   + [(0, False, False, cap, True) for cap in args.maxnreg]
+                   + [(n, flat, False, None, True) for n in args.persistent for flat in (False, True)])
+        for config in configs:
+            for persistent, flatten, rotate, cap, q_tma in layouts:
+                label = (f"persistent={persistent} flatten={int(flatten)} rotate={int(rotate)} maxnreg={cap} "
+                         f"q_tma={int(q_tma)} {config[0]}x{config[1]} w{config[2]} s{config[3]}")
+                try:
+                    call, compiled = run_plain(q, k, v, blocks, config, persistent, flatten, rotate, cap, q_tma)
+                    err = (call().float() - expected.float()).abs().max().item()
+                    ms = triton.testing.do_bench(call, warmup=50, rep=200, return_mode="median")
+                    print(f"{label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s) max err {err:.1e} "
+                          f"regs {compiled[0].n_regs} spills {compiled[0].n_spills}", flush=True)
+                except Exception as error:
+                    print(f"{label}: failed {type(error).__name__}: {str(error)[:200]}", flush=True)
+        return
+    for tma, pipeline, split, lazy, ws in variants:
         for config in configs:
             label = (f"tma={int(tma)} pipeline_qk={int(pipeline)} poly_quarters={split} lazy={int(lazy)} "
-                     f"{config[0]}x{config[1]} w{config[2]} s{config[3]}")
+                     f"ws={int(ws)} {config[0]}x{config[1]} w{config[2]} s{config[3]}")
             try:
-                call = run_variant(q, k, v, blocks, tma, pipeline, config, split, lazy)
+                call = run_variant(q, k, v, blocks, tma, pipeline, config, split, lazy, ws)
                 err = (call().float() - expected.float()).abs().max().item()
                 ms = triton.testing.do_bench(call, warmup=50, rep=200, return_mode="median")
                 print(f"{label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s) max err {err:.1e}", flush=True)

@@ -98,7 +98,11 @@ def query_tile_program(CU_SEQLENS_Q, CU_SEQLENS_KV, seq_q, seq_kv, num_heads, gr
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = pid_bh // num_heads
-    off_h = pid_bh % num_heads
+    # Consecutive programs take different kv heads (head j -> group j % kv_heads, member j // kv_heads), as with
+    # MHA; the programs resident at one time then spread over several kv heads' keys instead of crowding one's.
+    kv_heads = num_heads // group_size
+    slot = pid_bh % num_heads
+    off_h = (slot % kv_heads) * group_size + slot // kv_heads
     off_hkv = off_h // group_size
     start_m = pid_m * BLOCK_M
     q_block = start_m // BLOCK_Q
