@@ -3,6 +3,7 @@ forward+backward. Writes <out>.md/.json/.png; BENCHMARKS.md records the results.
 
     python benchmarks/bench_attention.py --suite design --out bench-design
     python benchmarks/bench_attention.py --suite targets --out bench-targets
+    python benchmarks/bench_attention.py --suite causal --out bench-causal
 """
 
 import argparse
@@ -28,14 +29,21 @@ def target_suite():
     return cases
 
 
+def causal_suite():
+    """Causal attention (long-context language models): the block-causal mask run with is_causal, against
+    FlexAttention with its full/partial block split and SDPA with is_causal, at S=32k and a batch of short ones."""
+    return [Case(pattern="causal", density=0.5), Case(batch=8, heads=16, kv_heads=16, seq=4096, pattern="causal",
+                                                      density=0.5)]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suite", choices=("design", "targets", "all"), default="design")
+    parser.add_argument("--suite", choices=("design", "targets", "causal", "all"), default="design")
     parser.add_argument("--out", default="bench")
     parser.add_argument("--forward-only", action="store_true")
     args = parser.parse_args()
-    cases = {"design": design_suite, "targets": target_suite,
-             "all": lambda: design_suite() + target_suite()}[args.suite]()
+    cases = {"design": design_suite, "targets": target_suite, "causal": causal_suite,
+             "all": lambda: design_suite() + target_suite() + causal_suite()}[args.suite]()
     run(cases, backward=not args.forward_only, out_prefix=args.out)
 
 

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from .api import attention
-from .sparsity import BlockSparsity
+from .sparsity import BlockSparsity, build_lists
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -31,7 +31,9 @@ class Case:
     block: tuple = (128, 128)
     density: float = 0.25
     dtype: str = "bf16"
-    pattern: str = "random"  # "random": every query block keeps the same count; "skewed": a few keep everything
+    # "random": every query block keeps the same count; "skewed": a few keep everything; "causal": the blocks on or
+    # below the diagonal, run with is_causal (density is then the causal one, whatever the field says)
+    pattern: str = "random"
 
     @property
     def label(self) -> str:
@@ -55,6 +57,8 @@ def block_mask(case: Case, device, seed: int = 0) -> torch.Tensor:
     """bool [1, H, nq, nk] at the case's density: each query block keeps round(density * nk) blocks (its diagonal
     block among them); "skewed" gives a tenth of the query blocks every block and spreads the rest evenly."""
     nq, nk = math.ceil(case.seq / case.block[0]), math.ceil(case.seq / case.block[1])
+    if case.pattern == "causal":
+        return causal_blocks(case, device).expand(1, case.heads, nq, nk)
     gen = torch.Generator(device=device).manual_seed(seed)
     scores = torch.rand(1, case.heads, nq, nk, generator=gen, device=device)
     diagonal = (torch.arange(nq, device=device)[:, None] * case.block[0]) // case.block[1]
@@ -68,6 +72,17 @@ def block_mask(case: Case, device, seed: int = 0) -> torch.Tensor:
         keep_per_row = torch.full((nq,), max(1, round(case.density * nk)), device=device)
     rank = scores.argsort(-1, descending=True).argsort(-1)
     return rank < keep_per_row[None, None, :, None]
+
+
+def causal_blocks(case: Case, device, full: bool = False) -> torch.Tensor:
+    """bool [nq, nk]: the blocks holding a key at or before one of their queries; full=True: only those whose
+    every key lies at or before every query (no element test needed)."""
+    nq, nk = math.ceil(case.seq / case.block[0]), math.ceil(case.seq / case.block[1])
+    first_query = torch.arange(nq, device=device)[:, None] * case.block[0]
+    last_query = torch.clamp(first_query + case.block[0], max=case.seq) - 1
+    first_key = torch.arange(nk, device=device)[None, :] * case.block[1]
+    last_key = torch.clamp(first_key + case.block[1], max=case.seq) - 1
+    return last_key <= first_query if full else first_key <= last_query
 
 
 def _time_ms(fn: Callable) -> float:
@@ -91,12 +106,21 @@ def _runners(case: Case, keep: torch.Tensor, device):
     runners = {}
     blocks = BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
     density = blocks.density()
-    runners["blockattn"] = (lambda q, k, v: attention(q, k, v, blocks), density)
+    causal = case.pattern == "causal"
+    runners["blockattn"] = (lambda q, k, v: attention(q, k, v, blocks, is_causal=causal), density)
     try:
         from torch.nn.attention.flex_attention import BlockMask, flex_attention
-        empty = torch.zeros_like(blocks.kv_count)
-        flex_mask = BlockMask.from_kv_blocks(empty, blocks.kv_index, blocks.kv_count, blocks.kv_index,
-                                             BLOCK_SIZE=case.block, seq_lengths=(case.seq, case.seq))
+        if causal:  # FlexAttention's own split: full blocks skip the mask_mod, the diagonal ones apply it
+            full = causal_blocks(case, device, full=True).expand_as(keep) & keep
+            partial_count, partial_index = build_lists(keep & ~full)
+            full_count, full_index = build_lists(full)
+            flex_mask = BlockMask.from_kv_blocks(partial_count, partial_index, full_count, full_index,
+                                                 BLOCK_SIZE=case.block, seq_lengths=(case.seq, case.seq),
+                                                 mask_mod=lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)
+        else:
+            empty = torch.zeros_like(blocks.kv_count)
+            flex_mask = BlockMask.from_kv_blocks(empty, blocks.kv_index, blocks.kv_count, blocks.kv_index,
+                                                 BLOCK_SIZE=case.block, seq_lengths=(case.seq, case.seq))
         compiled = torch.compile(flex_attention, dynamic=False)
         gqa = case.kv_heads != case.heads
         # Flex's default tiles are 128 wide: a narrower mask block needs tiles that nest in it.
@@ -114,8 +138,9 @@ def _runners(case: Case, keep: torch.Tensor, device):
         for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
             def run(q, k, v, backend=backend):
                 with sdpa_kernel(backend):
-                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-            runners[name] = (run, 1.0)
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                            enable_gqa=gqa)
+            runners[name] = (run, density if causal else 1.0)
     return runners
 
 
@@ -226,7 +251,7 @@ def run(cases: list[Case], *, backward: bool = True, out_prefix: Optional[str] =
             setattr(dynamo.config, name, max(getattr(dynamo.config, name), 256))
     rows, seen_shapes = [], set()
     for case in tqdm(cases, disable=not progress, desc="bench"):
-        shape = (case.batch, case.heads, case.kv_heads, case.seq, case.dim, case.dtype)
+        shape = (case.batch, case.heads, case.kv_heads, case.seq, case.dim, case.dtype, case.pattern == "causal")
         rows += bench_case(case, device, backward=backward, sdpa=not (sdpa_once and shape in seen_shapes))
         seen_shapes.add(shape)
     table = markdown(rows)

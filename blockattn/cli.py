@@ -124,9 +124,10 @@ def bench(args) -> int:
               "none is visible here", file=sys.stderr)
         return 2
 
+    densities = [0.5] if args.pattern == "causal" else args.densities  # a causal mask has its own density
     cases = [Case(batch=args.batch, heads=args.heads, kv_heads=args.kv_heads or args.heads, seq=args.seq,
                   dim=args.dim, block=block, density=density, dtype=args.dtype, pattern=args.pattern)
-             for block in args.blocks for density in args.densities]
+             for block in args.blocks for density in densities]
     run(cases, backward=not args.forward_only, out_prefix=args.out)
     return 0
 
@@ -188,7 +189,8 @@ def main(argv=None) -> int:
     p.add_argument("--blocks", type=lambda s: [_block(b) for b in s.split(",")], default=[(128, 128)])
     p.add_argument("--densities", type=lambda s: [_density(d) for d in s.split(",")], default=[1, 0.5, 0.25, 0.1])
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
-    p.add_argument("--pattern", choices=("random", "skewed"), default="random")
+    p.add_argument("--pattern", choices=("random", "skewed", "causal"), default="random",
+                   help="causal: the block-causal mask run with is_causal (the densities are then ignored)")
     p.add_argument("--forward-only", action="store_true")
     p.add_argument("--out", default="blockattn-bench", help="prefix of the .md, .json and .png written")
     p.set_defaults(func=bench)

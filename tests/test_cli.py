@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import torch
+
 from blockattn.bench import Row, markdown, ratios
 
 
@@ -36,3 +38,24 @@ def test_bench_table_puts_flex_ratio_beside_blockattn():
     rows = [Row("c", "blockattn", "fwd", 0.25, 2.0, 400.0), Row("c", "flex", "fwd", 0.25, 3.0, 300.0)]
     assert ratios(rows) == {("c", "fwd"): 1.5}
     assert "1.50x" in markdown(rows)
+
+
+def test_bench_causal_case_runs_the_same_attention_everywhere():
+    """The causal benchmark case: every runner (blockattn with is_causal, FlexAttention with full and partial
+    blocks, SDPA with is_causal) computes causal attention, and the full blocks are the ones needing no test."""
+    import torch.nn.functional as F
+    from blockattn.bench import Case, _inputs, _runners, block_mask, causal_blocks
+
+    case = Case(heads=2, kv_heads=2, seq=300, dim=32, block=(64, 64), pattern="causal", density=0.5, dtype="fp32")
+    device = torch.device("cpu")
+    full, kept = causal_blocks(case, device, full=True), causal_blocks(case, device)
+    assert (full <= kept).all() and not torch.equal(full, kept)
+    assert torch.equal(block_mask(case, device)[0, 0], kept)
+    q, k, v = _inputs(case, device, requires_grad=False)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    runners = _runners(case, block_mask(case, device), device)
+    for name in ("blockattn", "flex"):
+        fn, density = runners[name]
+        assert not isinstance(fn, Exception), fn
+        torch.testing.assert_close(fn(q, k, v), want, rtol=1e-4, atol=1e-5, msg=name)
+        assert 0.5 < density < 0.7

@@ -9,12 +9,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import autotune, buffers, launch, tma
+from . import autotune, buffers, forward, launch, tma
 from .forward import (LOG2E, TUNING_KEY, fp32_precision, head_dims, optional_tensors, site_key, stride_args,
                       strides)
 from .varlen import Varlen
-from .primitives import (dot, element_keep, first_entry_at_or_after, kv_list_start, kv_list_tiles, load_tile_or_box,
-                         query_tile_program, sequence_span)
+from .primitives import (dot, element_keep, first_entry_at_or_after, first_tested_kv_block, kv_list_start,
+                         kv_list_tiles, load_tile_or_box, query_tile_program, sequence_span)
 
 # How the backward produces dQ:
 #   "kernel": a separate dQ kernel walks the kv lists and recomputes P and dP (7 tile products per tile pair in
@@ -78,6 +78,38 @@ def _row_stats(Lse2, Delta, row_ptr, rows_ok, EVEN_ROWS: tl.constexpr):
     return lse2, delta
 
 
+@triton.jit
+def _dq_walk(lo, hi, dq, q, do, lse2, delta, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv,
+             K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q, mask_block_kv,
+             stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk,
+             stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok,
+             BLOCK_KV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+             HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr,
+             HAS_TOKEN_MASK: tl.constexpr, GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr,
+             FP32_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr):
+    """Steps lo..hi of the dQ kernel's walk over a kv list: dq [BM, BD] (unscaled) after them; the flags say which
+    element tests these steps need."""
+    MASKED: tl.constexpr = (not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID
+    for it in range(lo, hi):
+        offs_n, k, v = kv_list_tiles(it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base,
+                                     stride_ks, stride_kd, stride_vs, stride_vd, offs_n0, offs_d, offs_dv, d_ok, dv_ok,
+                                     BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV,
+                                     TMA_LOADS)  # [BN], [BN, BD], [BN, BDV]
+        qk = dot(q, tl.trans(k), None, FP32_PRECISION)  # [BM, BN]
+        p = tl.math.exp2(qk * scale_log2 - lse2[:, None])
+        if MASKED:
+            keep = element_keep(offs_m[:, None], offs_n[None, :], seq_q, seq_kv, off_b, off_h,
+                                TOKEN_MASK, stride_tb, stride_th, stride_tq, stride_tk,
+                                BLOCK_MASK, stride_mb, stride_mh, stride_mq, mask_block_q, mask_block_kv,
+                                KV_VALID, stride_vvb,
+                                EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK, HAS_KV_VALID)
+            p = tl.where(keep, p, 0.0)
+        dp = dot(do, tl.trans(v), None, FP32_PRECISION)  # [BM, BN]
+        ds = p * (dp - delta[:, None])
+        dq = dot(ds.to(k.dtype), k, dq, FP32_PRECISION)  # [BM, BD]
+    return dq
+
+
 @triton.jit(do_not_specialize=["seq_bucket"])
 def attention_bwd_dq_kernel(
     Q, K, V, K_DESC, V_DESC, DO, DQ, Lse2, Delta, KV_COUNT, KV_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID, CU_SEQLENS_Q, CU_SEQLENS_KV,
@@ -97,12 +129,12 @@ def attention_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_Q: tl.constexpr, EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
     GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr,
-    IS_VARLEN: tl.constexpr, TMA_LOADS: tl.constexpr,
+    IS_VARLEN: tl.constexpr, TMA_LOADS: tl.constexpr, SPLIT_WALK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: dQ [BM, D] of one query tile of one (batch, head), walking its query block's kv list.
     Lse2 and Delta (the preprocess's row terms) share one layout (strides stride_l*); IS_VARLEN and TMA_LOADS
-    (K_DESC, V_DESC) as in the forward kernel."""
+    (K_DESC, V_DESC) and SPLIT_WALK as in the forward kernel."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     TILES_PER_BLOCK: tl.constexpr = BLOCK_KV // BLOCK_N
@@ -133,26 +165,91 @@ def attention_bwd_dq_kernel(
         KV_COUNT, KV_INDEX, K, V, off_b, off_h, off_hkv, q_block, kv_start, stride_cb, stride_ch, stride_ib, stride_ih,
         stride_iq, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for it in range(0, count * TILES_PER_BLOCK):
-        offs_n, k, v = kv_list_tiles(it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base,
-                                     stride_ks, stride_kd, stride_vs, stride_vd, offs_n0, offs_d, offs_dv, d_ok, dv_ok,
-                                     BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV,
-                                     TMA_LOADS)  # [BN], [BN, BD], [BN, BDV]
-        qk = dot(q, tl.trans(k), None, FP32_PRECISION)  # [BM, BN]
-        p = tl.math.exp2(qk * scale_log2 - lse2[:, None])
+    total = count * TILES_PER_BLOCK
+    SPLIT: tl.constexpr = SPLIT_WALK and MASKED and not (HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID)
+    if SPLIT:  # as in the forward: the tiles before the blocks that need a test run without one
+        plain = first_entry_at_or_after(index_row, count, first_tested_kv_block(
+            start_m, seq_kv, BLOCK_KV, EVEN_KV, IS_CAUSAL)) * TILES_PER_BLOCK
+        dq = _dq_walk(0, plain, dq, q, do, lse2, delta, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h,
+                      off_hkv, K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID,
+                      mask_block_q, mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th,
+                      stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv,
+                      d_ok, dv_ok, BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, False, False,
+                      False, False, FP32_PRECISION, TMA_LOADS)
+    else:
+        plain = 0
+    dq = _dq_walk(plain, total, dq, q, do, lse2, delta, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h,
+                  off_hkv, K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID,
+                  mask_block_q, mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th,
+                  stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv,
+                  d_ok, dv_ok, BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL,
+                  HAS_TOKEN_MASK, GATHER_BLOCK_MASK, HAS_KV_VALID, FP32_PRECISION, TMA_LOADS)
+    dq = dq * scale
+    tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh + rows * stride_dqs
+             + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _dkdv_walk(lo, hi, first, total, dk, dv, k, v, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile, q_base,
+               do_base, row_base, dq_base, index_row, seq_q, seq_kv, q_start, off_b, off_h, kv_heads, group_size,
+               scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q,
+               mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_tb, stride_th,
+               stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb,
+               BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_KV: tl.constexpr,
+               IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, GATHER_BLOCK_MASK: tl.constexpr,
+               HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr,
+               DQ_MODE: tl.constexpr, TMA_LOADS: tl.constexpr):
+    """Steps lo..hi of the dK/dV kernel's walk over one query head's q list (total steps, starting at step first
+    and wrapping): dk [BN, BD] and dv [BN, BDV] after them (and, outside DQ_MODE "kernel", their dQ shares added
+    to DQ_ACC); the flags say which element tests these steps need."""
+    TILES_PER_BLOCK: tl.constexpr = BLOCK_Q // BLOCK_M
+    MASKED: tl.constexpr = (not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID
+    for step in range(lo, hi):
+        it = step + first
+        it = tl.where(it >= total, it - total, it)
+        q_block = tl.load(index_row + it // TILES_PER_BLOCK)
+        start_m = q_block * BLOCK_Q + (it % TILES_PER_BLOCK) * BLOCK_M
+        offs_m = start_m + offs_m0
+        m_ok = offs_m < seq_q
+        rows = offs_m[:, None].to(tl.int64)
+        q = load_tile_or_box(Q_DESC, off_b, off_h, q_start + start_m,
+                             q_base + rows * stride_qs + offs_d[None, :] * stride_qd,
+                             m_ok, d_ok, EVEN_Q, HEAD_DIM == BLOCK_D, TMA_LOADS, BLOCK_M, BLOCK_D)  # [BM, BD]
+        do = load_tile_or_box(DO_DESC, off_b, off_h, q_start + start_m,
+                              do_base + rows * stride_dos + offs_dv[None, :] * stride_dod,
+                              m_ok, dv_ok, EVEN_Q, HEAD_DIM_V == BLOCK_DV, TMA_LOADS, BLOCK_M, BLOCK_DV)  # [BM, BDV]
+        lse2, delta = _row_stats(Lse2, Delta, row_base + offs_m.to(tl.int64) * stride_ls, m_ok, EVEN_Q)
+        kq = dot(k, tl.trans(q), None, FP32_PRECISION)  # [BN, BM]
+        p_t = tl.math.exp2(kq * scale_log2 - lse2[None, :])
         if MASKED:
-            keep = element_keep(offs_m[:, None], offs_n[None, :], seq_q, seq_kv, off_b, off_h,
+            keep = element_keep(offs_m[None, :], offs_n[:, None], seq_q, seq_kv, off_b, off_h,
                                 TOKEN_MASK, stride_tb, stride_th, stride_tq, stride_tk,
                                 BLOCK_MASK, stride_mb, stride_mh, stride_mq, mask_block_q, mask_block_kv,
                                 KV_VALID, stride_vvb,
                                 EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK, HAS_KV_VALID)
-            p = tl.where(keep, p, 0.0)
-        dp = dot(do, tl.trans(v), None, FP32_PRECISION)  # [BM, BN]
-        ds = p * (dp - delta[:, None])
-        dq = dot(ds.to(k.dtype), k, dq, FP32_PRECISION)  # [BM, BD]
-    dq = dq * scale
-    tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh + rows * stride_dqs
-             + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+            p_t = tl.where(keep, p_t, 0.0)
+        dv = dot(p_t.to(do.dtype), do, dv, FP32_PRECISION)  # [BN, BDV]
+        dp_t = dot(v, tl.trans(do), None, FP32_PRECISION)  # [BN, BM]
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = dot(ds_t.to(q.dtype), q, dk, FP32_PRECISION)  # [BN, BD]
+        if DQ_MODE != "kernel":
+            dq_part = dot(tl.trans(ds_t.to(k.dtype)), k, None, FP32_PRECISION)  # [BM, BD], unscaled
+            if DQ_MODE == "tma":
+                # Rows past this sequence's end carry exact zeros (their P is 0), so the bulk add may cover
+                # them; the descriptor clips at the buffer's edges.
+                acc_head = off_h if IS_VARLEN else off_b * kv_heads * group_size + off_h
+                DQ_DESC.atomic_add([acc_head, q_start + start_m, 0],
+                                   dq_part.reshape(1, BLOCK_M, BLOCK_D))
+            else:
+                # The accumulator's rows are BD wide, so a tile is one base pointer plus fixed offsets; columns
+                # past D add zeros into padding, and only rows past the buffer's end need a mask.
+                dq_ptrs = dq_base + start_m * BLOCK_D + dq_tile
+                if EVEN_Q:
+                    tl.atomic_add(dq_ptrs, dq_part, sem="relaxed")
+                else:
+                    tl.atomic_add(dq_ptrs, dq_part, mask=m_ok[:, None], sem="relaxed")
+    return dk, dv
 
 
 @triton.jit(do_not_specialize=["seq_bucket"])
@@ -177,7 +274,7 @@ def attention_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_Q: tl.constexpr, EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
     GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DQ_MODE: tl.constexpr, TMA_LOADS: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DQ_MODE: tl.constexpr, TMA_LOADS: tl.constexpr, SPLIT_WALK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: dK [BN, D] and dV [BN, Dv] of one key tile of one (batch, kv head), summed over the query heads
@@ -187,11 +284,10 @@ def attention_bwd_dkdv_kernel(
     DQ_ACC (fp32 [B * H, Sq, BD], rows BD apart, zeroed; [H, T, BD] for a packed batch) with element atomics, or
     through DQ_DESC, a tensor descriptor of DQ_ACC with block [1, BLOCK_M, BD]. That saves the dQ kernel's
     recomputation of P and dP, but dQ's summation order then varies between runs. TMA_LOADS: Q and dO tiles come
-    through Q_DESC / DO_DESC (kernels/tma.py)."""
+    through Q_DESC / DO_DESC (kernels/tma.py). SPLIT_WALK: see forward.SPLIT_WALKS."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     TILES_PER_BLOCK: tl.constexpr = BLOCK_Q // BLOCK_M
-    MASKED: tl.constexpr = (not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID
 
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -231,53 +327,40 @@ def attention_bwd_dkdv_kernel(
                    + q_start.to(tl.int64) * BLOCK_D)
         count = tl.load(Q_COUNT + off_b * stride_cb + off_h * stride_ch + kv_block)
         index_row = Q_INDEX + off_b.to(tl.int64) * stride_ib + off_h.to(tl.int64) * stride_ih + kv_block * stride_iq
-        # Start at the query block on this key block's diagonal and wrap around (a fixed order: deterministic).
         total = count * TILES_PER_BLOCK
-        first = first_entry_at_or_after(index_row, count, (kv_block * BLOCK_KV) // BLOCK_Q) * TILES_PER_BLOCK
-        for step in range(0, total):
-            it = step + first
-            it = tl.where(it >= total, it - total, it)
-            q_block = tl.load(index_row + it // TILES_PER_BLOCK)
-            start_m = q_block * BLOCK_Q + (it % TILES_PER_BLOCK) * BLOCK_M
-            offs_m = start_m + offs_m0
-            m_ok = offs_m < seq_q
-            rows = offs_m[:, None].to(tl.int64)
-            q = load_tile_or_box(Q_DESC, off_b, off_h, q_start + start_m,
-                                 q_base + rows * stride_qs + offs_d[None, :] * stride_qd,
-                                 m_ok, d_ok, EVEN_Q, HEAD_DIM == BLOCK_D, TMA_LOADS, BLOCK_M, BLOCK_D)  # [BM, BD]
-            do = load_tile_or_box(DO_DESC, off_b, off_h, q_start + start_m,
-                                  do_base + rows * stride_dos + offs_dv[None, :] * stride_dod,
-                                  m_ok, dv_ok, EVEN_Q, HEAD_DIM_V == BLOCK_DV, TMA_LOADS, BLOCK_M, BLOCK_DV)  # [BM, BDV]
-            lse2, delta = _row_stats(Lse2, Delta, row_base + offs_m.to(tl.int64) * stride_ls, m_ok, EVEN_Q)
-            kq = dot(k, tl.trans(q), None, FP32_PRECISION)  # [BN, BM]
-            p_t = tl.math.exp2(kq * scale_log2 - lse2[None, :])
-            if MASKED:
-                keep = element_keep(offs_m[None, :], offs_n[:, None], seq_q, seq_kv, off_b, off_h,
-                                    TOKEN_MASK, stride_tb, stride_th, stride_tq, stride_tk,
-                                    BLOCK_MASK, stride_mb, stride_mh, stride_mq, mask_block_q, mask_block_kv,
-                                    KV_VALID, stride_vvb,
-                                    EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK, HAS_KV_VALID)
-                p_t = tl.where(keep, p_t, 0.0)
-            dv = dot(p_t.to(do.dtype), do, dv, FP32_PRECISION)  # [BN, BDV]
-            dp_t = dot(v, tl.trans(do), None, FP32_PRECISION)  # [BN, BM]
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk = dot(ds_t.to(q.dtype), q, dk, FP32_PRECISION)  # [BN, BD]
-            if DQ_MODE != "kernel":
-                dq_part = dot(tl.trans(ds_t.to(k.dtype)), k, None, FP32_PRECISION)  # [BM, BD], unscaled
-                if DQ_MODE == "tma":
-                    # Rows past this sequence's end carry exact zeros (their P is 0), so the bulk add may cover
-                    # them; the descriptor clips at the buffer's edges.
-                    acc_head = off_h if IS_VARLEN else off_b * kv_heads * group_size + off_h
-                    DQ_DESC.atomic_add([acc_head, q_start + start_m, 0],
-                                       dq_part.reshape(1, BLOCK_M, BLOCK_D))
-                else:
-                    # The accumulator's rows are BD wide, so a tile is one base pointer plus fixed offsets; columns
-                    # past D add zeros into padding, and only rows past the buffer's end need a mask.
-                    dq_ptrs = dq_base + start_m * BLOCK_D + dq_tile
-                    if EVEN_Q:
-                        tl.atomic_add(dq_ptrs, dq_part, sem="relaxed")
-                    else:
-                        tl.atomic_add(dq_ptrs, dq_part, mask=m_ok[:, None], sem="relaxed")
+        SPLIT: tl.constexpr = SPLIT_WALK and IS_CAUSAL and not (HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID)
+        if SPLIT:
+            # A causal list starts at the diagonal, so the walk is the list in order, and only its first blocks
+            # hold queries before this tile's last key: those steps test the diagonal, the rest run without.
+            tested = first_entry_at_or_after(
+                index_row, count, (start_n + BLOCK_N - 1 + BLOCK_Q - 1) // BLOCK_Q) * TILES_PER_BLOCK
+            dk, dv = _dkdv_walk(
+                0, tested, 0, total, dk, dv, k, v, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile, q_base,
+                do_base, row_base, dq_base, index_row, seq_q, seq_kv, q_start, off_b, off_h, kv_heads, group_size,
+                scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q,
+                mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_tb, stride_th,
+                stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, BLOCK_Q, BLOCK_M, BLOCK_D,
+                BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_Q, EVEN_KV, True, False, False, False, FP32_PRECISION,
+                IS_VARLEN, DQ_MODE, TMA_LOADS)
+            dk, dv = _dkdv_walk(
+                tested, total, 0, total, dk, dv, k, v, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
+                q_base, do_base, row_base, dq_base, index_row, seq_q, seq_kv, q_start, off_b, off_h, kv_heads,
+                group_size, scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK, KV_VALID,
+                mask_block_q, mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_tb,
+                stride_th, stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, BLOCK_Q, BLOCK_M,
+                BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_Q, EVEN_KV, False, False, False, False,
+                FP32_PRECISION, IS_VARLEN, DQ_MODE, TMA_LOADS)
+        else:
+            # Start at the query block on this key block's diagonal and wrap around (a fixed order: deterministic).
+            first = first_entry_at_or_after(index_row, count, (kv_block * BLOCK_KV) // BLOCK_Q) * TILES_PER_BLOCK
+            dk, dv = _dkdv_walk(
+                0, total, first, total, dk, dv, k, v, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile, q_base,
+                do_base, row_base, dq_base, index_row, seq_q, seq_kv, q_start, off_b, off_h, kv_heads, group_size,
+                scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q,
+                mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_tb, stride_th,
+                stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, BLOCK_Q, BLOCK_M, BLOCK_D,
+                BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_Q, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK,
+                HAS_KV_VALID, FP32_PRECISION, IS_VARLEN, DQ_MODE, TMA_LOADS)
     dk = dk * scale
     n_store = n_ok[:, None]
     tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hkv.to(tl.int64) * stride_dkh + keys * stride_dks
@@ -346,7 +429,8 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
             BLOCK_DV=block_dv, EVEN_Q=seq_q % block_q == 0 and not packed,
             EVEN_KV=seq_kv % block_kv == 0 and not packed, IS_CAUSAL=bool(is_causal),
             HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather, HAS_KV_VALID=kv_valid is not None,
-            FP32_PRECISION=fp32_precision(q.dtype, attention_bwd_dq_kernel), IS_VARLEN=packed)
+            FP32_PRECISION=fp32_precision(q.dtype, attention_bwd_dq_kernel), IS_VARLEN=packed,
+            SPLIT_WALK=forward.SPLIT_WALKS)
 
     if not accumulate:
         def build_dq() -> launch.LaunchSpec:

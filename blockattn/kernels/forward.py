@@ -10,10 +10,55 @@ import triton
 import triton.language as tl
 
 from . import autotune, buffers, launch, tma
-from .primitives import dot, element_keep, kv_list_start, kv_list_tiles, query_tile_program
+from .primitives import (dot, element_keep, first_entry_at_or_after, first_tested_kv_block, kv_list_start,
+                         kv_list_tiles, query_tile_program)
 from .varlen import Varlen
 
 LOG2E = 1.4426950408889634
+# The kv-list walks (forward, dQ) and the dK/dV walk run the blocks that need no element test in a loop without
+# tests, when the only tests are the causal diagonal and a ragged last key block (SPLIT_WALK). Benchmarks set False
+# to time the single tested walk.
+SPLIT_WALKS = True
+
+
+@triton.jit
+def _forward_walk(lo, hi, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv,
+                  K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q,
+                  mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk,
+                  stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok,
+                  BLOCK_KV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                  HAS_TOKEN_MASK: tl.constexpr, GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr,
+                  FP32_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr):
+    """Steps lo..hi of the walk over a kv list: the online softmax state (m_i, l_i [BM], acc [BM, BDV]) after
+    them. The flags say which element tests these steps need (none: a plain loop)."""
+    MASKED: tl.constexpr = (not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID
+    for it in range(lo, hi):
+        offs_n, k, v = kv_list_tiles(it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base,
+                                     stride_ks, stride_kd, stride_vs, stride_vd, offs_n0, offs_d, offs_dv, d_ok, dv_ok,
+                                     BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV,
+                                     TMA_LOADS)  # [BN], [BN, BD], [BN, BDV]
+        qk = dot(q, tl.trans(k), None, FP32_PRECISION)  # [BM, BN]
+        if MASKED:
+            keep = element_keep(offs_m[:, None], offs_n[None, :], seq_q, seq_kv, off_b, off_h,
+                                TOKEN_MASK, stride_tb, stride_th, stride_tq, stride_tk,
+                                BLOCK_MASK, stride_mb, stride_mh, stride_mq, mask_block_q, mask_block_kv,
+                                KV_VALID, stride_vvb,
+                                EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK, HAS_KV_VALID)
+            qk = tl.where(keep, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+            # A row that has seen only masked keys keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+            m_shift = m_new
+        p = tl.math.exp2(qk * scale_log2 - m_shift[:, None])  # [BM, BN]
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = dot(p.to(v.dtype), v, acc, FP32_PRECISION)  # [BM, BDV]
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit(do_not_specialize=["seq_bucket"])
@@ -34,7 +79,7 @@ def attention_fwd_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
     GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr,
-    IS_VARLEN: tl.constexpr, TMA_LOADS: tl.constexpr,
+    IS_VARLEN: tl.constexpr, TMA_LOADS: tl.constexpr, SPLIT_WALK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: a BLOCK_M query tile of one (batch, head), walking only the key blocks its query block kept.
@@ -43,7 +88,8 @@ def attention_fwd_kernel(
     KV_COUNT int32 [Bm, Hm, nq], KV_INDEX int32 [Bm, Hm, nq, L] (size-1 mask dims come with stride 0).
     IS_VARLEN: a packed batch; "batch" b is sequence b, whose tokens start at CU_SEQLENS_Q[b] / CU_SEQLENS_KV[b]
     along the token stride (the batch strides are 0), seq_q / seq_kv are the longest lengths.
-    TMA_LOADS: K and V tiles come through K_DESC / V_DESC, host descriptors of K and V (kernels/tma.py)."""
+    TMA_LOADS: K and V tiles come through K_DESC / V_DESC, host descriptors of K and V (kernels/tma.py).
+    SPLIT_WALK: see SPLIT_WALKS."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     TILES_PER_BLOCK: tl.constexpr = BLOCK_KV // BLOCK_N
@@ -73,32 +119,28 @@ def attention_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max of scaled scores, log2 units
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-
-    for it in range(0, count * TILES_PER_BLOCK):
-        offs_n, k, v = kv_list_tiles(it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base,
-                                     stride_ks, stride_kd, stride_vs, stride_vd, offs_n0, offs_d, offs_dv, d_ok, dv_ok,
-                                     BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV,
-                                     TMA_LOADS)  # [BN], [BN, BD], [BN, BDV]
-        qk = dot(q, tl.trans(k), None, FP32_PRECISION)  # [BM, BN]
-        if MASKED:
-            keep = element_keep(offs_m[:, None], offs_n[None, :], seq_q, seq_kv, off_b, off_h,
-                                TOKEN_MASK, stride_tb, stride_th, stride_tq, stride_tk,
-                                BLOCK_MASK, stride_mb, stride_mh, stride_mq, mask_block_q, mask_block_kv,
-                                KV_VALID, stride_vvb,
-                                EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK, HAS_KV_VALID)
-            qk = tl.where(keep, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
-            # A row that has seen only masked keys keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
-            m_shift = m_new
-        p = tl.math.exp2(qk * scale_log2 - m_shift[:, None])  # [BM, BN]
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = dot(p.to(v.dtype), v, acc, FP32_PRECISION)  # [BM, BDV]
-        m_i = m_new
+    total = count * TILES_PER_BLOCK
+    # SPLIT_WALK: when the only element tests are the causal diagonal and a ragged last key block, the blocks that
+    # need them end the (ascending) list; the walk runs the tiles before them without any test.
+    SPLIT: tl.constexpr = SPLIT_WALK and MASKED and not (HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID)
+    if SPLIT:
+        plain = first_entry_at_or_after(index_row, count, first_tested_kv_block(
+            start_m, seq_kv, BLOCK_KV, EVEN_KV, IS_CAUSAL)) * TILES_PER_BLOCK
+        m_i, l_i, acc = _forward_walk(
+            0, plain, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv, K_DESC,
+            V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q, mask_block_kv,
+            stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk, stride_mb,
+            stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, BLOCK_KV, BLOCK_N, BLOCK_D,
+            BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, False, False, False, False, FP32_PRECISION, TMA_LOADS)
+    else:
+        plain = 0
+    m_i, l_i, acc = _forward_walk(
+        plain, total, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv, K_DESC,
+        V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q, mask_block_kv,
+        stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk, stride_mb,
+        stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, BLOCK_KV, BLOCK_N, BLOCK_D,
+        BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK, HAS_KV_VALID,
+        FP32_PRECISION, TMA_LOADS)
 
     seen = l_i > 0
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -112,7 +154,7 @@ def attention_fwd_kernel(
 
 
 TUNING_KEY = ("BLOCK_Q", "BLOCK_KV", "HEAD_DIM", "HEAD_DIM_V", "EVEN_Q", "EVEN_KV", "IS_CAUSAL", "HAS_TOKEN_MASK",
-              "GATHER_BLOCK_MASK", "HAS_KV_VALID", "IS_VARLEN", "TMA_LOADS", "seq_bucket")
+              "GATHER_BLOCK_MASK", "HAS_KV_VALID", "IS_VARLEN", "TMA_LOADS", "SPLIT_WALK", "seq_bucket")
 
 
 def output_buffers(q: torch.Tensor, head_dim_v: int, packed: bool):
@@ -178,7 +220,7 @@ def site_key(block_q: int, block_kv: int, scale: float, is_causal: bool, token_m
     which optional tensors are present, and the switches the launchers read."""
     return (block_q, block_kv, scale, bool(is_causal), token_mask is None, block_mask is None, mask_block_q,
             mask_block_kv, kv_valid is None, (varlen.batch, varlen.max_q, varlen.max_kv) if varlen else None,
-            tma.TMA_LOADS, torch.backends.cuda.matmul.allow_tf32)
+            tma.TMA_LOADS, torch.backends.cuda.matmul.allow_tf32, SPLIT_WALKS)
 
 
 def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, scale: float,
@@ -227,7 +269,7 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
             BLOCK_DV=block_dv, EVEN_KV=seq_kv % block_kv == 0 and not packed,
             IS_CAUSAL=bool(is_causal), HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather,
             HAS_KV_VALID=kv_valid is not None, FP32_PRECISION=fp32_precision(q.dtype, attention_fwd_kernel),
-            IS_VARLEN=packed)
+            IS_VARLEN=packed, SPLIT_WALK=SPLIT_WALKS)
         return launch.LaunchSpec(
             grid=lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads), configs=configs,
             tuning_key=TUNING_KEY, static=static, pre_hook=tma.set_boxes if kv_tiles["TMA_LOADS"] else None)

@@ -147,6 +147,21 @@ def kv_list_tiles(it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DES
 
 
 @triton.jit
+def first_tested_kv_block(start_m, seq_kv, BLOCK_KV: tl.constexpr, EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """For a query tile whose first row is start_m, the lowest kv block whose elements need a test when the only
+    tests are the causal diagonal and the sequence's end (an ascending kv list holds such blocks at its end):
+    block kb crosses the diagonal iff its last key, (kb + 1) * BLOCK_KV - 1, lies past start_m; without EVEN_KV,
+    every block from seq_kv // BLOCK_KV on holds keys past the end (a packed batch's lists, made at the longest
+    length, may list blocks wholly past a shorter sequence's end). Past every block when neither applies."""
+    pivot = seq_kv // BLOCK_KV + 1
+    if IS_CAUSAL:
+        pivot = tl.minimum(pivot, (start_m + 1) // BLOCK_KV)
+    if not EVEN_KV:
+        pivot = tl.minimum(pivot, seq_kv // BLOCK_KV)
+    return pivot
+
+
+@triton.jit
 def first_entry_at_or_after(index_row, count, pivot):
     """Position of the first entry >= pivot in an ascending list of count entries (count if none): a walk that
     starts there and wraps around visits the same blocks in a fixed order, but programs of neighbouring blocks no
