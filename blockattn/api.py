@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import NamedTuple, Optional, Union
@@ -10,7 +11,7 @@ import torch
 
 from . import reference
 from .kernels.varlen import Varlen
-from .sparsity import BlockSparsity
+from .sparsity import BlockSparsity, check_block_size
 
 DEFAULT_BLOCK_SIZE = (128, 64)
 _LAYOUTS = ("bhsd", "bshd", "thd")
@@ -79,6 +80,22 @@ def _check_qkv(q, k, v, layout: str):
             raise ValueError(f"{name} has an empty sequence (length 0)")
 
 
+@functools.lru_cache(maxsize=32)
+def _cached_dense(block_size: tuple, seq_q: int, seq_kv: int, device: torch.device) -> BlockSparsity:
+    return BlockSparsity.dense(block_size, seq_q, seq_kv, device=device)
+
+
+def _dense_sparsity(block_size, seq_q: int, seq_kv: int, device: torch.device) -> BlockSparsity:
+    """The dense mask for blocks=None, built once per (block size, lengths, device): a dense or causal call then
+    reuses its lists (and the causal and q lists derived from them) instead of rebuilding them every call. Built
+    afresh while torch.compile traces or a CUDA graph captures (a cached tensor must not come from either)."""
+    block_size = check_block_size(block_size)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if torch.compiler.is_compiling() or capturing:
+        return BlockSparsity.dense(block_size, seq_q, seq_kv, device=device)
+    return _cached_dense(block_size, seq_q, seq_kv, device)
+
+
 def _prepare_blocks(blocks, block_size, seq_q: int, seq_kv: int, batch: int, heads: int, device) -> BlockSparsity:
     if isinstance(blocks, BlockSparsity):
         if block_size is not None and tuple(block_size) != blocks.block_size:
@@ -90,7 +107,7 @@ def _prepare_blocks(blocks, block_size, seq_q: int, seq_kv: int, batch: int, hea
             raise ValueError(f"blocks is on {blocks.device} but q is on {device}")
         sparsity = blocks
     elif blocks is None:
-        sparsity = BlockSparsity.dense(block_size or DEFAULT_BLOCK_SIZE, seq_q, seq_kv, device=device)
+        sparsity = _dense_sparsity(block_size or DEFAULT_BLOCK_SIZE, seq_q, seq_kv, device)
     elif isinstance(blocks, torch.Tensor):
         if blocks.device != device:
             raise ValueError(f"the block mask is on {blocks.device} but q is on {device}")

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from .sparsity import BlockSparsity, _check_block_size, _check_seq
+from .sparsity import BlockSparsity, check_block_size, _check_seq
 
 
 def _spans(seq: int, block: int, device):
@@ -34,7 +34,7 @@ def _spans(seq: int, block: int, device):
 
 def _difference_range(seq_q: int, seq_kv: int, block_size, device):
     """For every block pair, the smallest and largest i - j over its token rectangle: two [nq, nk] tensors."""
-    block_q, block_kv = _check_block_size(block_size)
+    block_q, block_kv = check_block_size(block_size)
     q_first, q_last = _spans(_check_seq("seq_q", seq_q), block_q, device)
     k_first, k_last = _spans(_check_seq("seq_kv", seq_kv), block_kv, device)
     return q_first[:, None] - k_last[None, :], q_last[:, None] - k_first[None, :]
@@ -65,7 +65,7 @@ def global_tokens(seq_q: int, seq_kv: int, block_size, num_tokens: int, device=N
     """Blocks touching the first `num_tokens` queries or keys (attention sinks, register or text tokens)."""
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
         raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
-    block_q, block_kv = _check_block_size(block_size)
+    block_q, block_kv = check_block_size(block_size)
     q_first, _ = _spans(_check_seq("seq_q", seq_q), block_q, device)
     k_first, _ = _spans(_check_seq("seq_kv", seq_kv), block_kv, device)
     keep = (q_first[:, None] < num_tokens) | (k_first[None, :] < num_tokens)
@@ -102,7 +102,7 @@ def from_token_mask(token_mask: torch.Tensor, block_size) -> tuple[BlockSparsity
         raise TypeError(f"token_mask must be a bool tensor, got {getattr(token_mask, 'dtype', type(token_mask))}")
     if token_mask.ndim not in (2, 3, 4):
         raise ValueError(f"token_mask must be 2-D to 4-D [.., Sq, Sk], got shape {tuple(token_mask.shape)}")
-    block_q, block_kv = _check_block_size(block_size)
+    block_q, block_kv = check_block_size(block_size)
     seq_q, seq_kv = token_mask.shape[-2:]
     nq, nk = math.ceil(seq_q / block_q), math.ceil(seq_kv / block_kv)
     mask = token_mask

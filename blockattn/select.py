@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from .sparsity import BlockSparsity, _check_block_size
+from .sparsity import BlockSparsity, check_block_size
 
 # Query tokens scored per chunk: bounds the [B, H, chunk / block_q, nk] score tensor.
 _CHUNK_TOKENS = 128 * 1024
@@ -62,7 +62,7 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, budget: Optional[float] = 0.
             raise ValueError(f"budget must be in (0, 1], got {budget!r}")
     elif not 0 < mass <= 1:
         raise ValueError(f"mass must be in (0, 1], got {mass!r}")
-    block_q, block_kv = _check_block_size(block_size)
+    block_q, block_kv = check_block_size(block_size)
     batch, heads, seq_q, dim = q.shape
     seq_kv = k.shape[2]
     group = heads // k.shape[1]

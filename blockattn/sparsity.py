@@ -16,7 +16,8 @@ import torch
 _MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 
 
-def _check_block_size(block_size) -> tuple[int, int]:
+def check_block_size(block_size) -> tuple[int, int]:
+    """block_size as (block_q, block_kv) ints; TypeError / ValueError naming what was given otherwise."""
     if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
         raise TypeError(f"block_size must be a pair (block_q, block_kv), got {block_size!r}")
     for side in block_size:
@@ -75,7 +76,7 @@ class BlockSparsity:
                  *, _mask: Optional[torch.Tensor] = None):
         if block_size is None:
             raise ValueError("block_size is required: the (block_q, block_kv) the lists were built for")
-        self.block_size = _check_block_size(block_size)
+        self.block_size = check_block_size(block_size)
         self.seq_q = _check_seq("seq_q", seq_q)
         self.seq_kv = _check_seq("seq_kv", seq_kv)
         if kv_count is None or kv_index is None:
@@ -107,7 +108,7 @@ class BlockSparsity:
     def from_mask(cls, mask: torch.Tensor, block_size, seq_q: int, seq_kv: int) -> "BlockSparsity":
         """Prepare a block mask: bool/int8/uint8 (nonzero = keep) shaped [nq, nk], [H|1, nq, nk] or
         [B|1, H|1, nq, nk], with ``nq = ceil(seq_q / block_q)`` and ``nk = ceil(seq_kv / block_kv)``."""
-        block_q, block_kv = _check_block_size(block_size)
+        block_q, block_kv = check_block_size(block_size)
         seq_q, seq_kv = _check_seq("seq_q", seq_q), _check_seq("seq_kv", seq_kv)
         keep = normalize_block_mask(mask, math.ceil(seq_q / block_q), math.ceil(seq_kv / block_kv))
         count, index = build_lists(keep)
@@ -116,7 +117,7 @@ class BlockSparsity:
     @classmethod
     def dense(cls, block_size, seq_q: int, seq_kv: int, device=None) -> "BlockSparsity":
         """Every block kept."""
-        block_q, block_kv = _check_block_size(block_size)
+        block_q, block_kv = check_block_size(block_size)
         nq, nk = math.ceil(seq_q / block_q), math.ceil(seq_kv / block_kv)
         return cls.from_mask(torch.ones(1, 1, nq, nk, dtype=torch.bool, device=device), block_size, seq_q, seq_kv)
 

@@ -90,3 +90,26 @@ def test_backward_checks_the_saved_tensors():
         blockattn.attention_backward(out, args["q"], args["k"], args["v"], out, lse, backend="torch")
     with pytest.raises(ValueError, match="grad_out"):
         blockattn.attention_backward(out[..., :16], args["q"], args["k"], args["v"], out, lse, backend="torch")
+
+
+def test_dense_masks_are_built_once_per_shape(monkeypatch):
+    """blocks=None reuses one dense BlockSparsity per (block size, lengths, device), so a causal call's lists are
+    not rebuilt every call; other lengths or block sizes get their own, and results do not change."""
+    from blockattn import api
+    from blockattn.sparsity import BlockSparsity
+
+    api._cached_dense.cache_clear()
+    built = []
+    original = BlockSparsity.dense.__func__
+    monkeypatch.setattr(BlockSparsity, "dense",
+                        classmethod(lambda cls, *a, **kw: built.append(a) or original(cls, *a, **kw)))
+    q, k, v = qkv(1, 2, 96, 32, seed=9)
+    first = blockattn.attention(q, k, v, None, (32, 32), is_causal=True)
+    second = blockattn.attention(q, k, v, None, (32, 32), is_causal=True)
+    assert torch.equal(first, second) and len(built) == 1
+    blockattn.attention(q, k, v, None, (32, 16), is_causal=True)
+    q2, k2, v2 = qkv(1, 2, 64, 32, seed=9)
+    blockattn.attention(q2, k2, v2, None, (32, 32))
+    assert len(built) == 3
+    with pytest.raises(TypeError, match="block_size"):
+        blockattn.attention(q, k, v, None, (32, 32.0))
