@@ -111,22 +111,33 @@ def _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2, POLY_QUARTERS: tl.con
 
 
 @triton.jit
+def _query_tile(Q, KV_COUNT, KV_INDEX, seq, n_list, pid_m, bh, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
+                BLOCK_M: tl.constexpr, Q_TMA: tl.constexpr):
+    """A program's query tile: (start_m, offs_m, offs_d, base, q [BM, D], kv count, kv list row, q_block); Q_TMA:
+    Q is a descriptor of the [B * H * S, D] view."""
+    start_m = pid_m * BLOCK_M
+    q_block = start_m // BLOCK_Q
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = bh * seq  # row of this head's first token in the [B * H * S, D] views
+    if Q_TMA:
+        q = Q.load([base + start_m, 0])
+    else:
+        q = tl.load(Q + (base + offs_m[:, None]).to(tl.int64) * HEAD_DIM + offs_d[None, :])
+    count = tl.load(KV_COUNT + bh * (seq // BLOCK_Q) + q_block)
+    index_row = KV_INDEX + (bh * (seq // BLOCK_Q) + q_block).to(tl.int64) * n_list
+    return start_m, offs_m, offs_d, base, q, count, index_row, q_block
+
+
+@triton.jit
 def fwd_variant(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list,
                 HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, PIPELINE_QK: tl.constexpr,
                 POLY_QUARTERS: tl.constexpr, LAZY: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False):
     TILES: tl.constexpr = BLOCK_KV // BLOCK_N
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    start_m = pid_m * BLOCK_M
-    q_block = start_m // BLOCK_Q
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    start_m, offs_m, offs_d, base, q, count, index_row, q_block = _query_tile(
+        Q, KV_COUNT, KV_INDEX, seq, n_list, tl.program_id(0), tl.program_id(1), HEAD_DIM, BLOCK_Q, BLOCK_M, False)
     offs_n0 = tl.arange(0, BLOCK_N)
-    base = bh * seq  # row of this head's first token in the [B * H * S, D] views
-    q = tl.load(Q + (base + offs_m[:, None]).to(tl.int64) * HEAD_DIM + offs_d[None, :])
-    count = tl.load(KV_COUNT + bh * (seq // BLOCK_Q) + q_block)
-    index_row = KV_INDEX + (bh * (seq // BLOCK_Q) + q_block).to(tl.int64) * n_list
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -164,17 +175,8 @@ def _plain_tile(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list, pid_m
     """The plain loop (descriptor loads) for one query tile; ROTATE starts the walk at entry q_block % count;
     Q_TMA: Q comes through a descriptor too (Q is one then), so it can stay in shared memory."""
     TILES: tl.constexpr = BLOCK_KV // BLOCK_N
-    start_m = pid_m * BLOCK_M
-    q_block = start_m // BLOCK_Q
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    base = bh * seq
-    if Q_TMA:
-        q = Q.load([base + start_m, 0])
-    else:
-        q = tl.load(Q + (base + offs_m[:, None]).to(tl.int64) * HEAD_DIM + offs_d[None, :])
-    count = tl.load(KV_COUNT + bh * (seq // BLOCK_Q) + q_block)
-    index_row = KV_INDEX + (bh * (seq // BLOCK_Q) + q_block).to(tl.int64) * n_list
+    start_m, offs_m, offs_d, base, q, count, index_row, q_block = _query_tile(
+        Q, KV_COUNT, KV_INDEX, seq, n_list, pid_m, bh, HEAD_DIM, BLOCK_Q, BLOCK_M, Q_TMA)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)

@@ -8,13 +8,14 @@ kernels and show how much of do_bench's time (events around each call, L2 flushe
 """
 
 import argparse
-import time
 from collections import defaultdict
 
 import torch
 
 from blockattn.bench import Case, _inputs, _runners, _time_ms, block_mask
 from blockattn.kernels import launch
+
+from exp_short import host_ms
 
 
 def kernel_ms(fn, steps: int = 5) -> dict:
@@ -47,17 +48,6 @@ def hidden_host_ms(fn, reps: int = 30) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def host_ms(fn, calls: int = 10) -> float:
-    """Host ms per call, calls enqueued back to back."""
-    torch.cuda.synchronize()
-    begin = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - begin) / calls * 1e3
-    torch.cuda.synchronize()
-    return host
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dim", type=int, default=128)
@@ -86,7 +76,7 @@ def main():
                 bench_ms = _time_ms(run_pass)
                 kernels = kernel_ms(run_pass)
                 busy_ms = hidden_host_ms(run_pass)
-                host = host_ms(run_pass)
+                host = host_ms(run_pass, 10)
             print(f"{name} {mode}: do_bench {bench_ms:.3f} ms, host hidden {busy_ms:.3f} ms, kernels "
                   f"{sum(kernels.values()):.3f} ms, host {host:.3f} ms per call")
             for kernel, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:6]:
