@@ -16,8 +16,8 @@ from .varlen import Varlen
 
 LOG2E = 1.4426950408889634
 # The kv-list walks (forward, dQ) and the dK/dV walk run the blocks that need no element test in a loop without
-# tests, when the only tests are the causal diagonal and a ragged last key block (SPLIT_WALK). Benchmarks set False
-# to time the single tested walk.
+# tests, when the only tests are the causal diagonal and the sequence's end (SPLIT_WALK; kernels/README.md).
+# Benchmarks and tests set False to run the single tested walk.
 SPLIT_WALKS = True
 
 
@@ -120,8 +120,8 @@ def attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     total = count * TILES_PER_BLOCK
-    # SPLIT_WALK: when the only element tests are the causal diagonal and a ragged last key block, the blocks that
-    # need them end the (ascending) list; the walk runs the tiles before them without any test.
+    # SPLIT_WALK: when the only element tests are the causal diagonal and the sequence's end, the blocks that need
+    # them end the (ascending) list; the walk runs the tiles before them without any test.
     SPLIT: tl.constexpr = SPLIT_WALK and MASKED and not (HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID)
     if SPLIT:
         plain = first_entry_at_or_after(index_row, count, first_tested_kv_block(
