@@ -6,10 +6,11 @@ without element tests, or every block runs the tested loop. FlexAttention (full/
 """
 
 import argparse
+from dataclasses import replace
 
 import torch
 
-from blockattn.bench import Case, Row, _flops, _inputs, _runners, _time_ms, bench_case, block_mask, markdown
+from blockattn.bench import Case, bench_case, markdown
 from blockattn.kernels import forward
 
 
@@ -23,15 +24,8 @@ def main():
                                                             pattern="causal", density=0.5)):
         rows += bench_case(case, device)
         forward.SPLIT_WALKS = False
-        fn, density = _runners(case, block_mask(case, device), device)["blockattn"]
-        q, k, v = _inputs(case, device, requires_grad=True)
-        grad = torch.randn_like(q)
-        with torch.no_grad():
-            fwd = _time_ms(lambda: fn(q, k, v))
-        both = _time_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad))
-        flops = _flops(case, density)
-        for mode, ms, work in (("fwd", fwd, 1.0), ("fwd+bwd", both, 3.5), ("bwd", both - fwd, 2.5)):
-            rows.append(Row(case.label, "blockattn, tested walk", mode, density, ms, work * flops / ms / 1e9))
+        rows += [replace(row, impl="blockattn, tested walk")
+                 for row in bench_case(case, device, impls=("blockattn",))]
         forward.SPLIT_WALKS = True
     table = markdown(rows)
     print(table)

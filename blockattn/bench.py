@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from .api import attention
+from .masks import _difference_range
 from .sparsity import BlockSparsity, build_lists
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -75,14 +76,10 @@ def block_mask(case: Case, device, seed: int = 0) -> torch.Tensor:
 
 
 def causal_blocks(case: Case, device, full: bool = False) -> torch.Tensor:
-    """bool [nq, nk]: the blocks holding a key at or before one of their queries; full=True: only those whose
-    every key lies at or before every query (no element test needed)."""
-    nq, nk = math.ceil(case.seq / case.block[0]), math.ceil(case.seq / case.block[1])
-    first_query = torch.arange(nq, device=device)[:, None] * case.block[0]
-    last_query = torch.clamp(first_query + case.block[0], max=case.seq) - 1
-    first_key = torch.arange(nk, device=device)[None, :] * case.block[1]
-    last_key = torch.clamp(first_key + case.block[1], max=case.seq) - 1
-    return last_key <= first_query if full else first_key <= last_query
+    """bool [nq, nk]: the blocks holding a key at or before one of their queries (masks.causal's blocks);
+    full=True: only those whose every key lies at or before every query (no element test needed)."""
+    smallest, largest = _difference_range(case.seq, case.seq, case.block, device)  # of query - key per block
+    return smallest >= 0 if full else largest >= 0
 
 
 def _time_ms(fn: Callable) -> float:
@@ -144,13 +141,16 @@ def _runners(case: Case, keep: torch.Tensor, device):
     return runners
 
 
-def bench_case(case: Case, device, *, backward: bool = True, sdpa: bool = True) -> list[Row]:
+def bench_case(case: Case, device, *, backward: bool = True, sdpa: bool = True,
+               impls: Optional[tuple] = None) -> list[Row]:
+    """Rows of forward, forward+backward and backward times for every implementation (only those named in impls,
+    if given; SDPA only when sdpa)."""
     keep = block_mask(case, device)
     rows = []
     q, k, v = _inputs(case, device, requires_grad=backward)
     grad = torch.randn_like(q)
     for name, (fn, density) in _runners(case, keep, device).items():
-        if name.startswith("sdpa") and not sdpa:
+        if (name.startswith("sdpa") and not sdpa) or (impls is not None and name not in impls):
             continue
         if isinstance(fn, Exception):
             rows.append(Row(case.label, name, "fwd", density, float("nan"), float("nan"), f"unavailable: {fn}"))
