@@ -34,3 +34,17 @@ def test_causal_walks_match_the_oracle(geometry, pinned, poisoned, monkeypatch, 
     rows = slice(g.block[0], 2 * g.block[0])
     assert (got[0][:, :, rows] == 0).all(), "the empty query block got a query gradient"
 
+
+
+def test_split_flag_is_on_only_where_the_tests_are_the_diagonal_and_the_end(monkeypatch):
+    """forward.split_walk decides the kernels' SPLIT_WALK: any token mask, gathered block mask or kv_valid needs
+    per-element tests on every block, and a mask with neither a diagonal nor a ragged end has nothing to split."""
+    mask = torch.ones(1, dtype=torch.uint8)
+    assert forward.split_walk(True, True, None, None, None)
+    assert forward.split_walk(False, False, None, None, None)
+    assert not forward.split_walk(False, True, None, None, None)
+    for extra in ({"token_mask": mask}, {"block_mask": mask}, {"kv_valid": mask}):
+        args = {**dict(token_mask=None, block_mask=None, kv_valid=None), **extra}
+        assert not forward.split_walk(True, False, **args), extra
+    monkeypatch.setattr(forward, "SPLIT_WALKS", False)
+    assert not forward.split_walk(True, False, None, None, None)

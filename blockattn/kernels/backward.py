@@ -13,7 +13,7 @@ from . import autotune, buffers, forward, launch, tma
 from .forward import (LOG2E, TUNING_KEY, fp32_precision, head_dims, optional_tensors, site_key, stride_args,
                       strides)
 from .varlen import Varlen
-from .primitives import (dot, element_keep, first_entry_at_or_after, first_tested_kv_block, kv_list_start,
+from .primitives import (dot, element_keep, first_entry_at_or_after, kv_list_start, untested_steps,
                          kv_list_tiles, load_tile_or_box, query_tile_program, sequence_span)
 
 # How the backward produces dQ:
@@ -138,7 +138,6 @@ def attention_bwd_dq_kernel(
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     TILES_PER_BLOCK: tl.constexpr = BLOCK_KV // BLOCK_N
-    MASKED: tl.constexpr = (not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID
 
     off_b, off_h, off_hkv, start_m, q_block, q_start, seq_q, kv_start, seq_kv = query_tile_program(
         CU_SEQLENS_Q, CU_SEQLENS_KV, seq_q, seq_kv, num_heads, group_size, BLOCK_Q, BLOCK_M, IS_VARLEN)
@@ -166,10 +165,8 @@ def attention_bwd_dq_kernel(
         stride_iq, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     total = count * TILES_PER_BLOCK
-    SPLIT: tl.constexpr = SPLIT_WALK and MASKED and not (HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID)
-    if SPLIT:  # as in the forward: the tiles before the blocks that need a test run without one
-        plain = first_entry_at_or_after(index_row, count, first_tested_kv_block(
-            start_m, seq_kv, BLOCK_KV, EVEN_KV, IS_CAUSAL)) * TILES_PER_BLOCK
+    if SPLIT_WALK:  # as in the forward: the tiles before the blocks that need a test run without one
+        plain = untested_steps(index_row, count, start_m, seq_kv, BLOCK_KV, TILES_PER_BLOCK, EVEN_KV, IS_CAUSAL)
         dq = _dq_walk(0, plain, dq, q, do, lse2, delta, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h,
                       off_hkv, K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID,
                       mask_block_q, mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th,
@@ -284,7 +281,7 @@ def attention_bwd_dkdv_kernel(
     DQ_ACC (fp32 [B * H, Sq, BD], rows BD apart, zeroed; [H, T, BD] for a packed batch) with element atomics, or
     through DQ_DESC, a tensor descriptor of DQ_ACC with block [1, BLOCK_M, BD]. That saves the dQ kernel's
     recomputation of P and dP, but dQ's summation order then varies between runs. TMA_LOADS: Q and dO tiles come
-    through Q_DESC / DO_DESC (kernels/tma.py). SPLIT_WALK: see forward.SPLIT_WALKS."""
+    through Q_DESC / DO_DESC (kernels/tma.py). SPLIT_WALK: forward.split_walk() and IS_CAUSAL, on the host."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     TILES_PER_BLOCK: tl.constexpr = BLOCK_Q // BLOCK_M
@@ -328,8 +325,7 @@ def attention_bwd_dkdv_kernel(
         count = tl.load(Q_COUNT + off_b * stride_cb + off_h * stride_ch + kv_block)
         index_row = Q_INDEX + off_b.to(tl.int64) * stride_ib + off_h.to(tl.int64) * stride_ih + kv_block * stride_iq
         total = count * TILES_PER_BLOCK
-        SPLIT: tl.constexpr = SPLIT_WALK and IS_CAUSAL and not (HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID)
-        if SPLIT:
+        if SPLIT_WALK:
             # A causal list starts at the diagonal, so the walk is the list in order, and only its first blocks
             # hold queries before this tile's last key: those steps test the diagonal, the rest run without.
             tested = first_entry_at_or_after(
@@ -430,7 +426,8 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
             EVEN_KV=seq_kv % block_kv == 0 and not packed, IS_CAUSAL=bool(is_causal),
             HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather, HAS_KV_VALID=kv_valid is not None,
             FP32_PRECISION=fp32_precision(q.dtype, attention_bwd_dq_kernel), IS_VARLEN=packed,
-            SPLIT_WALK=forward.SPLIT_WALKS)
+            SPLIT_WALK=forward.split_walk(is_causal, seq_kv % block_kv == 0 and not packed, token_mask,
+                                          block_mask, kv_valid))
 
     if not accumulate:
         def build_dq() -> launch.LaunchSpec:
@@ -460,7 +457,9 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         q_tiles = tma.tile_args(attention_bwd_dkdv_kernel, packed, use=tma.DKDV_TMA_LOADS and not accumulate,
                                 Q_DESC=q, DO_DESC=grad_out)
         dq_desc = tma.accumulator_descriptor(dq_acc) if dq_mode == "tma" else None
+        # The dK/dV walk splits only for causal lists (the sequence's end is tested per key tile there).
         static.update(q_tiles, DQ_DESC=dq_desc, kv_heads=kv_heads, DQ_MODE=dq_mode,
+                      SPLIT_WALK=static["SPLIT_WALK"] and bool(is_causal),
                       **stride_args("dk", dk, "bhsd"), **stride_args("dv", dv, "bhsd"),
                       **stride_args("c", q_count, "bh"), **stride_args("i", q_index, "bhq"),
                       **stride_args("qa", dq_acc4 if accumulate else None, "bh"))

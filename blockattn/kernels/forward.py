@@ -10,8 +10,7 @@ import triton
 import triton.language as tl
 
 from . import autotune, buffers, launch, tma
-from .primitives import (dot, element_keep, first_entry_at_or_after, first_tested_kv_block, kv_list_start,
-                         kv_list_tiles, query_tile_program)
+from .primitives import dot, element_keep, kv_list_start, kv_list_tiles, query_tile_program, untested_steps
 from .varlen import Varlen
 
 LOG2E = 1.4426950408889634
@@ -19,6 +18,13 @@ LOG2E = 1.4426950408889634
 # tests, when the only tests are the causal diagonal and the sequence's end (SPLIT_WALK; kernels/README.md).
 # Benchmarks and tests set False to run the single tested walk.
 SPLIT_WALKS = True
+
+
+def split_walk(is_causal: bool, even_kv: bool, token_mask, block_mask, kv_valid) -> bool:
+    """The kernels' SPLIT_WALK flag: SPLIT_WALKS is on and the only element tests are the causal diagonal and
+    the sequence's end (a ragged or packed last key block)."""
+    return (SPLIT_WALKS and (bool(is_causal) or not even_kv) and token_mask is None and block_mask is None
+            and kv_valid is None)
 
 
 @triton.jit
@@ -89,11 +95,10 @@ def attention_fwd_kernel(
     IS_VARLEN: a packed batch; "batch" b is sequence b, whose tokens start at CU_SEQLENS_Q[b] / CU_SEQLENS_KV[b]
     along the token stride (the batch strides are 0), seq_q / seq_kv are the longest lengths.
     TMA_LOADS: K and V tiles come through K_DESC / V_DESC, host descriptors of K and V (kernels/tma.py).
-    SPLIT_WALK: see SPLIT_WALKS."""
+    SPLIT_WALK: split_walk() on the host: the walk runs the tiles before the tested blocks without tests."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     TILES_PER_BLOCK: tl.constexpr = BLOCK_KV // BLOCK_N
-    MASKED: tl.constexpr = (not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID
 
     off_b, off_h, off_hkv, start_m, q_block, q_start, seq_q, kv_start, seq_kv = query_tile_program(
         CU_SEQLENS_Q, CU_SEQLENS_KV, seq_q, seq_kv, num_heads, group_size, BLOCK_Q, BLOCK_M, IS_VARLEN)
@@ -120,12 +125,10 @@ def attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     total = count * TILES_PER_BLOCK
-    # SPLIT_WALK: when the only element tests are the causal diagonal and the sequence's end, the blocks that need
+    # SPLIT_WALK: the only element tests are the causal diagonal and the sequence's end, so the blocks that need
     # them end the (ascending) list; the walk runs the tiles before them without any test.
-    SPLIT: tl.constexpr = SPLIT_WALK and MASKED and not (HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID)
-    if SPLIT:
-        plain = first_entry_at_or_after(index_row, count, first_tested_kv_block(
-            start_m, seq_kv, BLOCK_KV, EVEN_KV, IS_CAUSAL)) * TILES_PER_BLOCK
+    if SPLIT_WALK:
+        plain = untested_steps(index_row, count, start_m, seq_kv, BLOCK_KV, TILES_PER_BLOCK, EVEN_KV, IS_CAUSAL)
         m_i, l_i, acc = _forward_walk(
             0, plain, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv, K_DESC,
             V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q, mask_block_kv,
@@ -250,6 +253,7 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
                                                                                             k.shape[2])
         head_dim, head_dim_v, block_d, block_dv = head_dims(q, v)
         gather = block_mask is not None
+        even_kv = seq_kv % block_kv == 0 and not packed
         elt = q.element_size()
         configs = autotune.nesting(
             "FWD", block_q, block_kv,
@@ -266,10 +270,10 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
             **stride_args("t", token_mask, "bhqk"), **stride_args("m", block_mask, "bhq"),
             stride_vvb=strides(kv_valid, 1)[0],
             BLOCK_Q=block_q, BLOCK_KV=block_kv, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d,
-            BLOCK_DV=block_dv, EVEN_KV=seq_kv % block_kv == 0 and not packed,
+            BLOCK_DV=block_dv, EVEN_KV=even_kv,
             IS_CAUSAL=bool(is_causal), HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather,
             HAS_KV_VALID=kv_valid is not None, FP32_PRECISION=fp32_precision(q.dtype, attention_fwd_kernel),
-            IS_VARLEN=packed, SPLIT_WALK=SPLIT_WALKS)
+            IS_VARLEN=packed, SPLIT_WALK=split_walk(is_causal, even_kv, token_mask, block_mask, kv_valid))
         return launch.LaunchSpec(
             grid=lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads), configs=configs,
             tuning_key=TUNING_KEY, static=static, pre_hook=tma.set_boxes if kv_tiles["TMA_LOADS"] else None)

@@ -162,6 +162,15 @@ def first_tested_kv_block(start_m, seq_kv, BLOCK_KV: tl.constexpr, EVEN_KV: tl.c
 
 
 @triton.jit
+def untested_steps(index_row, count, start_m, seq_kv, BLOCK_KV: tl.constexpr, TILES_PER_BLOCK: tl.constexpr,
+                   EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """How many steps of a split walk over a kv list (SPLIT_WALK) run without element tests: those before the
+    first listed block at or after first_tested_kv_block."""
+    pivot = first_tested_kv_block(start_m, seq_kv, BLOCK_KV, EVEN_KV, IS_CAUSAL)
+    return first_entry_at_or_after(index_row, count, pivot) * TILES_PER_BLOCK
+
+
+@triton.jit
 def first_entry_at_or_after(index_row, count, pivot):
     """Position of the first entry >= pivot in an ascending list of count entries (count if none): a walk that
     starts there and wraps around visits the same blocks in a fixed order, but programs of neighbouring blocks no
