@@ -177,8 +177,9 @@ def bench_case(case: Case, device, *, backward: bool = True, sdpa: bool = True,
 
 
 def ratios(rows: list[Row]) -> dict:
-    """(case, mode) -> FlexAttention's time / blockattn's time (>1: blockattn is faster)."""
-    table = {(r.case, r.impl, r.mode): r.ms for r in rows}
+    """(case, mode) -> FlexAttention's time / blockattn's time (>1: blockattn is faster); none where either
+    failed (a NaN time)."""
+    table = {(r.case, r.impl, r.mode): r.ms for r in rows if math.isfinite(r.ms)}
     out = {}
     for (case, impl, mode), ms in table.items():
         if impl == "blockattn" and (case, "flex", mode) in table:

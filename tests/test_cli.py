@@ -38,6 +38,10 @@ def test_bench_table_puts_flex_ratio_beside_blockattn():
     rows = [Row("c", "blockattn", "fwd", 0.25, 2.0, 400.0), Row("c", "flex", "fwd", 0.25, 3.0, 300.0)]
     assert ratios(rows) == {("c", "fwd"): 1.5}
     assert "1.50x" in markdown(rows)
+    failed = rows + [Row("c", "blockattn", "fwd+bwd", 0.25, 7.0, 400.0),
+                     Row("c", "flex", "fwd+bwd", 0.25, float("nan"), float("nan"), "failed: NoValidChoicesError")]
+    assert ratios(failed) == {("c", "fwd"): 1.5}, "a failed FlexAttention pass has no ratio"
+    assert "nanx" not in markdown(failed)
 
 
 def test_bench_causal_case_runs_the_same_attention_everywhere():
