@@ -32,13 +32,14 @@ from kernel_resources import kernel_ms
 
 @triton.jit
 def dkdv_store(Q, K, V, DO, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, Q_SLOT, WS, WS_DESC, scale_log2, scale, seq, n_list,
+               head0,
                HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                STORE: tl.constexpr):
     """STORE 0: no dS stores; 1: slot laid out [key, query]; 2: slot laid out [query, key]; 3 / 4: as 1 / 2
     through a tensor descriptor (WS_DESC over the workspace as [slots * 128, 128]; asynchronous bulk stores)."""
     TILES: tl.constexpr = BLOCK // BLOCK_M
     pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1) + head0  # head0: the first (batch x head) of this launch's chunk
     n_blocks = seq // BLOCK
     start_n = pid_n * BLOCK_N
     kv_block = start_n // BLOCK
@@ -88,13 +89,13 @@ def dkdv_store(Q, K, V, DO, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, Q_SLOT, WS, W
 
 
 @triton.jit
-def dq_from_ds(K, DQ, KV_COUNT, KV_INDEX, ROW_SLOT, WS, scale, seq, n_list,
+def dq_from_ds(K, DQ, KV_COUNT, KV_INDEX, ROW_SLOT, WS, scale, seq, n_list, head0,
                HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                STORE: tl.constexpr):
     """dQ [BM, D] of one query tile: sum over its kv list of dS tile [BM, BN] @ K tile [BN, D], times scale."""
     TILES: tl.constexpr = BLOCK // BLOCK_N
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1) + head0  # head0: the first (batch x head) of this launch's chunk
     n_blocks = seq // BLOCK
     start_m = pid_m * BLOCK_M
     q_block = start_m // BLOCK
@@ -150,6 +151,8 @@ def main():
     parser.add_argument("--heads", type=int, default=24)
     parser.add_argument("--dkdv", nargs="+", default=["64,64,4,2", "64,64,4,3"], help="BLOCK_M,BLOCK_N,warps,stages")
     parser.add_argument("--stores", type=int, nargs="+", default=[0, 2, 3, 4])
+    parser.add_argument("--overlap", type=int, nargs="*", default=[], help="head chunk counts for the chunked "
+                        "stored-dS backward (dQ pass in line, or on a second stream overlapping the next chunk)")
     parser.add_argument("--alias", type=int, default=0, help="also time the dK/dV loop's stores into only this many "
                         "slots (an L2-sized region: what the stores cost without their DRAM traffic)")
     parser.add_argument("--dq", nargs="+", default=["128,128,8,2", "128,128,8,3", "128,64,8,3", "128,64,4,3",
@@ -196,7 +199,7 @@ def main():
                 ws_desc = TensorDescriptor.from_tensor(ws.view(-1, 128), box)
                 run = lambda: dkdv_store[(seq // bn, heads)](
                     q, k, v, do, dk, dv, lse2, delta, q_count, q_index, slot_map, ws, ws_desc, scale * LOG2E, scale, seq,
-                    q_index.shape[-1], HEAD_DIM=dim, BLOCK=128, BLOCK_M=bm, BLOCK_N=bn, STORE=store,
+                    q_index.shape[-1], 0, HEAD_DIM=dim, BLOCK=128, BLOCK_M=bm, BLOCK_N=bn, STORE=store,
                     num_warps=warps, num_stages=stages)
                 try:
                     ms = triton.testing.do_bench(run, warmup=10, rep=60, return_mode="median")
@@ -211,7 +214,7 @@ def main():
             for config in args.dq:
                 bm, bn, warps, stages = (int(x) for x in config.split(","))
                 run = lambda: dq_from_ds[(seq // bm, heads)](
-                    k, dq, blocks.kv_count, blocks.kv_index, row_slot, ws, scale, seq, blocks.kv_index.shape[-1],
+                    k, dq, blocks.kv_count, blocks.kv_index, row_slot, ws, scale, seq, blocks.kv_index.shape[-1], 0,
                     HEAD_DIM=dim, BLOCK=128, BLOCK_M=bm, BLOCK_N=bn, STORE=store, num_warps=warps,
                     num_stages=stages)
                 try:
@@ -223,8 +226,57 @@ def main():
                 print(f"  dq pass store={store} {config}: {ms:.3f} ms ({nnz * 32768 / ms / 1e9:.2f} TB/s of dS, "
                       f"{flops / ms / 1e9:.0f} TFLOP/s), dq gap {gap:.2e} (|dq| max {want[0].abs().max().item():.2e})",
                       flush=True)
+        if args.overlap:
+            overlap_runs(args, q, k, v, do, lse2, delta, blocks, q_count, q_index, q_slot, row_slot, ws, want)
         ws = None
         torch.cuda.empty_cache()
+
+
+def overlap_runs(args, q, k, v, do, lse2, delta, blocks, q_count, q_index, q_slot, row_slot, ws, want):
+    """The stored-dS backward in head chunks (descriptor stores, [query, key] slots, the first --dkdv and --dq
+    configs): each chunk's dQ pass (memory-bound) after its dK/dV loop (compute-bound), either on the same stream or
+    on a second stream, where it can overlap the next chunk's dK/dV loop."""
+    heads, seq, dim = q.shape[1], q.shape[2], q.shape[3]
+    bm_kv, bn_kv, warps_kv, stages_kv = (int(x) for x in args.dkdv[0].split(","))
+    bm_q, bn_q, warps_q, stages_q = (int(x) for x in args.dq[0].split(","))
+    scale = dim ** -0.5
+    ws_desc = TensorDescriptor.from_tensor(ws.view(-1, 128), [bm_kv, bn_kv])
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    side = torch.cuda.Stream()
+
+    def dkdv(head0, count):
+        dkdv_store[(seq // bn_kv, count)](
+            q, k, v, do, dk, dv, lse2, delta, q_count, q_index, q_slot, ws, ws_desc, scale * LOG2E, scale, seq,
+            q_index.shape[-1], head0, HEAD_DIM=dim, BLOCK=128, BLOCK_M=bm_kv, BLOCK_N=bn_kv, STORE=4,
+            num_warps=warps_kv, num_stages=stages_kv)
+
+    def dq_pass(head0, count):
+        dq_from_ds[(seq // bm_q, count)](
+            k, dq, blocks.kv_count, blocks.kv_index, row_slot, ws, scale, seq, blocks.kv_index.shape[-1], head0,
+            HEAD_DIM=dim, BLOCK=128, BLOCK_M=bm_q, BLOCK_N=bn_q, STORE=4, num_warps=warps_q, num_stages=stages_q)
+
+    for chunks in args.overlap:
+        for overlap in (False, True):
+            per = heads // chunks
+
+            def run():
+                main = torch.cuda.current_stream()
+                side.wait_stream(main)
+                for c in range(chunks):
+                    dkdv(c * per, per)
+                    if overlap:
+                        done = torch.cuda.Event()
+                        done.record(main)
+                        side.wait_event(done)
+                        with torch.cuda.stream(side):
+                            dq_pass(c * per, per)
+                    else:
+                        dq_pass(c * per, per)
+                main.wait_stream(side)
+            ms = triton.testing.do_bench(run, warmup=10, rep=60, return_mode="median")
+            gaps = [(got.float() - w.float()).abs().max().item() for got, w in zip((dq, dk, dv), want)]
+            print(f"  stored-dS backward, {chunks} head chunks, dQ pass {'on a second stream' if overlap else 'in line'}"
+                  f": {ms:.3f} ms, gaps dq/dk/dv {gaps[0]:.1e} / {gaps[1]:.1e} / {gaps[2]:.1e}", flush=True)
 
 
 if __name__ == "__main__":
