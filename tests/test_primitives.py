@@ -1,5 +1,5 @@
-"""The Triton helpers on their own: the list search that orders the dK/dV walk, and the tile load that drops its
-masks where a side is whole."""
+"""The Triton helpers on their own: the list search that orders the dK/dV walk, the split walks' count of steps
+that need no element test, and the tile load that drops its masks where a side is whole."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from conftest import DEVICE
-from blockattn.kernels.primitives import first_entry_at_or_after, load_tile
+from blockattn.kernels.primitives import first_entry_at_or_after, load_tile, untested_steps
 
 
 @triton.jit
@@ -33,6 +33,54 @@ def test_first_entry_at_or_after_matches_searchsorted():
     lists, count, pivot, out = (t.to(DEVICE) for t in (lists, count, pivot, out))
     _search_kernel[(rows,)](lists, count, pivot, out)
     assert torch.equal(out.cpu(), want.to(torch.int32))
+
+
+@triton.jit
+def _untested_kernel(List, Count, StartM, SeqKv, Out, BLOCK_KV: tl.constexpr, TILES: tl.constexpr,
+                     EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    row = tl.program_id(0)
+    tl.store(Out + row, untested_steps(List + row * 16, tl.load(Count + row), tl.load(StartM + row),
+                                       tl.load(SeqKv + row), BLOCK_KV, TILES, EVEN_KV, IS_CAUSAL))
+
+
+@pytest.mark.parametrize("even_kv", [False, True])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_untested_steps_counts_the_blocks_that_need_no_element_test(even_kv, is_causal):
+    """Against a direct count: a listed block kb needs a test when it crosses the causal diagonal of a query tile
+    starting at start_m ((kb + 1) * 64 - 1 > start_m) or, without EVEN_KV, holds keys past seq_kv; the split walk
+    runs TILES steps per listed block before the first such one without tests."""
+    gen = torch.Generator().manual_seed(5)
+    rows, block_kv, tiles = 96, 64, 2
+    keep = torch.rand(rows, 16, generator=gen) < torch.rand(rows, 1, generator=gen)
+    keep[0] = False          # an empty list
+    keep[1] = True           # a full one
+    count = keep.sum(1).to(torch.int32)
+    lists = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices.to(torch.int32)
+    keep[2:4] = True
+    start_m = torch.randint(0, 16 * block_kv, (rows,), generator=gen, dtype=torch.int32)
+    start_m[2:4] = torch.tensor([5 * block_kv - 1, 5 * block_kv])  # a tile from row 319 (block 4's last key) runs block 4 untested
+    count = keep.sum(1).to(torch.int32)
+    lists = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices.to(torch.int32)
+    seq_kv = torch.randint(1, 16 * block_kv + 1, (rows,), generator=gen, dtype=torch.int32)
+    if even_kv:  # whole blocks, none listed past the end (only a packed batch's lists list such blocks)
+        seq_kv = torch.full_like(seq_kv, 16 * block_kv)
+    want = []
+    for r in range(rows):
+        untested = 0
+        for kb in lists[r, :count[r]].tolist():
+            crosses = is_causal and (kb + 1) * block_kv - 1 > int(start_m[r])
+            past_end = not even_kv and (kb + 1) * block_kv > int(seq_kv[r])
+            if crosses or past_end:
+                break
+            untested += 1
+        want.append(untested * tiles)
+    out = torch.full((rows,), -7, dtype=torch.int32)
+    lists, count, start_m, seq_kv, out = (t.to(DEVICE) for t in (lists, count, start_m, seq_kv, out))
+    _untested_kernel[(rows,)](lists, count, start_m, seq_kv, out, BLOCK_KV=block_kv, TILES=tiles, EVEN_KV=even_kv,
+                              IS_CAUSAL=is_causal)
+    assert torch.equal(out.cpu(), torch.tensor(want, dtype=torch.int32))
+    if not is_causal and even_kv:  # nothing to test: the whole list runs untested
+        assert torch.equal(out.cpu(), count.cpu() * tiles)
 
 
 @triton.jit
