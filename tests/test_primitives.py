@@ -58,7 +58,8 @@ def test_untested_steps_counts_the_blocks_that_need_no_element_test(even_kv, is_
     lists = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices.to(torch.int32)
     keep[2:4] = True
     start_m = torch.randint(0, 16 * block_kv, (rows,), generator=gen, dtype=torch.int32)
-    start_m[2:4] = torch.tensor([5 * block_kv - 1, 5 * block_kv])  # a tile from row 319 (block 4's last key) runs block 4 untested
+    # Boundary rows: a tile from row 319 (block 4's last key) runs block 4 untested, as does one from row 320.
+    start_m[2:4] = torch.tensor([5 * block_kv - 1, 5 * block_kv])
     count = keep.sum(1).to(torch.int32)
     lists = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices.to(torch.int32)
     seq_kv = torch.randint(1, 16 * block_kv + 1, (rows,), generator=gen, dtype=torch.int32)
