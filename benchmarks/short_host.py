@@ -1,28 +1,68 @@
-"""Short-sequence forward+backward: do_bench time (eager and CUDA-graph replay), host enqueue time per call, and
-a cProfile table of the host's own time, for blockattn on B8 H16 S1024 D128 (d=0.5, 128x128 blocks).
+"""Short-sequence forward and forward+backward: do_bench time (eager and CUDA-graph replay) and host enqueue time
+per call, for blockattn (and FlexAttention, compiled, with --flex) on B8 H16 S D128 (d=0.5, 128x128 blocks);
+--profile adds a cProfile table of the host's own time.
 
-    python benchmarks/short_host.py --seq 1024
+    python benchmarks/short_host.py --seq 1024 2048 --flex
+    python benchmarks/short_host.py --seq 1024 --descriptors both --rounds 3
+    python benchmarks/short_host.py --seq 1024 --profile
 """
 
 import argparse
 
+import torch
 import triton.testing
 
-from exp_short import host_ms, print_profile, short_case
+from exp_short import host_ms, print_profile, short_case, short_inputs
 from short_graphs import graphed
+
+
+def flex_case(batch: int, heads: int, seq: int, density: float):
+    """(fwd, fwd_bwd) for compiled FlexAttention on short_inputs()' tensors and mask."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    q, k, v, blocks, grad = short_inputs(batch, heads, seq, density)
+    mask = BlockMask.from_kv_blocks(torch.zeros_like(blocks.kv_count), blocks.kv_index, blocks.kv_count,
+                                    blocks.kv_index, BLOCK_SIZE=blocks.block_size, seq_lengths=(seq, seq))
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def fwd():
+        with torch.no_grad():
+            return compiled(q, k, v, block_mask=mask)
+
+    def fwd_bwd():
+        return torch.autograd.grad(compiled(q, k, v, block_mask=mask), (q, k, v), grad)
+    return fwd, fwd_bwd
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--seq", type=int, nargs="+", default=[1024])
+    parser.add_argument("--flex", action="store_true", help="FlexAttention too")
+    parser.add_argument("--descriptors", choices=("auto", "always", "both"), default="auto",
+                        help="always: tensor descriptors at every size (tma.MIN_DESCRIPTOR_WORK = 0); both: "
+                        "blockattn measured both ways, alternating, --rounds times")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--profile", action="store_true", help="a cProfile table of blockattn's fwd+bwd")
     args = parser.parse_args()
-    fwd, fwd_bwd = short_case(8, 16, args.seq, 0.5)
-    for name, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
-        eager = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-        replay = triton.testing.do_bench(graphed(fn), warmup=25, rep=100, return_mode="median")
-        print(f"S{args.seq} {name}: do_bench eager {eager:.3f} ms, replay {replay:.3f} ms, host enqueue "
-              f"{host_ms(fn):.3f} ms/call", flush=True)
-    print_profile(fwd_bwd, 100, rows=30)
+    from blockattn.kernels import tma
+    threshold = tma.MIN_DESCRIPTOR_WORK
+    settings = {"auto": [("", threshold)], "always": [("", 0)],
+                "both": [(" descriptors=auto", threshold), (" descriptors=always", 0)]}[args.descriptors]
+    for seq in args.seq:
+        impls = {"blockattn": short_case(8, 16, seq, 0.5)}
+        if args.flex:
+            impls["flex"] = flex_case(8, 16, seq, 0.5)
+        for _ in range(args.rounds):
+            for impl, (fwd, fwd_bwd) in impls.items():
+                for label, value in settings if impl == "blockattn" else [("", threshold)]:
+                    tma.MIN_DESCRIPTOR_WORK = value
+                    for name, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+                        eager = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                        replay = triton.testing.do_bench(graphed(fn), warmup=25, rep=100, return_mode="median")
+                        print(f"S{seq} {impl}{label} {name}: do_bench eager {eager:.3f} ms, replay {replay:.3f} ms, "
+                              f"host enqueue {host_ms(fn):.3f} ms/call", flush=True)
+        tma.MIN_DESCRIPTOR_WORK = settings[0][1]
+        if args.profile:
+            print_profile(impls["blockattn"][1], 100, rows=30)
 
 
 if __name__ == "__main__":

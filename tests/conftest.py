@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import blockattn  # noqa: E402
-from blockattn.kernels import buffers  # noqa: E402
+from blockattn.kernels import buffers, tma  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
@@ -144,6 +144,13 @@ def check_against_oracle(out, lse, q, k, v, visible, *, scale=None, is_causal=Fa
     assert err <= factor * baseline + floor, f"error {err:.3e} vs dense SDPA's {baseline:.3e} (factor {factor})"
     lse_err = (lse[rows].double() - want_lse[rows]).abs().max().item()
     assert lse_err <= 1e-3 * max(1.0, want_lse[rows].abs().max().item()), f"LSE off by {lse_err:.3e}"
+
+
+@pytest.fixture(autouse=True)
+def descriptors_at_every_size(monkeypatch):
+    """The suite's shapes are small: without this the launchers would keep descriptors off (below
+    tma.MIN_DESCRIPTOR_WORK) and the descriptor path would go untested (test_tma.py tests the threshold)."""
+    monkeypatch.setattr(tma, "MIN_DESCRIPTOR_WORK", 0)
 
 
 @pytest.fixture

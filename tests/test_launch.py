@@ -68,12 +68,12 @@ def fakes(monkeypatch):
     return compiled, full, builds
 
 
-def call(kernel_fn, x, out, builds, site=("site",)):
+def call(kernel_fn, x, out, builds, site=("site",), fresh=()):
     def build():
         builds.append(x)
         return launch.LaunchSpec(grid=lambda meta: (meta["n"] // meta["BLOCK"], 2), configs=[CONFIG],
                                  tuning_key=(), static={"X_DESC": TensorDescriptor.from_tensor(x, [2, 16]), "n": 64})
-    launch.run(kernel_fn, site, {"X": x, "X_DESC": x, "Out": out}, build)
+    launch.run(kernel_fn, site, {"X": x, "X_DESC": x, "Out": out}, build, fresh=fresh)
 
 
 def test_a_relaunch_puts_the_new_tensors_in_every_slot(fakes):
@@ -112,6 +112,28 @@ def test_what_a_kernel_is_specialized_on_makes_a_new_plan(fakes):
         except AssertionError:  # Triton refuses a descriptor over a misaligned base (the launchers check first)
             assert x.data_ptr() % 16, label
         assert (len(builds) > before) == new_plan, label
+
+
+def test_a_fresh_buffer_is_left_out_of_the_key_and_still_relaunched_in_its_slot(fakes):
+    """A buffer the launcher allocates (fresh) does not enter the plan key: another layout of it reuses the plan
+    (the launchers guarantee its layout follows from the keyed tensors), and the relaunch passes the new one."""
+    compiled, full, builds = fakes
+    fn = FakeKernelFn()
+    call(fn, torch.randn(4, 16), torch.empty(4, 16), builds, fresh=("Out",))
+    out = torch.empty(4, 32)[:, :16]
+    call(fn, torch.randn(4, 16), out, builds, fresh=("Out",))
+    assert len(builds) == 1 and compiled.runs[-1][9 + 2] is out
+    call(fn, torch.randn(4, 16), torch.empty(4, 32)[:, :16], builds)
+    assert len(builds) == 2, "keyed, another output layout makes a new plan"
+
+
+def test_layout_key_has_one_entry_per_name_and_looks_at_a_shared_tensor_once():
+    a, same_as_a, b = torch.randn(4, 16), torch.randn(4, 16), torch.randn(4, 32)[:, :16]
+    key = launch.layout_key
+    assert key({"A": a, "B": a}) == key({"A": a, "B": same_as_a}) == (launch.tensor_key(a),) * 2
+    # which name gets which layout stays in the key when tensors are shared
+    assert key({"A": a, "B": a, "C": b}) != key({"A": a, "B": b, "C": b})
+    assert key({"A": a, "B": b}, fresh=("B",)) == key({"A": a})
 
 
 def test_a_plan_keeps_no_tensor_alive(fakes):
@@ -164,7 +186,7 @@ def test_repeated_calls_with_fresh_tensors_stay_exact(geometry, poisoned, monkey
             assert torch.isfinite(g).all(), f"d{name} not finite (seed {seed})"
             assert rel_error(g, w) < 2e-2, f"d{name} off the oracle (seed {seed}): {rel_error(g, w):.3e}"
     kernels = {key[0] for key in launch.plans()}
-    expected = {forward.attention_fwd_kernel, backward.attention_bwd_preprocess_kernel,
-                backward.attention_bwd_dkdv_kernel} | ({backward.attention_bwd_dq_kernel} if dq_mode == "kernel"
-                                                       else set())
+    # In dQ mode "kernel" the dQ kernel computes the row terms; the accumulating modes run the preprocess for them.
+    expected = {forward.attention_fwd_kernel, backward.attention_bwd_dkdv_kernel} | (
+        {backward.attention_bwd_dq_kernel} if dq_mode == "kernel" else {backward.attention_bwd_preprocess_kernel})
     assert kernels == (expected if ON_GPU else set()), "plans on a GPU for every kernel; none under the interpreter"

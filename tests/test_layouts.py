@@ -30,21 +30,27 @@ def packed(heads=4, kv_heads=2, dim=32, dtype=torch.float32, seed=0):
     return q, k, v, keep
 
 
-def run(q, k, v, grad_seed=5, **kwargs):
+def loss_of(out, lse, grad, lse_weight):
+    """sum(out * grad) + lse_weight * (sum of the finite LSEs): a loss that reaches the LSE's gradient too."""
+    return (out * grad).sum() + lse_weight * torch.where(torch.isfinite(lse), lse, 0).sum()
+
+
+def run(q, k, v, grad_seed=5, lse_weight=0.0, **kwargs):
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     out, lse = blockattn.attention(*leaves, return_lse=True, **kwargs)
     grad = torch.randn(out.shape, generator=make_generator(grad_seed), device=DEVICE).to(out.dtype)
-    (out * grad).sum().backward()
+    loss_of(out, lse, grad, lse_weight).backward()
     return [out.detach(), lse.detach()] + [t.grad for t in leaves]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_thd_matches_bhsd_sequence_by_sequence(poisoned, backend, is_causal):
+    """A packed batch against each sequence alone: out, LSE, and gradients of a loss on both."""
     q, k, v, keep = packed()
     cu_q, cu_kv = offsets(LENGTHS_Q), offsets(LENGTHS_KV)
     got = run(q, k, v, blocks=keep, block_size=BLOCK, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
-              is_causal=is_causal, backend=backend)
+              is_causal=is_causal, backend=backend, lse_weight=0.5)
     assert got[0].shape == (q.shape[0], q.shape[1], v.shape[2]) and got[1].shape == q.shape[:2]
     for name, t in zip(("out", "dq", "dk", "dv"), [got[0]] + got[2:]):
         assert torch.isfinite(t).all(), f"{name} not finite"
@@ -64,7 +70,7 @@ def test_thd_matches_bhsd_sequence_by_sequence(poisoned, backend, is_causal):
                                        backend="torch", return_lse=True)
         # the same upstream gradient the packed run used, on this sequence's rows
         grad = torch.randn(got[0].shape, generator=make_generator(5), device=DEVICE)[rows]
-        out.backward(grad.permute(1, 0, 2)[None])
+        loss_of(out, lse, grad.permute(1, 0, 2)[None], 0.5).backward()
         torch.testing.assert_close(got[0][rows], out[0].permute(1, 0, 2), rtol=1e-4, atol=1e-5)
         finite = torch.isfinite(lse[0].t())
         assert torch.equal(torch.isfinite(got[1][rows]), finite)

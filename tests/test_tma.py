@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import blockattn
-from blockattn.kernels import backward, forward, launch, tma
+from blockattn.kernels import autotune, backward, forward, launch, tma
 from conftest import DEVICE, ON_GPU, assert_one_ulp, check_against_oracle, expand, qkv, random_keep
 
 # (seq_q, seq_kv, head dim, query heads, kv heads, causal): ragged tails, a head dim under its padded width (40 ->
@@ -56,14 +56,41 @@ def test_the_descriptor_path_is_taken_where_available(monkeypatch):
     """Not a silent no-op: where descriptors are available, the launchers hand descriptors to the kernels."""
     q, k, v = qkv(1, 2, 128, 32)
     available = tma.available(forward.attention_fwd_kernel, q.device)
-    args = tma.tile_args(forward.attention_fwd_kernel, False, K_DESC=k, V_DESC=v)
+    args = tma.tile_args(forward.attention_fwd_kernel, False, 1, K_DESC=k, V_DESC=v)
     assert args["TMA_LOADS"] == available
     assert all(isinstance(args[name], torch.Tensor) != available for name in ("K_DESC", "V_DESC"))
-    assert tma.tile_args(forward.attention_fwd_kernel, True, K_DESC=k, V_DESC=v) == {
-        "K_DESC": k, "V_DESC": v, "TMA_LOADS": False}, "a packed batch must keep pointer loads"
+    pointers = {"K_DESC": k, "V_DESC": v, "TMA_LOADS": False}
+    assert tma.tile_args(forward.attention_fwd_kernel, True, 1, K_DESC=k, V_DESC=v) == pointers, (
+        "a packed batch must keep pointer loads")
     monkeypatch.setattr(tma, "TMA_LOADS", False)
-    assert tma.tile_args(forward.attention_fwd_kernel, False, K_DESC=k, V_DESC=v) == {
-        "K_DESC": k, "V_DESC": v, "TMA_LOADS": False}
+    assert tma.tile_args(forward.attention_fwd_kernel, False, 1, K_DESC=k, V_DESC=v) == pointers
+
+
+@pytest.mark.parametrize("seq, expected", [(64, False), (128, True)])
+def test_small_calls_keep_pointer_loads(monkeypatch, seq, expected):
+    """Below tma.MIN_DESCRIPTOR_WORK (B * Hq * Sq * Sk * D) a call is host-bound and Triton re-encodes descriptors
+    on every launch: the launchers ask for pointer loads there, at or above it for descriptors."""
+    q, k, v = (t.requires_grad_(True) for t in qkv(1, 2, seq, 32))
+    monkeypatch.setattr(tma, "MIN_DESCRIPTOR_WORK", 1 * 2 * 128 * 128 * 32)
+    monkeypatch.setattr(launch, "_PLANS", {})
+    works = []
+    tile_args = tma.tile_args
+
+    def spy(kernel_fn, packed, work, use=True, **tensors):
+        works.append(work)
+        return tile_args(kernel_fn, packed, work, use=use, **tensors)
+    monkeypatch.setattr(tma, "tile_args", spy)
+    taken = []
+    launch_fn = autotune.launch
+
+    def record(kernel_fn, grid, configs, key, reset_to_zero=(), pre_hook=None, **kwargs):
+        taken.append(kwargs["TMA_LOADS"])
+        return launch_fn(kernel_fn, grid, configs, key, reset_to_zero, pre_hook, **kwargs)
+    monkeypatch.setattr(autotune, "launch", record)
+    blockattn.attention(q, k, v, None, (64, 64), backend="triton").sum().backward()
+    assert works == [1 * 2 * seq * seq * 32] * 3, "forward, dQ and dK/dV kernels"
+    available = tma.available(forward.attention_fwd_kernel, q.device)
+    assert taken == [expected and available] * 3
 
 
 @pytest.mark.parametrize("dq_mode, expected", [("kernel", True), ("atomic", False)])
@@ -73,9 +100,9 @@ def test_dkdv_descriptors_only_without_dq_atomics(monkeypatch, dq_mode, expected
     asked = {}
     tile_args = tma.tile_args
 
-    def spy(kernel_fn, packed, use=True, **tensors):
+    def spy(kernel_fn, packed, work, use=True, **tensors):
         asked[kernel_fn] = use
-        return tile_args(kernel_fn, packed, use=use, **tensors)
+        return tile_args(kernel_fn, packed, work, use=use, **tensors)
     monkeypatch.setattr(tma, "tile_args", spy)
     monkeypatch.setattr(launch, "_PLANS", {})  # launchers build their arguments on a plan miss only
     monkeypatch.setattr(backward, "DQ_MODE_DEFAULT", dq_mode)

@@ -28,6 +28,8 @@ from .primitives import (dot, element_keep, first_entry_at_or_after, kv_list_sta
 # atomic traffic. It is also deterministic. Deterministic mode always runs "kernel".
 DQ_MODES = ("kernel", "atomic", "tma")
 DQ_MODE_DEFAULT = "auto"
+# The buffers attention_backward allocates (their layouts follow from its inputs'): left out of plan keys.
+_FRESH = ("Lse2", "Delta", "DQ", "DK", "DV", "DQ_ACC", "DQ_DESC")
 
 
 @triton.jit
@@ -38,11 +40,9 @@ def attention_bwd_preprocess_kernel(Out, DO, GradLse, Lse, Lse2, Delta, seq_q, n
                                     stride_eb, stride_eh, stride_es,
                                     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
                                     BLOCK_M: tl.constexpr):
-    """The row terms of the backward, fp32 [B, H, Sq] each, in Lse's layout (strides stride_e*):
-    Delta = rowsum(dO * O) - dLSE, the softmax-backward term (dLSE folds in here because d lse / d s = p, the same
-    shape as the dO term); Lse2 = LSE in log2 units, +inf where a row saw nothing (so p = exp2(s - lse2) is exactly
-    0), which spares the dK/dV loop a multiply and a select per element. Packed batches run as one sequence of all
-    their tokens."""
+    """The backward's row terms (_row_terms), fp32 [B, H, Sq] each in Lse's layout (strides stride_e*), for the
+    accumulating dQ modes; in dQ mode "kernel" the dQ kernel computes them itself. Packed batches run as one
+    sequence of all their tokens."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = pid_bh // num_heads
@@ -56,19 +56,32 @@ def attention_bwd_preprocess_kernel(Out, DO, GradLse, Lse, Lse2, Delta, seq_q, n
                 + offs_dv[None, :] * stride_od, mask=ok, other=0.0)
     do = tl.load(DO + off_b.to(tl.int64) * stride_db + off_h.to(tl.int64) * stride_dh + rows[:, None] * stride_ds
                  + offs_dv[None, :] * stride_dd, mask=ok, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BM]
+    _row_terms(o, do, GradLse, Lse, Lse2, Delta,
+               off_b.to(tl.int64) * stride_gb + off_h.to(tl.int64) * stride_gh + rows * stride_gs,
+               off_b.to(tl.int64) * stride_eb + off_h.to(tl.int64) * stride_eh + rows * stride_es, m_ok, HAS_GRAD_LSE)
+
+
+@triton.jit
+def _row_terms(o, do, GradLse, Lse, Lse2, Delta, grad_rows, rows, rows_ok, HAS_GRAD_LSE: tl.constexpr):
+    """The backward's row terms for a tile of rows, from its O and dO tiles [BM, BDV] (zero past the end):
+    (lse2, delta) [BM], also stored at Lse2 + rows and Delta + rows (GradLse + grad_rows: the LSE's gradient).
+    delta = rowsum(dO * O) - dLSE, the softmax-backward term (dLSE folds in here because d lse / d s = p, the
+    same shape as the dO term); lse2 = LSE in log2 units, +inf where a row saw nothing or lies past the end (so
+    p = exp2(s - lse2) is exactly 0), which spares the dK/dV loop a multiply and a select per element."""
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if HAS_GRAD_LSE:
-        delta -= tl.load(GradLse + off_b.to(tl.int64) * stride_gb + off_h.to(tl.int64) * stride_gh
-                         + rows * stride_gs, mask=m_ok, other=0.0)
-    row_ptr = off_b.to(tl.int64) * stride_eb + off_h.to(tl.int64) * stride_eh + rows * stride_es
-    tl.store(Delta + row_ptr, delta, mask=m_ok)
-    lse = tl.load(Lse + row_ptr, mask=m_ok, other=0.0)
-    tl.store(Lse2 + row_ptr, tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634), mask=m_ok)
+        delta -= tl.load(GradLse + grad_rows, mask=rows_ok, other=0.0)
+    lse = tl.load(Lse + rows, mask=rows_ok, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(Delta + rows, delta, mask=rows_ok)
+    tl.store(Lse2 + rows, lse2, mask=rows_ok)
+    return lse2, delta
 
 
 @triton.jit
 def _row_stats(Lse2, Delta, row_ptr, rows_ok, EVEN_ROWS: tl.constexpr):
-    """The preprocess's LSE in log2 units and delta for rows row_ptr; rows past the end get +inf (so p = 0) and 0."""
+    """The stored row terms (_row_terms) of rows row_ptr: (lse2, delta); rows past the end get +inf (so p = 0)
+    and 0."""
     if EVEN_ROWS:
         lse2 = tl.load(Lse2 + row_ptr)
         delta = tl.load(Delta + row_ptr)
@@ -112,13 +125,15 @@ def _dq_walk(lo, hi, dq, q, do, lse2, delta, offs_m, index_row, seq_q, seq_kv, k
 
 @triton.jit(do_not_specialize=["seq_bucket"])
 def attention_bwd_dq_kernel(
-    Q, K, V, K_DESC, V_DESC, DO, DQ, Lse2, Delta, KV_COUNT, KV_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID, CU_SEQLENS_Q, CU_SEQLENS_KV,
+    Q, K, V, K_DESC, V_DESC, DO, DQ, Out, GradLse, Lse, Lse2, Delta, KV_COUNT, KV_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID, CU_SEQLENS_Q, CU_SEQLENS_KV,
     scale_log2, scale, seq_q, seq_kv, num_heads, group_size, mask_block_q, mask_block_kv, seq_bucket,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_dob, stride_doh, stride_dos, stride_dod,
     stride_dqb, stride_dqh, stride_dqs, stride_dqd,
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_gb, stride_gh, stride_gs,
     stride_lb, stride_lh, stride_ls,
     stride_cb, stride_ch,
     stride_ib, stride_ih, stride_iq,
@@ -129,12 +144,14 @@ def attention_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_Q: tl.constexpr, EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
     GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr,
-    IS_VARLEN: tl.constexpr, TMA_LOADS: tl.constexpr, SPLIT_WALK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, TMA_LOADS: tl.constexpr, SPLIT_WALK: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: dQ [BM, D] of one query tile of one (batch, head), walking its query block's kv list.
-    Lse2 and Delta (the preprocess's row terms) share one layout (strides stride_l*); IS_VARLEN and TMA_LOADS
-    (K_DESC, V_DESC) and SPLIT_WALK as in the forward kernel."""
+
+    It first computes its rows' terms (_row_terms, from Out, dO, Lse and GradLse [B, H, Sq] with strides
+    stride_g*) and stores them in Lse2 and Delta, which share Lse's layout (strides stride_l*), for the dK/dV
+    kernel launched after it. IS_VARLEN, TMA_LOADS (K_DESC, V_DESC) and SPLIT_WALK as in the forward kernel."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     TILES_PER_BLOCK: tl.constexpr = BLOCK_KV // BLOCK_N
@@ -157,8 +174,13 @@ def attention_bwd_dq_kernel(
                 + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
     do = tl.load(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh + rows * stride_dos
                  + offs_dv[None, :] * stride_dod, mask=m_ok[:, None] & dv_ok[None, :], other=0.0)  # [BM, BDV]
-    lse2, delta = _row_stats(Lse2, Delta, off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
-                            + (q_start + offs_m).to(tl.int64) * stride_ls, m_ok, False)
+    o = tl.load(Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + rows * stride_os
+                + offs_dv[None, :] * stride_od, mask=m_ok[:, None] & dv_ok[None, :], other=0.0)  # [BM, BDV]
+    row_index = (q_start + offs_m).to(tl.int64)
+    lse2, delta = _row_terms(o, do, GradLse, Lse, Lse2, Delta,
+                             off_b.to(tl.int64) * stride_gb + off_h.to(tl.int64) * stride_gh + row_index * stride_gs,
+                             off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + row_index * stride_ls,
+                             m_ok, HAS_GRAD_LSE)  # [BM] each
 
     count, index_row, k_base, v_base = kv_list_start(
         KV_COUNT, KV_INDEX, K, V, off_b, off_h, off_hkv, q_block, kv_start, stride_cb, stride_ch, stride_ib, stride_ih,
@@ -387,14 +409,14 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
     lse2 = torch.empty_strided(lse.shape, lse.stride(), device=device, dtype=torch.float32)
     if grad_lse is not None:
         grad_lse = grad_lse.float()
-    launch.run(attention_bwd_preprocess_kernel, (heads, grad_lse is None),
-               dict(Out=out, DO=grad_out, GradLse=delta if grad_lse is None else grad_lse, Lse=lse, Lse2=lse2,
-                    Delta=delta),
-               lambda: _preprocess_spec(out, grad_out, grad_lse, delta, heads))
-
-    dq, dk, dv = (buffers.empty_like(t) for t in (q, k, v))
+    row_terms = dict(Out=out, GradLse=delta if grad_lse is None else grad_lse, Lse=lse, Lse2=lse2, Delta=delta)
     dq_mode = resolve_dq_mode(dq_mode, attention_bwd_dkdv_kernel, device)
     accumulate = dq_mode != "kernel"
+    if accumulate:  # (in mode "kernel" the dQ kernel computes the row terms: a launch fewer)
+        launch.run(attention_bwd_preprocess_kernel, (heads, grad_lse is None), dict(row_terms, DO=grad_out),
+                   lambda: _preprocess_spec(out, grad_out, grad_lse, delta, heads), fresh=_FRESH)
+
+    dq, dk, dv = (buffers.empty_like(t) for t in (q, k, v))
     if accumulate:
         # fp32 [B * H, Sq, BD] (a packed batch: [H, T, BD]); BD-wide rows keep a descriptor's strides aligned.
         block_d = head_dims(q, v)[2]
@@ -408,6 +430,7 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
                     kv_valid, varlen) + (dq_mode, tma.DKDV_TMA_LOADS)
     batch, seq_q, seq_kv = (varlen.batch, varlen.max_q, varlen.max_kv) if packed else (q.shape[0], q.shape[2],
                                                                                         k.shape[2])
+    work = batch * heads * seq_q * seq_kv * q.shape[-1]  # the dense problem's, for tma.tile_args
 
     def common() -> dict:
         """The keyword arguments both kernels take beside their tensors (built on a plan miss only)."""
@@ -437,14 +460,18 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
                 "BWD_DQ", block_q, block_kv,
                 smem_per_stage=lambda bm, bn: bn * (block_d + block_dv) * elt,
                 fixed_smem=lambda bm, bn: bm * (block_d + block_dv) * elt, cache_key=(block_d, block_dv, elt))
-            kv_tiles = tma.tile_args(attention_bwd_dq_kernel, packed, K_DESC=k, V_DESC=v)
-            static.update(kv_tiles, num_heads=heads, **stride_args("dq", dq, "bhsd"),
+            kv_tiles = tma.tile_args(attention_bwd_dq_kernel, packed, work, K_DESC=k, V_DESC=v)
+            static.update(kv_tiles, num_heads=heads, HAS_GRAD_LSE=grad_lse is not None,
+                          **stride_args("dq", dq, "bhsd"), **stride_args("o", out, "bhsd"),
+                          **stride_args("g", row_terms["GradLse"], "bhs"),
                           **stride_args("c", kv_count, "bh"), **stride_args("i", kv_index, "bhq"))
             return launch.LaunchSpec(
                 grid=lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads), configs=configs,
                 tuning_key=TUNING_KEY, static=static, pre_hook=tma.set_boxes if kv_tiles["TMA_LOADS"] else None)
-        launch.run(attention_bwd_dq_kernel, site + (autotune.env_key("BWD_DQ"),),
-                   dict(shared, K_DESC=k, V_DESC=v, DQ=dq, KV_COUNT=kv_count, KV_INDEX=kv_index), build_dq)
+        # The dK/dV kernel, launched after this one on the same stream, reads the row terms it stores.
+        launch.run(attention_bwd_dq_kernel, site + (grad_lse is None, autotune.env_key("BWD_DQ")),
+                   dict(shared, **row_terms, K_DESC=k, V_DESC=v, DQ=dq, KV_COUNT=kv_count, KV_INDEX=kv_index),
+                   build_dq, fresh=_FRESH)
 
     def build_dkdv() -> launch.LaunchSpec:
         static = common()
@@ -454,8 +481,8 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
             smem_per_stage=lambda bm, bn: bm * (block_d + block_dv) * elt,
             fixed_smem=lambda bm, bn: bn * (block_d + block_dv) * elt + (bm * block_d * 4 if dq_mode == "tma" else 0),
             cache_key=(block_d, block_dv, elt, dq_mode))
-        q_tiles = tma.tile_args(attention_bwd_dkdv_kernel, packed, use=tma.DKDV_TMA_LOADS and not accumulate,
-                                Q_DESC=q, DO_DESC=grad_out)
+        q_tiles = tma.tile_args(attention_bwd_dkdv_kernel, packed, work,
+                                use=tma.DKDV_TMA_LOADS and not accumulate, Q_DESC=q, DO_DESC=grad_out)
         dq_desc = tma.accumulator_descriptor(dq_acc) if dq_mode == "tma" else None
         # The dK/dV walk splits only for causal lists (the sequence's end is tested per key tile there).
         static.update(q_tiles, DQ_DESC=dq_desc, kv_heads=kv_heads, DQ_MODE=dq_mode,
@@ -472,7 +499,8 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
                         Q_COUNT=q_count, Q_INDEX=q_index)
     if dq_mode == "tma":
         dkdv_tensors["DQ_DESC"] = dq_acc
-    launch.run(attention_bwd_dkdv_kernel, site + (autotune.env_key("BWD_DKDV"),), dkdv_tensors, build_dkdv)
+    launch.run(attention_bwd_dkdv_kernel, site + (autotune.env_key("BWD_DKDV"),), dkdv_tensors, build_dkdv,
+               fresh=_FRESH)
     if accumulate:
         torch.mul(dq_acc4[..., :q.shape[-1]], scale, out=dq)  # the tiles were added unscaled: one multiply here
     return dq, dk, dv

@@ -223,7 +223,7 @@ def site_key(block_q: int, block_kv: int, scale: float, is_causal: bool, token_m
     which optional tensors are present, and the switches the launchers read."""
     return (block_q, block_kv, scale, bool(is_causal), token_mask is None, block_mask is None, mask_block_q,
             mask_block_kv, kv_valid is None, (varlen.batch, varlen.max_q, varlen.max_kv) if varlen else None,
-            tma.TMA_LOADS, torch.backends.cuda.matmul.allow_tf32, SPLIT_WALKS)
+            tma.TMA_LOADS, tma.MIN_DESCRIPTOR_WORK, torch.backends.cuda.matmul.allow_tf32, SPLIT_WALKS)
 
 
 def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, scale: float,
@@ -259,7 +259,8 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
             "FWD", block_q, block_kv,
             smem_per_stage=lambda bm, bn: bn * (block_d + block_dv) * elt,
             fixed_smem=lambda bm, bn: bm * block_d * elt, cache_key=(block_d, block_dv, elt))
-        kv_tiles = tma.tile_args(attention_fwd_kernel, packed, K_DESC=k, V_DESC=v)
+        kv_tiles = tma.tile_args(attention_fwd_kernel, packed, batch * heads * seq_q * seq_kv * head_dim,
+                                 K_DESC=k, V_DESC=v)
         static = dict(
             kv_tiles, scale_log2=scale * LOG2E, seq_q=seq_q, seq_kv=seq_kv, num_heads=heads,
             group_size=heads // kv_heads, mask_block_q=mask_block_q if gather else block_q,
@@ -278,6 +279,6 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
             grid=lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads), configs=configs,
             tuning_key=TUNING_KEY, static=static, pre_hook=tma.set_boxes if kv_tiles["TMA_LOADS"] else None)
 
-    launch.run(attention_fwd_kernel, site, tensors, build)
+    launch.run(attention_fwd_kernel, site, tensors, build, fresh=("Out", "Lse"))
     return out, lse
 

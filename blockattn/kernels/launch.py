@@ -81,12 +81,29 @@ def rebased(descriptor, base: torch.Tensor):
     return copy
 
 
-def run(kernel_fn, site_key: tuple, tensors: dict, build: Callable[[], LaunchSpec]) -> None:
+def layout_key(tensors: dict, fresh: tuple = ()) -> tuple:
+    """tensor_key of every tensor argument not named in fresh, in order; a tensor passed under several names
+    (absent optional arguments share one stand-in) is looked at once."""
+    seen = {}
+    parts = []
+    for name, t in tensors.items():
+        if name in fresh:
+            continue
+        part = seen.get(id(t))
+        if part is None:
+            part = seen[id(t)] = tensor_key(t)
+        parts.append(part)
+    return tuple(parts)
+
+
+def run(kernel_fn, site_key: tuple, tensors: dict, build: Callable[[], LaunchSpec], fresh: tuple = ()) -> None:
     """Launch kernel_fn. tensors: every tensor argument by name for this call (an argument read through a
     descriptor maps to the tensor it describes); site_key: hashable, everything else build() depends on.
-    build() runs on a plan miss only."""
+    fresh: names of buffers the launcher has just allocated, whose shapes and strides follow from the other
+    tensors and site_key (and whose bases the allocator aligns): they are left out of the plan key, which saves
+    host time per launch. build() runs on a plan miss only."""
     device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-    key = (kernel_fn, site_key, device, tuple(tensor_key(t) for t in tensors.values()))
+    key = (kernel_fn, site_key, device, layout_key(tensors, fresh))
     plan = _PLANS.get(key) if ENABLED else None
     if plan is not None:
         plan.relaunch(tensors, device)

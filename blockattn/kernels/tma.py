@@ -21,6 +21,10 @@ TMA_LOADS = True
 # they spill registers and ran slower (92.7 against 87.7 ms), so the accumulating modes keep pointer loads.
 DKDV_TMA_LOADS = True
 
+# Below this much work (B * Hq * Sq * Sk * D, the dense problem's) the kernels read tiles by pointers: a call that
+# small is host-bound, and Triton's launcher encodes every descriptor again, in Python, on every launch.
+MIN_DESCRIPTOR_WORK = 2 ** 35
+
 # Descriptor argument -> (tile rows, tile columns) meta-parameters of its box.
 _BOX = {"K_DESC": ("BLOCK_N", "BLOCK_D"), "V_DESC": ("BLOCK_N", "BLOCK_DV"),
         "Q_DESC": ("BLOCK_M", "BLOCK_D"), "DO_DESC": ("BLOCK_M", "BLOCK_DV")}
@@ -68,12 +72,14 @@ def tile_descriptor(t: torch.Tensor):
     return cls(t, list(t.shape), strides, [1, 1, 16, 16])
 
 
-def tile_args(kernel_fn, packed: bool, use: bool = True, **tensors: torch.Tensor) -> dict:
+def tile_args(kernel_fn, packed: bool, work: int, use: bool = True, **tensors: torch.Tensor) -> dict:
     """Kernel arguments for reading the tiles of tensors ([B, H, S, D], keyed by their descriptor argument's
     name) through descriptors: {name: descriptor, ..., "TMA_LOADS": True}; or {name: the tensor itself, ...,
-    "TMA_LOADS": False} (unused by the kernel) when not use, for packed batches, where kernel_fn cannot use
-    descriptors on this device, or when any of the tensors cannot be described (tile_descriptor)."""
-    if use and not packed and available(kernel_fn, next(iter(tensors.values())).device):
+    "TMA_LOADS": False} (unused by the kernel) when not use, for packed batches, below MIN_DESCRIPTOR_WORK (work:
+    B * Hq * Sq * Sk * D), where kernel_fn cannot use descriptors on this device, or when any of the tensors
+    cannot be described (tile_descriptor)."""
+    if (use and not packed and work >= MIN_DESCRIPTOR_WORK
+            and available(kernel_fn, next(iter(tensors.values())).device)):
         descs = {name: tile_descriptor(t) for name, t in tensors.items()}
         if all(d is not None for d in descs.values()):
             return dict(descs, TMA_LOADS=True)
