@@ -125,7 +125,8 @@ def _dq_walk(lo, hi, dq, q, do, lse2, delta, offs_m, index_row, seq_q, seq_kv, k
 
 @triton.jit(do_not_specialize=["seq_bucket"])
 def attention_bwd_dq_kernel(
-    Q, K, V, K_DESC, V_DESC, DO, DQ, Out, GradLse, Lse, Lse2, Delta, KV_COUNT, KV_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID, CU_SEQLENS_Q, CU_SEQLENS_KV,
+    Q, K, V, K_DESC, V_DESC, DO, DQ, Out, GradLse, Lse, Lse2, Delta, KV_COUNT, KV_INDEX, TOKEN_MASK, BLOCK_MASK,
+    KV_VALID, CU_SEQLENS_Q, CU_SEQLENS_KV,
     scale_log2, scale, seq_q, seq_kv, num_heads, group_size, mask_block_q, mask_block_kv, seq_bucket,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
