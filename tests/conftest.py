@@ -155,14 +155,19 @@ def descriptors_at_every_size(monkeypatch):
 
 @pytest.fixture
 def poisoned(monkeypatch):
-    """The launchers' outputs start as NaN, so an element a kernel never wrote shows up."""
+    """The launchers' outputs (and the backward's row terms) start as NaN, so an element a kernel never wrote
+    shows up."""
     def empty(*shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
     def empty_like(tensor):
         return torch.full_like(tensor, float("nan"))
+
+    def empty_strided(shape, stride, dtype, device):
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device).fill_(float("nan"))
     monkeypatch.setattr(buffers, "empty", empty)
     monkeypatch.setattr(buffers, "empty_like", empty_like)
+    monkeypatch.setattr(buffers, "empty_strided", empty_strided)
 
 
 def pin(monkeypatch, tile, kernels=("FWD", "BWD_DQ", "BWD_DKDV")):

@@ -406,8 +406,8 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         lse = lse.contiguous()
     # The row terms in lse's layout (for "thd" batches a token-major one): the kernels read all three with one set
     # of strides.
-    delta = torch.empty_strided(lse.shape, lse.stride(), device=device, dtype=torch.float32)
-    lse2 = torch.empty_strided(lse.shape, lse.stride(), device=device, dtype=torch.float32)
+    delta = buffers.empty_strided(lse.shape, lse.stride(), dtype=torch.float32, device=device)
+    lse2 = buffers.empty_strided(lse.shape, lse.stride(), dtype=torch.float32, device=device)
     if grad_lse is not None:
         grad_lse = grad_lse.float()
     row_terms = dict(Out=out, GradLse=delta if grad_lse is None else grad_lse, Lse=lse, Lse2=lse2, Delta=delta)

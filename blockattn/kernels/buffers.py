@@ -12,3 +12,8 @@ def empty(*shape, dtype: torch.dtype, device) -> torch.Tensor:
 def empty_like(tensor: torch.Tensor) -> torch.Tensor:
     """torch.empty_like (strides kept for dense tensors); tests replace this too."""
     return torch.empty_like(tensor)
+
+
+def empty_strided(shape, stride, dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.empty_strided; tests replace this too."""
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
