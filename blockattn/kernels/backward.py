@@ -393,12 +393,17 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
                        token_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                        block_mask: Optional[torch.Tensor] = None, mask_block_q: int = 0, mask_block_kv: int = 0,
                        kv_valid: Optional[torch.Tensor] = None, varlen: Optional[Varlen] = None,
-                       dq_mode: Optional[str] = None):
+                       dq_mode: Optional[str] = None, needs: tuple = (True, True, True)):
     """Launch the backward: (dq, dk, dv) shaped (and strided) like (q, k, v), from the forward's out and lse
     (natural log).
 
     Lists, masks and varlen as in forward.attention_forward; q_count int32 [Bm, Hm, nk], q_index int32
-    [Bm, Hm, nk, L]. dq_mode: one of DQ_MODES or "auto", None for DQ_MODE_DEFAULT (see resolve_dq_mode)."""
+    [Bm, Hm, nk, L]. dq_mode: one of DQ_MODES or "auto", None for DQ_MODE_DEFAULT (see resolve_dq_mode).
+    needs: which of (dq, dk, dv) to compute. Without dq the dQ kernel does not run, without dk and dv the dK/dV
+    kernel does not (either side alone runs in mode "kernel"); what was not computed comes back None."""
+    need_dq, need_dkdv = needs[0], needs[1] or needs[2]
+    if not need_dq and not need_dkdv:
+        return None, None, None
     heads, kv_heads = q.shape[1], k.shape[1]
     packed = varlen is not None
     device = q.device
@@ -412,12 +417,15 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         grad_lse = grad_lse.float()
     row_terms = dict(Out=out, GradLse=delta if grad_lse is None else grad_lse, Lse=lse, Lse2=lse2, Delta=delta)
     dq_mode = resolve_dq_mode(dq_mode, attention_bwd_dkdv_kernel, device)
+    if not (need_dq and need_dkdv):
+        dq_mode = "kernel"  # one side alone: its own kernel, no atomics
     accumulate = dq_mode != "kernel"
-    if accumulate:  # (in mode "kernel" the dQ kernel computes the row terms: a launch fewer)
+    if accumulate or not need_dq:  # (else the dQ kernel computes the row terms: a launch fewer)
         launch.run(attention_bwd_preprocess_kernel, (heads, grad_lse is None), dict(row_terms, DO=grad_out),
                    lambda: _preprocess_spec(out, grad_out, grad_lse, delta, heads), fresh=_FRESH)
 
-    dq, dk, dv = (buffers.empty_like(t) for t in (q, k, v))
+    dq = buffers.empty_like(q) if need_dq else None
+    dk, dv = (buffers.empty_like(k), buffers.empty_like(v)) if need_dkdv else (None, None)
     if accumulate:
         # fp32 [B * H, Sq, BD] (a packed batch: [H, T, BD]); BD-wide rows keep a descriptor's strides aligned.
         block_d = head_dims(q, v)[2]
@@ -453,7 +461,7 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
             FP32_PRECISION=fp32_precision(q.dtype, attention_bwd_dq_kernel), IS_VARLEN=packed,
             SPLIT_WALK=forward.split_walk(is_causal, even_kv, token_mask, block_mask, kv_valid))
 
-    if not accumulate:
+    if need_dq and not accumulate:
         def build_dq() -> launch.LaunchSpec:
             static = common()
             block_d, block_dv, elt = static["BLOCK_D"], static["BLOCK_DV"], q.element_size()
@@ -496,6 +504,8 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
             tuning_key=TUNING_KEY + ("DQ_MODE",), static=static,
             pre_hook=tma.set_boxes if dq_desc is not None or q_tiles["TMA_LOADS"] else None,
             reset_to_zero=("DQ_ACC",) if accumulate else ())
+    if not need_dkdv:
+        return dq, None, None
     dkdv_tensors = dict(shared, Q_DESC=q, DO_DESC=grad_out, DK=dk, DV=dv, DQ_ACC=dq_acc4 if accumulate else delta,
                         Q_COUNT=q_count, Q_INDEX=q_index)
     if dq_mode == "tma":

@@ -7,6 +7,7 @@ longest lengths; otherwise they are None and 0.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -54,11 +55,20 @@ def backward_eager(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: T
                    block_kv: int, mask_block_q: int, mask_block_kv: int, is_causal: bool, max_seqlen_q: int,
                    max_seqlen_kv: int) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) shaped and strided like (q, k, v)."""
+    return backward_some((True, True, True), grad_out, grad_lse, q, k, v, out, lse, kv_count, kv_index, q_count,
+                         q_index, token_mask, block_mask, kv_valid, cu_seqlens_q, cu_seqlens_kv, scale, block_q,
+                         block_kv, mask_block_q, mask_block_kv, is_causal, max_seqlen_q, max_seqlen_kv)
+
+
+def backward_some(needs, grad_out, grad_lse, q, k, v, out, lse, kv_count, kv_index, q_count, q_index, token_mask,
+                  block_mask, kv_valid, cu_seqlens_q, cu_seqlens_kv, scale, block_q, block_kv, mask_block_q,
+                  mask_block_kv, is_causal, max_seqlen_q, max_seqlen_kv):
+    """backward_eager computing only the gradients needs (dq, dk, dv flags) asks for; the others are None."""
     return attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count, q_index, block_q, block_kv,
                               scale, grad_lse=grad_lse, token_mask=token_mask, is_causal=is_causal,
                               block_mask=block_mask, mask_block_q=mask_block_q, mask_block_kv=mask_block_kv,
                               kv_valid=kv_valid,
-                              varlen=_varlen(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv))
+                              varlen=_varlen(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv), needs=needs)
 
 
 sparse_attention_bwd = torch.library.custom_op("blockattn::sparse_attention_bwd", mutates_args=())(backward_eager)
@@ -114,4 +124,6 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        return _gradients(ctx, grad_out, grad_lse, backward_eager)
+        # Only the gradients autograd asks for: frozen keys and values skip the dK/dV kernel, a frozen query the
+        # dQ kernel.
+        return _gradients(ctx, grad_out, grad_lse, functools.partial(backward_some, tuple(ctx.needs_input_grad[:3])))
