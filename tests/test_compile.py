@@ -42,6 +42,7 @@ def test_opcheck_backward_op():
     bwd_args = (torch.randn_like(out), None, q, k, v, out, lse, kv_count, kv_index, q_count, q_index, None, None,
                 None, *args[10:])  # cu_seqlens (None, None) and the scalars
     torch.library.opcheck(ops.sparse_attention_bwd, bwd_args)
+    torch.library.opcheck(ops.sparse_attention_bwd, bwd_args, {"needs": [False, True, True]})
 
 
 class Block(torch.nn.Module):
@@ -71,6 +72,29 @@ def test_compiled_model_has_no_graph_break_and_matches_eager():
     assert torch.equal(out, eager)
     for got, want in zip((t.grad for t in leaves), eager_grads):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_compiled_frozen_keys_and_values_skip_the_dkdv_kernel(monkeypatch):
+    """Under torch.compile too, only the gradients autograd asks for are computed: with keys and values frozen the
+    dK/dV kernel never runs, and the query's gradient equals the eager one."""
+    from blockattn.kernels import backward, launch
+    q, k, v = qkv(1, 4, 70, 32, kv_heads=2, dtype=torch.float32, seed=4)
+    model = Block(blockattn.BlockSparsity.from_mask(random_keep(1, 4, 70, 70, (32, 16)), (32, 16), 70, 70))
+    q_eager = q.clone().requires_grad_(True)
+    model(q_eager, k, v).sum().backward()
+    launched = []
+    run = launch.run
+
+    def spy(kernel_fn, *args, **kwargs):
+        launched.append(kernel_fn)
+        return run(kernel_fn, *args, **kwargs)
+    monkeypatch.setattr(launch, "run", spy)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    q_compiled = q.clone().requires_grad_(True)
+    compiled(q_compiled, k, v).sum().backward()
+    torch.testing.assert_close(q_compiled.grad, q_eager.grad, rtol=0, atol=0)
+    assert backward.attention_bwd_dq_kernel in launched and backward.attention_bwd_dkdv_kernel not in launched
 
 
 def test_eager_autograd_bypasses_the_custom_op():

@@ -7,7 +7,6 @@ longest lengths; otherwise they are None and 0.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -53,17 +52,20 @@ def backward_eager(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: T
                    token_mask: Optional[Tensor], block_mask: Optional[Tensor], kv_valid: Optional[Tensor],
                    cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor], scale: float, block_q: int,
                    block_kv: int, mask_block_q: int, mask_block_kv: int, is_causal: bool, max_seqlen_q: int,
-                   max_seqlen_kv: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) shaped and strided like (q, k, v)."""
-    return backward_some((True, True, True), grad_out, grad_lse, q, k, v, out, lse, kv_count, kv_index, q_count,
-                         q_index, token_mask, block_mask, kv_valid, cu_seqlens_q, cu_seqlens_kv, scale, block_q,
-                         block_kv, mask_block_q, mask_block_kv, is_causal, max_seqlen_q, max_seqlen_kv)
+                   max_seqlen_kv: int, needs: Optional[list[bool]] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) shaped and strided like (q, k, v). needs: which of them to compute (default all); one not
+    needed comes back as zeros of its shape (the op's outputs are tensors; autograd drops them)."""
+    needs = (True, True, True) if needs is None else tuple(bool(n) for n in needs)
+    grads = backward_some(needs, grad_out, grad_lse, q, k, v, out, lse, kv_count, kv_index, q_count, q_index,
+                          token_mask, block_mask, kv_valid, cu_seqlens_q, cu_seqlens_kv, scale, block_q, block_kv,
+                          mask_block_q, mask_block_kv, is_causal, max_seqlen_q, max_seqlen_kv)
+    return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v)))
 
 
-def backward_some(needs, grad_out, grad_lse, q, k, v, out, lse, kv_count, kv_index, q_count, q_index, token_mask,
-                  block_mask, kv_valid, cu_seqlens_q, cu_seqlens_kv, scale, block_q, block_kv, mask_block_q,
-                  mask_block_kv, is_causal, max_seqlen_q, max_seqlen_kv):
-    """backward_eager computing only the gradients needs (dq, dk, dv flags) asks for; the others are None."""
+def backward_some(needs: tuple, grad_out, grad_lse, q, k, v, out, lse, kv_count, kv_index, q_count, q_index,
+                  token_mask, block_mask, kv_valid, cu_seqlens_q, cu_seqlens_kv, scale, block_q, block_kv,
+                  mask_block_q, mask_block_kv, is_causal, max_seqlen_q, max_seqlen_kv):
+    """The backward computing only the gradients needs (dq, dk, dv flags) asks for; the others are None."""
     return attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count, q_index, block_q, block_kv,
                               scale, grad_lse=grad_lse, token_mask=token_mask, is_causal=is_causal,
                               block_mask=block_mask, mask_block_q=mask_block_q, mask_block_kv=mask_block_kv,
@@ -77,7 +79,7 @@ sparse_attention_bwd = torch.library.custom_op("blockattn::sparse_attention_bwd"
 @sparse_attention_bwd.register_fake
 def _(grad_out, grad_lse, q, k, v, out, lse, kv_count, kv_index, q_count, q_index, token_mask, block_mask, kv_valid,
       cu_seqlens_q, cu_seqlens_kv, scale, block_q, block_kv, mask_block_q, mask_block_kv, is_causal, max_seqlen_q,
-      max_seqlen_kv):
+      max_seqlen_kv, needs=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -97,13 +99,21 @@ def _gradients(ctx, grad_out, grad_lse, backward_fn):
                            "call attention() with inputs that require grad")
     if grad_out is None:  # only the LSE was used
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = backward_fn(grad_out.contiguous(), grad_lse, q, k, v, out, lse, kv_count, kv_index, q_count,
-                             q_index, token_mask, block_mask, kv_valid, cu_q, cu_kv, *ctx.scalars)
-    return (dq, dk, dv) + (None,) * (_TENSOR_INPUTS - 3 + len(ctx.scalars))
+    # Only the gradients autograd asks for: frozen keys and values skip the dK/dV kernel, a frozen query the dQ
+    # kernel.
+    needs = tuple(ctx.needs_input_grad[:3])
+    grads = backward_fn(needs, grad_out.contiguous(), grad_lse, q, k, v, out, lse, kv_count, kv_index, q_count,
+                        q_index, token_mask, block_mask, kv_valid, cu_q, cu_kv, *ctx.scalars)
+    return tuple(g if need else None for g, need in zip(grads, needs)) + (None,) * (_TENSOR_INPUTS - 3
+                                                                                     + len(ctx.scalars))
+
+
+def _op_backward(needs: tuple, *args):
+    return sparse_attention_bwd(*args, needs=list(needs))
 
 
 def _backward(ctx, grad_out, grad_lse):
-    return _gradients(ctx, grad_out, grad_lse, sparse_attention_bwd)
+    return _gradients(ctx, grad_out, grad_lse, _op_backward)
 
 
 sparse_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -124,6 +134,4 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        # Only the gradients autograd asks for: frozen keys and values skip the dK/dV kernel, a frozen query the
-        # dQ kernel.
-        return _gradients(ctx, grad_out, grad_lse, functools.partial(backward_some, tuple(ctx.needs_input_grad[:3])))
+        return _gradients(ctx, grad_out, grad_lse, backward_some)
