@@ -35,8 +35,9 @@ def loss_of(out, lse, grad, lse_weight):
     return (out * grad).sum() + lse_weight * torch.where(torch.isfinite(lse), lse, 0).sum()
 
 
-def run(q, k, v, grad_seed=5, lse_weight=0.0, **kwargs):
-    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+def run(q, k, v, grad_seed=5, lse_weight=0.0, trainable="qkv", **kwargs):
+    """[out, lse, dq, dk, dv] of loss_of(); leaves not named in trainable are frozen (their gradient None)."""
+    leaves = [t.detach().clone().requires_grad_(name in trainable) for name, t in zip("qkv", (q, k, v))]
     out, lse = blockattn.attention(*leaves, return_lse=True, **kwargs)
     grad = torch.randn(out.shape, generator=make_generator(grad_seed), device=DEVICE).to(out.dtype)
     loss_of(out, lse, grad, lse_weight).backward()
@@ -79,6 +80,22 @@ def test_thd_matches_bhsd_sequence_by_sequence(poisoned, backend, is_causal):
                                            ("dv", got[4], leaves[2], keys)):
             torch.testing.assert_close(packed_grad[span], t.grad[0].permute(1, 0, 2), rtol=1e-4, atol=1e-5,
                                        msg=f"sequence {index} {name}")
+
+
+@pytest.mark.parametrize("trainable", ["q", "kv"])
+def test_thd_frozen_inputs_get_the_gradients_of_the_full_run(poisoned, trainable):
+    """A packed batch with the query or the keys and values frozen (the backward then skips a kernel): the
+    gradients it computes equal those of the run where everything trains."""
+    q, k, v, keep = packed()
+    kwargs = dict(blocks=keep, block_size=BLOCK, layout="thd", cu_seqlens_q=offsets(LENGTHS_Q),
+                  cu_seqlens_kv=offsets(LENGTHS_KV), is_causal=True, backend="triton", lse_weight=0.5)
+    full = run(q, k, v, **kwargs)
+    some = run(q, k, v, trainable=trainable, **kwargs)
+    for name, got, want in zip("qkv", some[2:], full[2:]):
+        if name in trainable:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"d{name}")
+        else:
+            assert got is None, f"frozen {name} got a gradient"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
