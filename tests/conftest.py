@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import blockattn  # noqa: E402
-from blockattn.kernels import buffers, tma  # noqa: E402
+from blockattn.kernels import autotune, buffers, tma  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
@@ -144,6 +144,16 @@ def check_against_oracle(out, lse, q, k, v, visible, *, scale=None, is_causal=Fa
     assert err <= factor * baseline + floor, f"error {err:.3e} vs dense SDPA's {baseline:.3e} (factor {factor})"
     lse_err = (lse[rows].double() - want_lse[rows]).abs().max().item()
     assert lse_err <= 1e-3 * max(1.0, want_lse[rows].abs().max().item()), f"LSE off by {lse_err:.3e}"
+
+
+@pytest.fixture(autouse=True)
+def one_tile_per_kernel(request, monkeypatch):
+    """Each kernel launches its first candidate tile that nests and fits, without benchmarking (the interpreter
+    does this anyway): on a GPU the autotuner would compile four or five tiles per kernel variant, most of a cold
+    suite's time. tests/test_tiles.py runs every candidate against the oracle; tests marked `autotuned` keep the
+    autotuner."""
+    if request.node.get_closest_marker("autotuned") is None:
+        monkeypatch.setattr(autotune, "_MAX_TUNED", dict.fromkeys(autotune._MAX_TUNED, 1))
 
 
 @pytest.fixture(autouse=True)

@@ -164,6 +164,7 @@ def test_the_plan_table_is_bounded(fakes, monkeypatch):
     assert len(launch.plans()) <= 2
 
 
+@pytest.mark.autotuned  # on a GPU also the tuner's path: pre-hooks and zeroed accumulators while benchmarking
 @pytest.mark.parametrize("dq_mode", ["kernel", "atomic"])
 def test_repeated_calls_with_fresh_tensors_stay_exact(geometry, poisoned, monkeypatch, dq_mode):
     """The same shapes three times with new data (relaunches on a GPU), then a token mask (a new plan): outputs and

@@ -1,0 +1,64 @@
+"""Every candidate tile of every kernel, pinned one at a time, against the fp64 oracle, forward and backward. The
+rest of the suite runs each kernel's first candidate (conftest.one_tile_per_kernel), and the autotuner may choose
+any of them, so each has to be right on its own: ragged length, GQA, a query block that sees nothing."""
+
+import pytest
+import torch
+
+import blockattn
+from blockattn.kernels import autotune, launch
+from conftest import ON_GPU, check_against_oracle, expand, oracle, qkv, random_keep, rel_error
+
+BLOCK = (128, 128) if ON_GPU else (64, 64)
+SEQ, HEADS, DIM = (1000, 4, 64) if ON_GPU else (250, 2, 32)
+
+
+def candidates():
+    """(kernel, tile) for every default candidate that nests in BLOCK; under the interpreter, which ignores warps
+    and stages, one per tile shape."""
+    cases, seen = [], set()
+    for kernel in ("FWD", "BWD_DQ", "BWD_DKDV"):
+        for tile in autotune._DEFAULTS[kernel]:
+            block_m, block_n = tile[:2]
+            if BLOCK[0] % block_m or BLOCK[1] % block_n or (not ON_GPU and (kernel, block_m, block_n) in seen):
+                continue
+            seen.add((kernel, block_m, block_n))
+            cases.append(pytest.param(kernel, tile, id=f"{kernel}-{block_m}x{block_n}-w{tile[2]}-s{tile[3]}"))
+    return cases
+
+
+KERNEL_NAMES = {"FWD": "attention_fwd_kernel", "BWD_DQ": "attention_bwd_dq_kernel",
+                "BWD_DKDV": "attention_bwd_dkdv_kernel"}
+
+
+@pytest.mark.parametrize("kernel, tile", candidates())
+def test_every_candidate_tile_matches_the_oracle(poisoned, monkeypatch, kernel, tile):
+    for field, value in zip(("BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES"), tile):
+        monkeypatch.setenv(f"BLOCKATTN_{kernel}_{field}", str(value))
+    monkeypatch.setattr(launch, "_PLANS", {})
+    ran = []
+    launch_fn = autotune.launch
+
+    def record(kernel_fn, *args, **kwargs):
+        compiled, config = launch_fn(kernel_fn, *args, **kwargs)
+        if kernel_fn.__name__ == KERNEL_NAMES[kernel]:
+            ran.append((*(config.kwargs[name] for name in ("BLOCK_M", "BLOCK_N")), config.num_warps,
+                        config.num_stages))
+        return compiled, config
+    monkeypatch.setattr(autotune, "launch", record)
+    q, k, v = qkv(1, HEADS, SEQ, DIM, kv_heads=HEADS // 2, seed=31)
+    keep = random_keep(1, HEADS, SEQ, SEQ, BLOCK)
+    keep[..., 2, :] = False
+    visible = expand(keep, BLOCK, SEQ, SEQ)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out, lse = blockattn.attention(*leaves, keep, BLOCK, return_lse=True, backend="triton")
+    group = HEADS // (HEADS // 2)
+    check_against_oracle(out.detach(), lse.detach(), q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                         visible)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves, grad)
+    want = torch.autograd.grad(oracle(*leaves, visible)[0], leaves, grad.double())
+    for name, g, w in zip("qkv", got, want):
+        assert torch.isfinite(g).all(), f"d{name} not finite"
+        assert rel_error(g, w) < 2e-2, f"d{name} off the oracle: {rel_error(g, w):.3e}"
+    assert ran == [tuple(tile)], f"{kernel} ran {ran}, not the pinned tile"
