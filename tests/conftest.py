@@ -164,6 +164,20 @@ def descriptors_at_every_size(monkeypatch):
 
 
 @pytest.fixture
+def launched_kernels(monkeypatch) -> list:
+    """The kernels the launchers launch from here on, in order (launch.run observed)."""
+    from blockattn.kernels import launch
+    launched = []
+    run = launch.run
+
+    def spy(kernel_fn, *args, **kwargs):
+        launched.append(kernel_fn)
+        return run(kernel_fn, *args, **kwargs)
+    monkeypatch.setattr(launch, "run", spy)
+    return launched
+
+
+@pytest.fixture
 def poisoned(monkeypatch):
     """The launchers' outputs (and the backward's row terms) start as NaN, so an element a kernel never wrote
     shows up."""
