@@ -178,6 +178,23 @@ def launched_kernels(monkeypatch) -> list:
 
 
 @pytest.fixture
+def tuner_launches(monkeypatch) -> list:
+    """(kernel, keyword arguments, config run) of every launch through autotune.launch from here on: with the plan
+    table emptied first, each kernel's first launch (on a GPU later ones relaunch a plan instead)."""
+    from blockattn.kernels import launch
+    monkeypatch.setattr(launch, "_PLANS", {})
+    launches = []
+    launch_fn = autotune.launch
+
+    def record(kernel_fn, *args, **kwargs):
+        compiled, config = launch_fn(kernel_fn, *args, **kwargs)
+        launches.append((kernel_fn, kwargs, config))
+        return compiled, config
+    monkeypatch.setattr(autotune, "launch", record)
+    return launches
+
+
+@pytest.fixture
 def poisoned(monkeypatch):
     """The launchers' outputs (and the backward's row terms) start as NaN, so an element a kernel never wrote
     shows up."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import blockattn
-from blockattn.kernels import autotune, backward, forward, launch, tma
+from blockattn.kernels import backward, forward, launch, tma
 from conftest import DEVICE, ON_GPU, assert_one_ulp, check_against_oracle, expand, qkv, random_keep
 
 # (seq_q, seq_kv, head dim, query heads, kv heads, causal): ragged tails, a head dim under its padded width (40 ->
@@ -66,49 +66,43 @@ def test_the_descriptor_path_is_taken_where_available(monkeypatch):
     assert tma.tile_args(forward.attention_fwd_kernel, False, 1, K_DESC=k, V_DESC=v) == pointers
 
 
+def record_tile_args(monkeypatch) -> list:
+    """(kernel, work, use) of every tma.tile_args call from here on (a launcher calls it on a plan miss; the plan
+    table is emptied first)."""
+    monkeypatch.setattr(launch, "_PLANS", {})
+    calls = []
+    tile_args = tma.tile_args
+
+    def spy(kernel_fn, packed, work, use=True, **tensors):
+        calls.append((kernel_fn, work, use))
+        return tile_args(kernel_fn, packed, work, use=use, **tensors)
+    monkeypatch.setattr(tma, "tile_args", spy)
+    return calls
+
+
 @pytest.mark.parametrize("seq, expected", [(64, False), (128, True)])
-def test_small_calls_keep_pointer_loads(monkeypatch, seq, expected):
+def test_small_calls_keep_pointer_loads(monkeypatch, tuner_launches, seq, expected):
     """Below tma.MIN_DESCRIPTOR_WORK (B * Hq * Sq * Sk * D) a call is host-bound and Triton re-encodes descriptors
     on every launch: the launchers ask for pointer loads there, at or above it for descriptors."""
     q, k, v = (t.requires_grad_(True) for t in qkv(1, 2, seq, 32))
     monkeypatch.setattr(tma, "MIN_DESCRIPTOR_WORK", 1 * 2 * 128 * 128 * 32)
-    monkeypatch.setattr(launch, "_PLANS", {})
-    works = []
-    tile_args = tma.tile_args
-
-    def spy(kernel_fn, packed, work, use=True, **tensors):
-        works.append(work)
-        return tile_args(kernel_fn, packed, work, use=use, **tensors)
-    monkeypatch.setattr(tma, "tile_args", spy)
-    taken = []
-    launch_fn = autotune.launch
-
-    def record(kernel_fn, grid, configs, key, reset_to_zero=(), pre_hook=None, **kwargs):
-        taken.append(kwargs["TMA_LOADS"])
-        return launch_fn(kernel_fn, grid, configs, key, reset_to_zero, pre_hook, **kwargs)
-    monkeypatch.setattr(autotune, "launch", record)
+    calls = record_tile_args(monkeypatch)
     blockattn.attention(q, k, v, None, (64, 64), backend="triton").sum().backward()
-    assert works == [1 * 2 * seq * seq * 32] * 3, "forward, dQ and dK/dV kernels"
+    assert [work for _, work, _ in calls] == [1 * 2 * seq * seq * 32] * 3, "forward, dQ and dK/dV kernels"
     available = tma.available(forward.attention_fwd_kernel, q.device)
-    assert taken == [expected and available] * 3
+    assert [kwargs["TMA_LOADS"] for _, kwargs, _ in tuner_launches] == [expected and available] * 3
 
 
 @pytest.mark.parametrize("dq_mode, expected", [("kernel", True), ("atomic", False)])
 def test_dkdv_descriptors_only_without_dq_atomics(monkeypatch, dq_mode, expected):
     """The dK/dV kernel asks for Q/dO descriptors in dQ mode "kernel" only: beside the atomics they spilled
     registers and measured slower on the H200 (tma.DKDV_TMA_LOADS)."""
-    asked = {}
-    tile_args = tma.tile_args
-
-    def spy(kernel_fn, packed, work, use=True, **tensors):
-        asked[kernel_fn] = use
-        return tile_args(kernel_fn, packed, work, use=use, **tensors)
-    monkeypatch.setattr(tma, "tile_args", spy)
-    monkeypatch.setattr(launch, "_PLANS", {})  # launchers build their arguments on a plan miss only
+    calls = record_tile_args(monkeypatch)
     monkeypatch.setattr(backward, "DQ_MODE_DEFAULT", dq_mode)
     q, k, v = (t.requires_grad_(True) for t in qkv(1, 2, 128, 32))
     keep = random_keep(1, 2, 128, 128, (64, 64))
     blockattn.attention(q, k, v, keep, (64, 64), backend="triton").sum().backward()
+    asked = {kernel_fn: use for kernel_fn, _, use in calls}
     assert asked[backward.attention_bwd_dkdv_kernel] is expected
 
 
