@@ -16,8 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from .api import attention
-from .masks import _difference_range
-from .sparsity import BlockSparsity, build_lists
+from .sparsity import BlockSparsity, _difference_range, build_lists
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -23,21 +23,7 @@ from typing import Sequence
 
 import torch
 
-from .sparsity import BlockSparsity, check_block_size, _check_seq
-
-
-def _spans(seq: int, block: int, device):
-    """First and last token index of each block: two int64 [n] tensors."""
-    first = torch.arange(0, seq, block, device=device)
-    return first, torch.clamp(first + block, max=seq) - 1
-
-
-def _difference_range(seq_q: int, seq_kv: int, block_size, device):
-    """For every block pair, the smallest and largest i - j over its token rectangle: two [nq, nk] tensors."""
-    block_q, block_kv = check_block_size(block_size)
-    q_first, q_last = _spans(_check_seq("seq_q", seq_q), block_q, device)
-    k_first, k_last = _spans(_check_seq("seq_kv", seq_kv), block_kv, device)
-    return q_first[:, None] - k_last[None, :], q_last[:, None] - k_first[None, :]
+from .sparsity import BlockSparsity, _check_seq, _difference_range, _spans, check_block_size
 
 
 def _wrap(keep: torch.Tensor, block_size, seq_q: int, seq_kv: int) -> BlockSparsity:

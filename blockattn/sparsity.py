@@ -36,6 +36,20 @@ def _check_seq(name: str, value) -> int:
     return value
 
 
+def _spans(seq: int, block: int, device):
+    """First and last token index of each block: two int64 [n] tensors."""
+    first = torch.arange(0, seq, block, device=device)
+    return first, torch.clamp(first + block, max=seq) - 1
+
+
+def _difference_range(seq_q: int, seq_kv: int, block_size, device):
+    """For every block pair, the smallest and largest i - j over its token rectangle: two [nq, nk] tensors."""
+    block_q, block_kv = check_block_size(block_size)
+    q_first, q_last = _spans(_check_seq("seq_q", seq_q), block_q, device)
+    k_first, k_last = _spans(_check_seq("seq_kv", seq_kv), block_kv, device)
+    return q_first[:, None] - k_last[None, :], q_last[:, None] - k_first[None, :]
+
+
 def build_lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Count and ascending indices of the kept columns of each row.
 
@@ -176,13 +190,8 @@ class BlockSparsity:
         """The same mask without the blocks that lie wholly above the diagonal (key > query for every pair,
         top-left aligned). Blocks crossing the diagonal stay; the kernels resolve them per element."""
         if "causal" not in self._cache:
-            nq, nk = self.num_blocks
-            block_q, block_kv = self.block_size
-            device = self.device
-            last_row = torch.clamp(torch.arange(1, nq + 1, device=device) * block_q, max=self.seq_q) - 1
-            first_key = torch.arange(nk, device=device) * block_kv
-            reachable = first_key[None, :] <= last_row[:, None]
-            keep = self.mask & reachable
+            _, largest = _difference_range(self.seq_q, self.seq_kv, self.block_size, self.device)  # query - key
+            keep = self.mask & (largest >= 0)
             count, index = build_lists(keep)
             self._cache["causal"] = BlockSparsity(count, index, self.block_size, self.seq_q, self.seq_kv, _mask=keep)
         return self._cache["causal"]
@@ -201,8 +210,7 @@ class BlockSparsity:
             table = torch.nn.functional.pad(keep.cumsum(-2).cumsum(-1), (1, 0, 1, 0))
 
             def block_span(seq, tile, block):
-                starts = torch.arange(0, seq, tile, device=device)
-                ends = torch.clamp(starts + tile, max=seq) - 1
+                starts, ends = _spans(seq, tile, device)
                 return starts // block, ends // block + 1
 
             q_lo, q_hi = block_span(self.seq_q, tile_q, block_q)
