@@ -445,7 +445,7 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         """The keyword arguments both kernels take beside their tensors (built on a plan miss only)."""
         head_dim, head_dim_v, block_d, block_dv = head_dims(q, v)
         gather = block_mask is not None
-        even_kv = seq_kv % block_kv == 0 and not packed
+        even_kv = forward.whole_blocks(seq_kv, block_kv, packed)
         return dict(
             scale_log2=scale * LOG2E, scale=scale, seq_q=seq_q, seq_kv=seq_kv, group_size=heads // kv_heads,
             mask_block_q=mask_block_q if gather else block_q, mask_block_kv=mask_block_kv if gather else block_kv,
@@ -455,7 +455,7 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
             **stride_args("t", token_mask, "bhqk"), **stride_args("m", block_mask, "bhq"),
             stride_vvb=strides(kv_valid, 1)[0],
             BLOCK_Q=block_q, BLOCK_KV=block_kv, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d,
-            BLOCK_DV=block_dv, EVEN_Q=seq_q % block_q == 0 and not packed,
+            BLOCK_DV=block_dv, EVEN_Q=forward.whole_blocks(seq_q, block_q, packed),
             EVEN_KV=even_kv, IS_CAUSAL=bool(is_causal),
             HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather, HAS_KV_VALID=kv_valid is not None,
             FP32_PRECISION=fp32_precision(q.dtype, attention_bwd_dq_kernel), IS_VARLEN=packed,

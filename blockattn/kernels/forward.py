@@ -20,6 +20,12 @@ LOG2E = 1.4426950408889634
 SPLIT_WALKS = True
 
 
+def whole_blocks(seq: int, block: int, packed: bool) -> bool:
+    """The kernels' EVEN_Q / EVEN_KV flag: every tile of a listed block lies inside the sequence (a padded batch
+    whose length is a multiple of the block; a packed batch's sequences end anywhere)."""
+    return seq % block == 0 and not packed
+
+
 def split_walk(is_causal: bool, even_kv: bool, token_mask, block_mask, kv_valid) -> bool:
     """The kernels' SPLIT_WALK flag: SPLIT_WALKS is on and the only element tests are the causal diagonal and
     the sequence's end (a ragged or packed last key block)."""
@@ -253,7 +259,7 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
                                                                                             k.shape[2])
         head_dim, head_dim_v, block_d, block_dv = head_dims(q, v)
         gather = block_mask is not None
-        even_kv = seq_kv % block_kv == 0 and not packed
+        even_kv = whole_blocks(seq_kv, block_kv, packed)
         elt = q.element_size()
         configs = autotune.nesting(
             "FWD", block_q, block_kv,
