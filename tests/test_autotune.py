@@ -158,3 +158,72 @@ def test_a_tuned_choice_is_remembered_in_memory_and_on_disk(monkeypatch, tmp_pat
     monkeypatch.setattr(autotune, "DISK_CACHE", False)
     launch(1)
     assert len(benchmarked) == 3, "without the disk cache a new process tunes again"
+
+
+class TooTallKernelFn(FakeKernelFn):
+    """Raises OutOfResources for tiles taller than max_block_m, as Triton does on a too-large kernel before it
+    launches anything."""
+
+    def __init__(self, max_block_m):
+        super().__init__()
+        self.max_block_m, self.refused = max_block_m, []
+
+    def __getitem__(self, grid):
+        def run(**meta):
+            if meta["BLOCK_M"] > self.max_block_m:
+                self.refused.append(meta["BLOCK_M"])
+                raise autotune.OutOfResources(300_000, 232_448, "shared memory")
+            self.launched.append((grid, meta))
+            return "compiled"
+        return run
+
+
+def default_lists(monkeypatch):
+    for name in autotune.env_names("FWD"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_a_candidate_that_does_not_fit_gives_way_to_the_next(monkeypatch):
+    """Untuned (one tile per kernel, as the tests and a pinned list run): the first candidate that fits runs."""
+    default_lists(monkeypatch)
+    monkeypatch.setattr(autotune, "is_interpreted", lambda fn: False)
+    configs = autotune.nesting("FWD", 128, 128, no_smem, no_smem)
+    assert configs.tuned == 1 and len(configs) > 1, "the rest of the candidates stand by"
+    fn = TooTallKernelFn(max_block_m=64)
+    kernel, config = autotune.launch(fn, lambda meta: (1,), configs, ("A",), A=1)
+    first_fit = next(c for c in configs if c.kwargs["BLOCK_M"] <= 64)
+    assert kernel == "compiled" and config is first_fit
+    assert fn.refused == [128] * configs.index(first_fit) and len(fn.launched) == 1
+
+
+def test_tuned_candidates_that_all_overflow_fall_back_to_the_spares(monkeypatch):
+    monkeypatch.setattr(autotune, "is_interpreted", lambda fn: False)
+    monkeypatch.setattr(autotune, "_CHOICES", {})
+    monkeypatch.setattr(autotune, "DISK_CACHE", False)
+    tall, short = (autotune.triton.Config({"BLOCK_M": m}, num_warps=w) for m, w in ((128, 8), (64, 4)))
+    configs = autotune.Candidates("FWD", [tall, autotune.triton.Config({"BLOCK_M": 128}, num_warps=4), short])
+    configs.tuned = 2
+    tuned = []
+
+    class OverflowingTuner:
+        def __getitem__(self, grid):
+            def run(**kwargs):
+                tuned.append(kwargs)
+                raise autotune.OutOfResources(300_000, 232_448, "shared memory")
+            return run
+    monkeypatch.setattr(autotune, "_tuner", lambda kernel_fn, candidates, key, reset: OverflowingTuner()
+                        if len(candidates) == 2 else pytest.fail(f"benchmarked {len(candidates)} configs, not 2"))
+    fn = TooTallKernelFn(max_block_m=64)
+    for _ in range(2):
+        kernel, config = autotune.launch(fn, lambda meta: (1,), configs, ("A",), A=1)
+        assert kernel == "compiled" and config is short
+    assert len(tuned) == 1, "the fallback is remembered"
+
+
+def test_no_candidate_fitting_names_the_variables(monkeypatch):
+    default_lists(monkeypatch)
+    monkeypatch.setattr(autotune, "is_interpreted", lambda fn: False)
+    configs = autotune.nesting("FWD", 128, 128, no_smem, no_smem)
+    with pytest.raises(autotune.OutOfResources) as caught:
+        autotune.launch(TooTallKernelFn(max_block_m=0), lambda meta: (1,), configs, ("A",), A=1)
+    assert any("BLOCKATTN_FWD_BLOCK_M" in note for note in getattr(caught.value, "__notes__", []))

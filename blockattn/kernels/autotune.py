@@ -13,7 +13,8 @@ Environment variables (this is the one place they are documented; they are read 
 ``{KERNEL}`` is ``FWD`` (forward), ``BWD_DQ`` (dQ) or ``BWD_DKDV`` (dK/dV). Setting any of the four replaces the
 built-in candidate list by the product of the four lists (unset ones keep their defaults: 64,128 / 32,64,128 / 4,8
 / 2,3), and every candidate of that product that nests is benchmarked; without them, the first four built-in
-candidates that nest and fit shared memory are (five for ``FWD``). Every candidate must nest in the block: its
+candidates that nest and fit shared memory are (five for ``FWD``; the rest stand by, tried in order, in case none
+of those compiles within the GPU's shared memory). Every candidate must nest in the block: its
 tile height divides ``block_q`` and its tile width divides ``block_kv``; candidates that do not are dropped, and
 if none is left a ValueError names these variables. Setting one value for each pins the autotuner to one tile
 (tests do this for bitwise comparisons). Under ``TRITON_INTERPRET=1`` the first candidate that nests runs, without
@@ -28,6 +29,7 @@ import os
 from typing import Optional
 
 import triton
+from triton.runtime.errors import OutOfResources
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages), best first. Of those that nest and fit, the first _MAX_TUNED[kernel]
@@ -85,7 +87,8 @@ _NESTING_CACHE: dict = {}
 
 def nesting(kernel: str, block_m_of: int, block_n_of: int, smem_per_stage, fixed_smem,
             cache_key: Optional[tuple] = None) -> list[triton.Config]:
-    """Candidates whose tile nests in the block (BLOCK_M | block_m_of, BLOCK_N | block_n_of) and fits shared memory.
+    """Candidates whose tile nests in the block (BLOCK_M | block_m_of, BLOCK_N | block_n_of) and fits shared memory,
+    the first _MAX_TUNED[kernel] of them to be benchmarked (all of them when the environment overrides the list).
 
     smem_per_stage(BLOCK_M, BLOCK_N) and fixed_smem(BLOCK_M, BLOCK_N) estimate the bytes a config plans for.
     cache_key: whatever else the two estimates depend on; given it, the list is memoized (with the environment
@@ -95,7 +98,7 @@ def nesting(kernel: str, block_m_of: int, block_n_of: int, smem_per_stage, fixed
         if key not in _NESTING_CACHE:
             _NESTING_CACHE[key] = nesting(kernel, block_m_of, block_n_of, smem_per_stage, fixed_smem)
         return _NESTING_CACHE[key]
-    kept = []
+    kept = Candidates(kernel)
     overridden = any(name in os.environ for name in env_names(kernel))
     for block_m, block_n, warps, stages in candidates(kernel):
         if block_m_of % block_m or block_n_of % block_n or block_m < 16 or block_n < 16:
@@ -111,7 +114,18 @@ def nesting(kernel: str, block_m_of: int, block_n_of: int, smem_per_stage, fixed
             f"no {kernel} tile candidate nests in the block {block_m_of}x{block_n_of} (tile sides must divide the "
             f"block sides and be at least 16) within shared memory; candidates {candidates(kernel)}; adjust "
             f"{', '.join(env_names(kernel))}")
-    return kept if overridden else kept[:_MAX_TUNED[kernel]]
+    kept.tuned = len(kept) if overridden else min(len(kept), _MAX_TUNED[kernel])
+    return kept
+
+
+class Candidates(list):
+    """A kernel's tile configs, best first: the first `tuned` are benchmarked; the rest stand by for when none of
+    those compiles within the GPU's resources (the shared-memory estimate is a lower bound: an fp32 kernel's
+    layout conversions, for one, take more)."""
+
+    def __init__(self, kernel: str, configs=()):
+        super().__init__(configs)
+        self.kernel, self.tuned = kernel, len(self)
 
 
 # Compile options every launch passes. Fused multiply-adds are pinned on: the kernels' score step `s * c - m` is
@@ -183,13 +197,19 @@ def launch(kernel_fn, grid, configs: list[triton.Config], key: tuple, reset_to_z
     interpreter; the config it ran). The best is benchmarked through triton.autotune the first time a tuning key
     (the values of the arguments named in key, and the arguments' dtypes) is seen, then remembered in memory and on
     disk (DISK_CACHE); a single config, a remembered choice and the interpreter (which takes the first) launch
-    directly. reset_to_zero names the arguments a kernel accumulates into, zeroed before each benchmarked run;
-    pre_hook(arguments with the config's values) runs before every launch of a config (host tensor descriptors
-    take their block shape there)."""
+    directly. configs from nesting() (a Candidates list) benchmark only their first `tuned`; the rest are tried in
+    order, directly, if none of those fits the GPU's shared memory. reset_to_zero names the arguments a kernel
+    accumulates into, zeroed before each benchmarked run; pre_hook(arguments with the config's values) runs before
+    every launch of a config (host tensor descriptors take their block shape there)."""
     kwargs.update(COMPILE_OPTIONS)  # the interpreter drops them
     interpreted = is_interpreted(kernel_fn)
-    if interpreted or len(configs) == 1:
+    if interpreted:
         return _launch_config(kernel_fn, grid, configs[0], pre_hook, kwargs, interpreted)
+    tuned, name = getattr(configs, "tuned", len(configs)), getattr(configs, "kernel", None)
+    if tuned == 1:
+        return _first_that_fits(kernel_fn, grid, configs, pre_hook, kwargs, name)
+    spare = configs[tuned:]
+    configs = configs[:tuned]
     candidates = _HashableConfigs(configs)
     choice_key = (kernel_fn, candidates, tuple(kwargs.get(name) for name in key),
                   tuple(str(value.dtype) for value in kwargs.values() if hasattr(value, "dtype")))
@@ -203,13 +223,35 @@ def launch(kernel_fn, grid, configs: list[triton.Config], key: tuple, reset_to_z
         candidates = _HashableConfigs(triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages,
                                                     pre_hook=pre_hook) for c in configs)
     tuner = _tuner(kernel_fn, candidates, key, tuple(reset_to_zero))
-    kernel = tuner[grid](**kwargs)
-    best = _config_key(tuner.best_config)
-    config = next(c for c in configs if _config_key(c) == best)
+    try:
+        kernel = tuner[grid](**kwargs)  # the tuner times a config that does not fit as infinitely slow
+        best = _config_key(tuner.best_config)
+        config = next(c for c in configs if _config_key(c) == best)
+    except OutOfResources:  # none of them fit
+        if not spare:
+            raise
+        kernel, config = _first_that_fits(kernel_fn, grid, spare, pre_hook, kwargs, name)
     _CHOICES[choice_key] = config
     if DISK_CACHE:
         _write_choice(choice_key, config)
     return kernel, config
+
+
+def _first_that_fits(kernel_fn, grid, configs: list, pre_hook, kwargs: dict, kernel: Optional[str]):
+    """Launch the first of configs whose compiled kernel fits the GPU's resources (Triton checks before it
+    launches anything); if none does, the last one's OutOfResources, with kernel's overriding variables named."""
+    for config in configs[:-1]:
+        try:
+            return _launch_config(kernel_fn, grid, config, pre_hook, kwargs, False)
+        except OutOfResources:
+            continue
+    try:
+        return _launch_config(kernel_fn, grid, configs[-1], pre_hook, kwargs, False)
+    except OutOfResources as error:
+        if kernel is not None:
+            error.add_note(f"blockattn: no {kernel} tile candidate fits; {', '.join(env_names(kernel))} choose "
+                           f"others (tried {[str(c) for c in configs]})")
+        raise
 
 
 def _launch_config(kernel_fn, grid, config: triton.Config, pre_hook, kwargs: dict, interpreted: bool):
