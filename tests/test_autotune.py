@@ -65,6 +65,17 @@ def test_shared_memory_budget_drops_oversized_tiles(monkeypatch):
     assert [c.kwargs["BLOCK_N"] for c in kept] == [64]
 
 
+def test_unpipelined_products_count_two_buffers_whatever_the_stages(monkeypatch):
+    """fp32 D=256 (IEEE products on the FMA units): a 64x64 tile with 2 stages plans 2 x 128 KiB of key-side tiles
+    + 64 KiB of Q, which does not fit (Triton 3.6 compiles it to 262 KB), though one pipelined buffer would."""
+    set_lists(monkeypatch, m="64", n="32,64", stages="2")
+    estimates = dict(smem_per_stage=lambda bm, bn: bn * 512 * 4, fixed_smem=lambda bm, bn: bm * 256 * 4)
+    pipelined = autotune.nesting("FWD", 128, 64, **estimates)
+    unpipelined = autotune.nesting("FWD", 128, 64, **estimates, pipelined=False)
+    assert [c.kwargs["BLOCK_N"] for c in pipelined] == [32, 64]
+    assert [c.kwargs["BLOCK_N"] for c in unpipelined] == [32]
+
+
 def test_memoized_lists_follow_the_environment(monkeypatch):
     set_lists(monkeypatch, m="64")
     first = autotune.nesting("FWD", 128, 64, no_smem, no_smem, cache_key=("test",))

@@ -96,17 +96,19 @@ _NESTING_CACHE: dict = {}
 
 
 def nesting(kernel: str, block_m_of: int, block_n_of: int, smem_per_stage, fixed_smem,
-            cache_key: Optional[tuple] = None) -> list[triton.Config]:
+            cache_key: Optional[tuple] = None, pipelined: bool = True) -> list[triton.Config]:
     """Candidates whose tile nests in the block (BLOCK_M | block_m_of, BLOCK_N | block_n_of) and fits shared memory,
     the first _MAX_TUNED[kernel] of them to be benchmarked (all of them when the environment overrides the list).
 
     smem_per_stage(BLOCK_M, BLOCK_N) and fixed_smem(BLOCK_M, BLOCK_N) estimate the bytes a config plans for.
-    cache_key: whatever else the two estimates depend on; given it, the list is memoized (with the environment
+    pipelined: False when the kernel's products run on the FMA units (fp32 inputs multiplied in IEEE fp32), where
+    Triton keeps two buffers per loop load whatever num_stages says. cache_key: whatever else the two estimates depend on; given it, the list is memoized (with the environment
     variables' current values in the key, so changing them still takes effect), sparing short calls the work."""
     if cache_key is not None:
-        key = (kernel, block_m_of, block_n_of, cache_key, env_key(kernel), _MAX_TUNED[kernel])
+        key = (kernel, block_m_of, block_n_of, cache_key, pipelined, env_key(kernel), _MAX_TUNED[kernel])
         if key not in _NESTING_CACHE:
-            _NESTING_CACHE[key] = nesting(kernel, block_m_of, block_n_of, smem_per_stage, fixed_smem)
+            _NESTING_CACHE[key] = nesting(kernel, block_m_of, block_n_of, smem_per_stage, fixed_smem,
+                                          pipelined=pipelined)
         return _NESTING_CACHE[key]
     kept = Candidates(kernel)
     overridden = any(name in os.environ for name in env_names(kernel))
@@ -114,9 +116,11 @@ def nesting(kernel: str, block_m_of: int, block_n_of: int, smem_per_stage, fixed
         if block_m_of % block_m or block_n_of % block_n or block_m < 16 or block_n < 16:
             continue
         # Triton's pipeliner allocates stages - 1 buffers per loop load (the stripped forward with 128x64 tiles,
-        # 3 stages and D=256 runs, which 3 buffers would not fit); configs that still overflow fail in the
-        # autotuner and are skipped there.
-        if max(stages - 1, 1) * smem_per_stage(block_m, block_n) + fixed_smem(block_m, block_n) > _SMEM_BUDGET:
+        # 3 stages and D=256 runs, which 3 buffers would not fit). Unpipelined FMA products hold two (Triton 3.6's
+        # sm_90 metadata.shared: the fp32 D=256 dQ and dK/dV kernels exactly, the forward 1.5). Configs that still
+        # overflow give way to the next (launch).
+        buffers = max(stages - 1, 1) if pipelined else 2
+        if buffers * smem_per_stage(block_m, block_n) + fixed_smem(block_m, block_n) > _SMEM_BUDGET:
             continue
         kept.append(triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages))
     if not kept:

@@ -468,7 +468,8 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
             configs = autotune.nesting(
                 "BWD_DQ", block_q, block_kv,
                 smem_per_stage=lambda bm, bn: bn * (block_d + block_dv) * elt,
-                fixed_smem=lambda bm, bn: bm * (block_d + block_dv) * elt, cache_key=(block_d, block_dv, elt))
+                fixed_smem=lambda bm, bn: bm * (block_d + block_dv) * elt, cache_key=(block_d, block_dv, elt),
+                pipelined=static["FP32_PRECISION"] != "ieee")
             kv_tiles = tma.tile_args(attention_bwd_dq_kernel, packed, work, K_DESC=k, V_DESC=v)
             static.update(kv_tiles, num_heads=heads, HAS_GRAD_LSE=grad_lse is not None,
                           **stride_args("dq", dq, "bhsd"), **stride_args("o", out, "bhsd"),
@@ -489,7 +490,7 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
             "BWD_DKDV", block_q, block_kv,
             smem_per_stage=lambda bm, bn: bm * (block_d + block_dv) * elt,
             fixed_smem=lambda bm, bn: bn * (block_d + block_dv) * elt + (bm * block_d * 4 if dq_mode == "tma" else 0),
-            cache_key=(block_d, block_dv, elt, dq_mode))
+            cache_key=(block_d, block_dv, elt, dq_mode), pipelined=static["FP32_PRECISION"] != "ieee")
         q_tiles = tma.tile_args(attention_bwd_dkdv_kernel, packed, work,
                                 use=tma.DKDV_TMA_LOADS and not accumulate, Q_DESC=q, DO_DESC=grad_out)
         dq_desc = tma.accumulator_descriptor(dq_acc) if dq_mode == "tma" else None

@@ -260,11 +260,12 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
         head_dim, head_dim_v, block_d, block_dv = head_dims(q, v)
         gather = block_mask is not None
         even_kv = whole_blocks(seq_kv, block_kv, packed)
-        elt = q.element_size()
+        elt, precision = q.element_size(), fp32_precision(q.dtype, attention_fwd_kernel)
         configs = autotune.nesting(
             "FWD", block_q, block_kv,
             smem_per_stage=lambda bm, bn: bn * (block_d + block_dv) * elt,
-            fixed_smem=lambda bm, bn: bm * block_d * elt, cache_key=(block_d, block_dv, elt))
+            fixed_smem=lambda bm, bn: bm * block_d * elt, cache_key=(block_d, block_dv, elt),
+            pipelined=precision != "ieee")
         kv_tiles = tma.tile_args(attention_fwd_kernel, packed, batch * heads * seq_q * seq_kv * head_dim,
                                  K_DESC=k, V_DESC=v)
         static = dict(
@@ -279,7 +280,7 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
             BLOCK_Q=block_q, BLOCK_KV=block_kv, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d,
             BLOCK_DV=block_dv, EVEN_KV=even_kv,
             IS_CAUSAL=bool(is_causal), HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather,
-            HAS_KV_VALID=kv_valid is not None, FP32_PRECISION=fp32_precision(q.dtype, attention_fwd_kernel),
+            HAS_KV_VALID=kv_valid is not None, FP32_PRECISION=precision,
             IS_VARLEN=packed, SPLIT_WALK=split_walk(is_causal, even_kv, token_mask, block_mask, kv_valid))
         return launch.LaunchSpec(
             grid=lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads), configs=configs,
