@@ -83,6 +83,38 @@ def test_fp32_backward_matches_autograd_through_sdpa(poisoned, head_dim, block, 
     assert_grads_close(got, [t.grad for t in leaves], 5e-3, f"D{head_dim} {block} group {group}")
 
 
+@pytest.mark.parametrize("switch, off, on", [("allow_tf32", False, True), ("fp32_precision", "ieee", "tf32")])
+def test_fp32_products_follow_pytorchs_tf32_switch(geometry, poisoned, monkeypatch, switch, off, on):
+    """fp32 inputs multiply in IEEE fp32 unless PyTorch allows tf32 for CUDA matmuls, through either of its
+    switches (reading allow_tf32 raises once fp32_precision was set), and the switch takes effect between calls
+    (the launch plans key on it). The interpreter ignores the precision, so only the GPU shows tf32's rounding."""
+    if switch == "fp32_precision" and not hasattr(torch.backends.cuda.matmul, switch):
+        pytest.skip("this PyTorch predates torch.backends.cuda.matmul.fp32_precision")
+    g = geometry
+    seq = g.seqs[0]
+    q, k, v = qkv(g.batch, g.heads, seq, g.dim, dtype=torch.float32, seed=5)
+    keep = random_keep(g.batch, g.heads, seq, seq, g.block)
+    grad_out = upstream((g.batch, g.heads, seq, g.dim), torch.float32)
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    want_out, _ = oracle(*leaves, expand(keep, g.block, seq, seq))
+    want_out.backward(grad_out.double())
+    want = [want_out.detach()] + [t.grad for t in leaves]
+
+    def gaps(got):
+        return [((a.double() - w).abs().max() / w.abs().max()).item() for a, w in zip(got, want)]
+    runs = {}
+    for label, value in (("ieee", off), ("tf32", on), ("ieee again", off)):
+        monkeypatch.setattr(torch.backends.cuda.matmul, switch, value)
+        runs[label] = grads(q, k, v, keep, g.block, grad_out=grad_out, backend="triton")
+    assert max(gaps(runs["ieee"])) <= 1e-4, f"IEEE fp32 off the oracle: {gaps(runs['ieee'])}"
+    assert max(gaps(runs["tf32"])) <= 1e-2, f"tf32 off the oracle: {gaps(runs['tf32'])}"
+    for name, first, again in zip(("out", "dq", "dk", "dv"), runs["ieee"], runs["ieee again"]):
+        assert torch.equal(first, again), f"{name}: switching tf32 off did not restore the IEEE result"
+    if ON_GPU:
+        assert min(gaps(runs["tf32"])) > 10 * max(gaps(runs["ieee"])), (
+            f"allow_tf32 left the products in IEEE fp32: gaps {gaps(runs['tf32'])} against {gaps(runs['ieee'])}")
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_dropped_blocks_get_exactly_zero_gradients(geometry, poisoned, backend):
     g = geometry

@@ -205,7 +205,16 @@ def fp32_precision(dtype: torch.dtype, kernel_fn):
         return "upcast"
     if dtype != torch.float32:
         return None
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    return "tf32" if tf32_allowed() else "ieee"
+
+
+def tf32_allowed() -> bool:
+    """Whether PyTorch lets CUDA matmuls round fp32 inputs to tf32. Read through fp32_precision where PyTorch has
+    it (2.9 and later): once a program sets that, reading allow_tf32 raises (PyTorch forbids mixing the two), while
+    fp32_precision also reflects allow_tf32 and set_float32_matmul_precision."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    return bool(matmul.allow_tf32) if precision is None else precision == "tf32"
 
 
 def head_dims(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
@@ -229,7 +238,7 @@ def site_key(block_q: int, block_kv: int, scale: float, is_causal: bool, token_m
     which optional tensors are present, and the switches the launchers read."""
     return (block_q, block_kv, scale, bool(is_causal), token_mask is None, block_mask is None, mask_block_q,
             mask_block_kv, kv_valid is None, (varlen.batch, varlen.max_q, varlen.max_kv) if varlen else None,
-            tma.TMA_LOADS, tma.MIN_DESCRIPTOR_WORK, torch.backends.cuda.matmul.allow_tf32, SPLIT_WALKS)
+            tma.TMA_LOADS, tma.MIN_DESCRIPTOR_WORK, tf32_allowed(), SPLIT_WALKS)
 
 
 def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, scale: float,
