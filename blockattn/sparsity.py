@@ -8,6 +8,7 @@ kernel reads them by shape. Everything here runs on the mask's device with no ho
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -50,6 +51,23 @@ def _difference_range(seq_q: int, seq_kv: int, block_size, device):
     return q_first[:, None] - k_last[None, :], q_last[:, None] - k_first[None, :]
 
 
+def _outside_inference_mode():
+    """Builds normal tensors even under torch.inference_mode (a no-op outside it). A BlockSparsity's tensors outlive
+    the call that built them, and a training step saves them for its backward, which autograd refuses to do with
+    inference tensors: a validation pass under inference_mode must not break the training steps after it."""
+    if torch.compiler.is_compiling() or not torch.is_inference_mode_enabled():  # (dynamo cannot trace the test)
+        return contextlib.nullcontext()
+    return torch.inference_mode(False)
+
+
+def _normal(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """tensor, or a normal copy of it if it is an inference tensor (see _outside_inference_mode)."""
+    if tensor is None or torch.compiler.is_compiling() or not tensor.is_inference():
+        return tensor
+    with torch.inference_mode(False):
+        return tensor.clone()
+
+
 def build_lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Count and ascending indices of the kept columns of each row.
 
@@ -83,7 +101,8 @@ class BlockSparsity:
     kv_count: int32 [Bm, Hm, nq]; kv_index: int32 [Bm, Hm, nq, L] with ``L >= nk`` and the first ``kv_count``
     entries of each row the kept key blocks in ascending order. ``Bm`` is 1 or the batch, ``Hm`` is 1 or the
     number of query heads (size-1 dims broadcast). Reuse one object across calls and layers: attention() then
-    does no conversion.
+    does no conversion. Built or used under torch.inference_mode, it still holds normal tensors, so one object
+    serves validation passes and the training steps after them.
     """
 
     def __init__(self, kv_count: torch.Tensor, kv_index: torch.Tensor, block_size, seq_q: int, seq_kv: int,
@@ -112,9 +131,7 @@ class BlockSparsity:
                 f"(padded to the key-block count), got {tuple(kv_index.shape)}")
         if kv_index.device != kv_count.device:
             raise ValueError(f"kv_count is on {kv_count.device} but kv_index is on {kv_index.device}")
-        self.kv_count = kv_count
-        self.kv_index = kv_index
-        self._mask = _mask
+        self.kv_count, self.kv_index, self._mask = _normal(kv_count), _normal(kv_index), _normal(_mask)
         self._cache: dict = {}
 
     # ---------------------------------------------------------------- construction
@@ -124,8 +141,9 @@ class BlockSparsity:
         [B|1, H|1, nq, nk], with ``nq = ceil(seq_q / block_q)`` and ``nk = ceil(seq_kv / block_kv)``."""
         block_q, block_kv = check_block_size(block_size)
         seq_q, seq_kv = _check_seq("seq_q", seq_q), _check_seq("seq_kv", seq_kv)
-        keep = normalize_block_mask(mask, math.ceil(seq_q / block_q), math.ceil(seq_kv / block_kv))
-        count, index = build_lists(keep)
+        with _outside_inference_mode():
+            keep = normalize_block_mask(mask, math.ceil(seq_q / block_q), math.ceil(seq_kv / block_kv))
+            count, index = build_lists(keep)
         return cls(count, index, (block_q, block_kv), seq_q, seq_kv, _mask=keep)
 
     @classmethod
@@ -157,7 +175,8 @@ class BlockSparsity:
     def mask(self) -> torch.Tensor:
         """The block mask, bool [Bm, Hm, nq, nk]."""
         if self._mask is None:
-            self._mask = _mask_from_lists(self.kv_count, self.kv_index, self.num_blocks[1])
+            with _outside_inference_mode():
+                self._mask = _mask_from_lists(self.kv_count, self.kv_index, self.num_blocks[1])
         return self._mask
 
     def density(self) -> float:
@@ -183,16 +202,18 @@ class BlockSparsity:
         """Per key block, the count int32 [Bm, Hm, nk] and ascending indices int32 [Bm, Hm, nk, nq] of the
         query blocks that kept it: the transpose of the kv lists, for the dK/dV walk."""
         if "q_lists" not in self._cache:
-            self._cache["q_lists"] = build_lists(self.mask.transpose(-1, -2))
+            with _outside_inference_mode():
+                self._cache["q_lists"] = build_lists(self.mask.transpose(-1, -2))
         return self._cache["q_lists"]
 
     def causal(self) -> "BlockSparsity":
         """The same mask without the blocks that lie wholly above the diagonal (key > query for every pair,
         top-left aligned). Blocks crossing the diagonal stay; the kernels resolve them per element."""
         if "causal" not in self._cache:
-            _, largest = _difference_range(self.seq_q, self.seq_kv, self.block_size, self.device)  # query - key
-            keep = self.mask & (largest >= 0)
-            count, index = build_lists(keep)
+            with _outside_inference_mode():
+                _, largest = _difference_range(self.seq_q, self.seq_kv, self.block_size, self.device)  # query - key
+                keep = self.mask & (largest >= 0)
+                count, index = build_lists(keep)
             self._cache["causal"] = BlockSparsity(count, index, self.block_size, self.seq_q, self.seq_kv, _mask=keep)
         return self._cache["causal"]
 
@@ -203,27 +224,31 @@ class BlockSparsity:
         lists and tests each element against the original block mask."""
         key = ("tiled", tile_q, tile_kv)
         if key not in self._cache:
-            block_q, block_kv = self.block_size
-            device = self.device
-            keep = self.mask.to(torch.int32)
-            # Summed-area table with a zero first row and column: any block rectangle's count in four reads.
-            table = torch.nn.functional.pad(keep.cumsum(-2).cumsum(-1), (1, 0, 1, 0))
-
-            def block_span(seq, tile, block):
-                starts, ends = _spans(seq, tile, device)
-                return starts // block, ends // block + 1
-
-            q_lo, q_hi = block_span(self.seq_q, tile_q, block_q)
-            k_lo, k_hi = block_span(self.seq_kv, tile_kv, block_kv)
-
-            def corner(rows, cols):
-                return table[..., rows[:, None], cols[None, :]]
-
-            kept = corner(q_hi, k_hi) - corner(q_lo, k_hi) - corner(q_hi, k_lo) + corner(q_lo, k_lo)
-            tile_keep = kept > 0
-            count, index = build_lists(tile_keep)
-            self._cache[key] = BlockSparsity(count, index, (tile_q, tile_kv), self.seq_q, self.seq_kv, _mask=tile_keep)
+            with _outside_inference_mode():
+                self._cache[key] = self._tiled(tile_q, tile_kv)
         return self._cache[key]
+
+    def _tiled(self, tile_q: int, tile_kv: int) -> "BlockSparsity":
+        block_q, block_kv = self.block_size
+        device = self.device
+        keep = self.mask.to(torch.int32)
+        # Summed-area table with a zero first row and column: any block rectangle's count in four reads.
+        table = torch.nn.functional.pad(keep.cumsum(-2).cumsum(-1), (1, 0, 1, 0))
+
+        def block_span(seq, tile, block):
+            starts, ends = _spans(seq, tile, device)
+            return starts // block, ends // block + 1
+
+        q_lo, q_hi = block_span(self.seq_q, tile_q, block_q)
+        k_lo, k_hi = block_span(self.seq_kv, tile_kv, block_kv)
+
+        def corner(rows, cols):
+            return table[..., rows[:, None], cols[None, :]]
+
+        kept = corner(q_hi, k_hi) - corner(q_lo, k_hi) - corner(q_hi, k_lo) + corner(q_lo, k_lo)
+        tile_keep = kept > 0
+        count, index = build_lists(tile_keep)
+        return BlockSparsity(count, index, (tile_q, tile_kv), self.seq_q, self.seq_kv, _mask=tile_keep)
 
 
 def normalize_block_mask(mask: torch.Tensor, nq: int, nk: int) -> torch.Tensor:

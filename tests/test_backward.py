@@ -16,10 +16,11 @@ def upstream(shape, dtype, seed=17):
     return torch.randn(shape, generator=torch.Generator(device=DEVICE).manual_seed(seed), device=DEVICE).to(dtype)
 
 
-def grads(q, k, v, blocks=None, block_size=None, grad_out=None, lse_weight=0.0, **kwargs):
-    """(out, dq, dk, dv) of sum(out * grad_out) (+ lse_weight * sum(lse))."""
+def grads(q, k, v, blocks=None, block_size=None, grad_out=None, lse_weight=0.0, attention=blockattn.attention,
+          **kwargs):
+    """(out, dq, dk, dv) of sum(out * grad_out) (+ lse_weight * sum(lse)), through attention (e.g. compiled)."""
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-    out, lse = blockattn.attention(*leaves, blocks, block_size, return_lse=True, **kwargs)
+    out, lse = attention(*leaves, blocks, block_size, return_lse=True, **kwargs)
     grad_out = upstream(out.shape, out.dtype) if grad_out is None else grad_out
     loss = (out.float() * grad_out.float()).sum()
     if lse_weight:
@@ -113,6 +114,28 @@ def test_fp32_products_follow_pytorchs_tf32_switch(geometry, poisoned, monkeypat
     if ON_GPU:
         assert min(gaps(runs["tf32"])) > 10 * max(gaps(runs["ieee"])), (
             f"allow_tf32 left the products in IEEE fp32: gaps {gaps(runs['tf32'])} against {gaps(runs['ieee'])}")
+
+
+@pytest.mark.parametrize("backend, compiled", [("torch", False), ("triton", False), ("triton", True)])
+def test_training_after_calls_under_inference_mode(geometry, backend, compiled):
+    """A validation pass under torch.inference_mode, which builds lists (and fills blockattn's own cache of dense
+    lists and the causal lists derived from them) there, does not break the training steps after it, eager or
+    compiled: their gradients equal those computed on lists built outside it."""
+    g = geometry
+    seq = g.seqs[0]
+    q, k, v = qkv(g.batch, g.heads, seq, g.dim, seed=9)
+    keep = random_keep(g.batch, g.heads, seq, seq, g.block)
+    dense = torch.ones_like(keep)
+    with torch.inference_mode():
+        built_there = blockattn.BlockSparsity.from_mask(keep, g.block, seq, seq)
+        for blocks, block_size in ((built_there, None), (None, g.block)):
+            blockattn.attention(q, k, v, blocks, block_size, is_causal=True, backend=backend)
+    attention = torch.compile(blockattn.attention, fullgraph=True) if compiled else blockattn.attention
+    for blocks, block_size, built_here in ((built_there, None, keep), (None, g.block, dense)):
+        got = grads(q, k, v, blocks, block_size, is_causal=True, backend=backend, attention=attention)
+        want = grads(q, k, v, built_here, g.block, is_causal=True, backend=backend)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert torch.equal(a, b), f"{name} differs after the inference-mode pass (blocks={blocks is not None})"
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
