@@ -60,7 +60,7 @@ def compile_kernel(kernel, tile, dim, tma, dq_mode):
     values = dict(BLOCK_Q=128, BLOCK_KV=128, HEAD_DIM=dim, HEAD_DIM_V=dim, BLOCK_D=dim, BLOCK_DV=dim, EVEN_Q=True,
                   EVEN_KV=True, IS_CAUSAL=False, HAS_TOKEN_MASK=False, GATHER_BLOCK_MASK=False, HAS_KV_VALID=False,
                   FP32_PRECISION=None, IS_VARLEN=False, DQ_MODE=dq_mode, TMA_LOADS=tma, BLOCK_M=block_m,
-                  BLOCK_N=block_n, group_size=1)
+                  BLOCK_N=block_n, group_size=1, SPLIT_WALK=False)
     boxes = {"K_DESC": block_n, "V_DESC": block_n, "Q_DESC": block_m, "DO_DESC": block_m}
     signature, constants = {}, {}
     for param in kernel.params:

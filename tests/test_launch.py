@@ -191,3 +191,40 @@ def test_repeated_calls_with_fresh_tensors_stay_exact(geometry, poisoned, monkey
     expected = {forward.attention_fwd_kernel, backward.attention_bwd_dkdv_kernel} | (
         {backward.attention_bwd_dq_kernel} if dq_mode == "kernel" else {backward.attention_bwd_preprocess_kernel})
     assert kernels == (expected if ON_GPU else set()), "plans on a GPU for every kernel; none under the interpreter"
+
+
+@pytest.mark.parametrize("batch, heads, axes", [(1, 4, (4, 1)), (3, 2, (2, 3)), (12, 1, (4, 3)), (8, 2, (4, 4)),
+                                                (6, 4, None), (7, 3, None)])
+def test_batch_head_axes_number_every_pair_once_within_the_grid_limit(monkeypatch, batch, heads, axes):
+    """Axes 1 and 2 hold batch x heads programs exactly (no program past the end, whole heads per row of axis 1),
+    each axis within the limit; a batch that cannot be laid out is refused by name."""
+    monkeypatch.setattr(launch, "MAX_GRID_AXIS", 4)
+    if axes is None:
+        with pytest.raises(ValueError, match=f"batch {batch} x heads {heads}"):
+            launch.batch_head_axes(batch, heads)
+        return
+    rows, slices = launch.batch_head_axes(batch, heads)
+    assert (rows, slices) == axes
+    assert rows * slices == batch * heads and rows <= 4 and slices <= 4 and rows % heads == 0
+
+
+@pytest.mark.parametrize("dq_mode", ["kernel", "atomic"])
+def test_more_batch_heads_than_a_grid_axis_holds(poisoned, monkeypatch, dq_mode):
+    """With the grid's axis limit lowered to 4, a batch of 3 with 4 query heads and 2 key/value heads (12 and 6
+    programs per tile) spreads over axes 1 and 2, and every kernel gives bitwise the results of one axis."""
+    monkeypatch.setattr(backward, "DQ_MODE_DEFAULT", dq_mode)
+    seq = 96
+    q, k, v = qkv(3, 4, seq, 32, kv_heads=2, seed=4)
+    keep = random_keep(3, 4, seq, seq, (32, 32))
+    grad = torch.randn(3, 4, seq, 32, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(6))
+
+    def step():
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out, lse = kernel(*leaves, keep, (32, 32), is_causal=True, return_lse=True)
+        (out.float() * grad).sum().add(lse.sum() * 0.25).backward()
+        return [out, lse] + [t.grad for t in leaves]
+    one_axis = step()
+    monkeypatch.setattr(launch, "MAX_GRID_AXIS", 4)
+    assert launch.batch_head_axes(3, 4) == (4, 3) and launch.batch_head_axes(3, 2) == (2, 3)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), step(), one_axis):
+        assert torch.equal(got, want), f"{name} differs when batch x heads spans two grid axes"

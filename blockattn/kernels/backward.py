@@ -13,7 +13,7 @@ from . import autotune, buffers, forward, launch, tma
 from .forward import (LOG2E, TUNING_KEY, fp32_precision, head_dims, optional_tensors, site_key, stride_args,
                       strides)
 from .varlen import Varlen
-from .primitives import (dot, element_keep, first_entry_at_or_after, kv_list_start, untested_steps,
+from .primitives import (batch_head_program, dot, element_keep, first_entry_at_or_after, kv_list_start, untested_steps,
                          kv_list_tiles, load_tile_or_box, query_tile_program, sequence_span)
 
 # How the backward produces dQ:
@@ -44,7 +44,7 @@ def attention_bwd_preprocess_kernel(Out, DO, GradLse, Lse, Lse2, Delta, seq_q, n
     accumulating dQ modes; in dQ mode "kernel" the dQ kernel computes them itself. Packed batches run as one
     sequence of all their tokens."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = batch_head_program()
     off_b = pid_bh // num_heads
     off_h = pid_bh % num_heads
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -310,7 +310,7 @@ def attention_bwd_dkdv_kernel(
     TILES_PER_BLOCK: tl.constexpr = BLOCK_Q // BLOCK_M
 
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = batch_head_program()
     off_b = pid_bh // kv_heads
     off_hkv = pid_bh % kv_heads
     start_n = pid_n * BLOCK_N
@@ -476,7 +476,8 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
                           **stride_args("g", row_terms["GradLse"], "bhs"),
                           **stride_args("c", kv_count, "bh"), **stride_args("i", kv_index, "bhq"))
             return launch.LaunchSpec(
-                grid=lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads), configs=configs,
+                grid=lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), *launch.batch_head_axes(batch, heads)),
+                configs=configs,
                 tuning_key=TUNING_KEY, static=static, pre_hook=tma.set_boxes if kv_tiles["TMA_LOADS"] else None)
         # The dK/dV kernel, launched after this one on the same stream, reads the row terms it stores.
         launch.run(attention_bwd_dq_kernel, site + (grad_lse is None, autotune.env_key("BWD_DQ")),
@@ -501,7 +502,8 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
                       **stride_args("c", q_count, "bh"), **stride_args("i", q_index, "bhq"),
                       **stride_args("qa", dq_acc4 if accumulate else None, "bh"))
         return launch.LaunchSpec(
-            grid=lambda meta: (triton.cdiv(seq_kv, meta["BLOCK_N"]), batch * kv_heads), configs=configs,
+            grid=lambda meta: (triton.cdiv(seq_kv, meta["BLOCK_N"]), *launch.batch_head_axes(batch, kv_heads)),
+            configs=configs,
             tuning_key=TUNING_KEY + ("DQ_MODE",), static=static,
             pre_hook=tma.set_boxes if dq_desc is not None or q_tiles["TMA_LOADS"] else None,
             reset_to_zero=("DQ_ACC",) if accumulate else ())
@@ -529,7 +531,8 @@ def _preprocess_spec(out, grad_out, grad_lse, delta, heads: int) -> launch.Launc
                   **stride_args("d", grad_out, "bhsd"), **stride_args("g", rows, "bhs"),
                   **stride_args("e", delta, "bhs"), HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv,
                   HAS_GRAD_LSE=grad_lse is not None)
-    return launch.LaunchSpec(grid=lambda meta: (triton.cdiv(out.shape[2], meta["BLOCK_M"]), out.shape[0] * heads),
+    return launch.LaunchSpec(grid=lambda meta: (triton.cdiv(out.shape[2], meta["BLOCK_M"]),
+                                                *launch.batch_head_axes(out.shape[0], heads)),
                              configs=_PREPROCESS_CONFIGS, tuning_key=(), static=static)
 
 

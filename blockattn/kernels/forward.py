@@ -238,7 +238,7 @@ def site_key(block_q: int, block_kv: int, scale: float, is_causal: bool, token_m
     which optional tensors are present, and the switches the launchers read."""
     return (block_q, block_kv, scale, bool(is_causal), token_mask is None, block_mask is None, mask_block_q,
             mask_block_kv, kv_valid is None, (varlen.batch, varlen.max_q, varlen.max_kv) if varlen else None,
-            tma.TMA_LOADS, tma.MIN_DESCRIPTOR_WORK, tf32_allowed(), SPLIT_WALKS)
+            tma.TMA_LOADS, tma.MIN_DESCRIPTOR_WORK, tf32_allowed(), SPLIT_WALKS, launch.MAX_GRID_AXIS)
 
 
 def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, scale: float,
@@ -292,7 +292,8 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
             HAS_KV_VALID=kv_valid is not None, FP32_PRECISION=precision,
             IS_VARLEN=packed, SPLIT_WALK=split_walk(is_causal, even_kv, token_mask, block_mask, kv_valid))
         return launch.LaunchSpec(
-            grid=lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads), configs=configs,
+            grid=lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), *launch.batch_head_axes(batch, heads)),
+            configs=configs,
             tuning_key=TUNING_KEY, static=static, pre_hook=tma.set_boxes if kv_tiles["TMA_LOADS"] else None)
 
     launch.run(attention_fwd_kernel, site, tensors, build, fresh=("Out", "Lse"))

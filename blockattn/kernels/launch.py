@@ -43,6 +43,26 @@ class LaunchSpec(NamedTuple):
     reset_to_zero: tuple = ()
 
 
+# The most programs CUDA allows along a grid's axes 1 and 2 (axis 0 takes 2^31 - 1).
+MAX_GRID_AXIS = 65535
+
+
+def batch_head_axes(batch: int, heads: int) -> tuple[int, int]:
+    """Grid axes 1 and 2 for one program per (batch, head) pair, which the kernels number as
+    program_id(1) + program_id(2) * num_programs(1) (primitives.batch_head_program): (batch * heads, 1) when that
+    fits one axis, else (heads * chunk, batch // chunk) for the largest chunk of the batch that divides it and fits,
+    so no program falls past the end. A ValueError for a batch no chunk of which fits both axes."""
+    if batch * heads <= MAX_GRID_AXIS:
+        return batch * heads, 1
+    chunk = min(batch, MAX_GRID_AXIS // heads)
+    while chunk > 1 and batch % chunk:
+        chunk -= 1
+    if chunk == 0 or batch // chunk > MAX_GRID_AXIS:
+        raise ValueError(f"batch {batch} x heads {heads} cannot be laid out on a CUDA grid (at most "
+                         f"{MAX_GRID_AXIS} programs along axes 1 and 2): split the batch into calls")
+    return heads * chunk, batch // chunk
+
+
 def tensor_key(tensor: torch.Tensor) -> tuple:
     """What a plan depends on in one tensor argument: shape, strides, dtype, and 16-byte alignment of its base."""
     return tensor.shape, tensor.stride(), tensor.dtype, tensor.data_ptr() % 16

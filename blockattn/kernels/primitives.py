@@ -91,12 +91,20 @@ def load_tile_or_box(desc, off_b, off_h, row, ptrs, rows_ok, cols_ok, EVEN_ROWS:
 
 
 @triton.jit
+def batch_head_program():
+    """This program's index over batch x heads, which the grid spreads over its axes 1 and 2
+    (launch.batch_head_axes: CUDA allows at most 65535 programs along either)."""
+    return tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
+
+
+@triton.jit
 def query_tile_program(CU_SEQLENS_Q, CU_SEQLENS_KV, seq_q, seq_kv, num_heads, group_size,
                        BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Where a program of a kv-list walk works (grid: query tiles x batch * query heads): (off_b, off_h, off_hkv,
+    """Where a program of a kv-list walk works (grid: query tiles x batch * query heads, launch.batch_head_axes):
+    (off_b, off_h, off_hkv,
     start_m, q_block, q_start, seq_q, kv_start, seq_kv), the last four its sequence's spans (sequence_span)."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = batch_head_program()
     off_b = pid_bh // num_heads
     # Consecutive programs take different kv heads (head j -> group j % kv_heads, member j // kv_heads), as with
     # MHA; the programs resident at one time then spread over several kv heads' keys instead of crowding one's.
