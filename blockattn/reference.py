@@ -39,13 +39,14 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
 
     count = blocks.kv_count.expand(batch, heads, nq)
     index = blocks.kv_index.expand(batch, heads, nq, blocks.kv_index.shape[-1])
-    slots = max(int(count.max().item()), 1)  # the widest row: gathered width (a host read; this is the CPU path)
+    # the widest row: gathered width (a host read; this is the CPU path); an empty batch has none
+    slots = max(int(count.max().item()), 1) if count.numel() else 1
     index = index[..., :slots].long()
 
     pad_q, pad_kv = nq * block_q - seq_q, nk * block_kv - seq_kv
-    q_blocks = torch.nn.functional.pad(q, (0, 0, 0, pad_q)).view(batch, heads, nq, block_q, -1)
-    k_blocks = torch.nn.functional.pad(k, (0, 0, 0, pad_kv)).view(batch, kv_heads, nk, block_kv, -1)
-    v_blocks = torch.nn.functional.pad(v, (0, 0, 0, pad_kv)).view(batch, kv_heads, nk, block_kv, -1)
+    q_blocks = torch.nn.functional.pad(q, (0, 0, 0, pad_q)).view(batch, heads, nq, block_q, q.shape[-1])
+    k_blocks = torch.nn.functional.pad(k, (0, 0, 0, pad_kv)).view(batch, kv_heads, nk, block_kv, k.shape[-1])
+    v_blocks = torch.nn.functional.pad(v, (0, 0, 0, pad_kv)).view(batch, kv_heads, nk, block_kv, v.shape[-1])
 
     b_idx = torch.arange(batch, device=device).view(batch, 1, 1, 1)
     h_idx = torch.arange(heads, device=device).view(1, heads, 1, 1)
@@ -93,7 +94,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
 
         out = torch.nn.functional.scaled_dot_product_attention(
             flat(queries), flat(keys), flat(values), attn_mask=flat(attend), scale=scale)
-        outs.append(out.view(batch, heads, rows, block_q, -1) * seen)
+        outs.append(out.view(batch, heads, rows, block_q, v.shape[-1]) * seen)
         if need_lse:
             scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale  # [B, H, c, bq, L]
             lse = torch.logsumexp(scores.masked_fill(~attend, float("-inf")), -1, keepdim=True)

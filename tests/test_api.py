@@ -35,6 +35,8 @@ CASES = [
     ("head dims differ", dict(k=t(2, 2, 100, 64)), ValueError, "head dim"),
     ("head dim too small", dict(q=t(2, 4, 100, 8), k=t(2, 2, 100, 8), v=t(2, 2, 100, 8)), ValueError, "16..256"),
     ("head dim too large", dict(v=t(2, 2, 100, 512)), ValueError, "v's head dim"),
+    ("empty query sequence", dict(q=t(2, 4, 0, 32)), ValueError, "q has an empty sequence"),
+    ("empty key sequence", dict(k=t(2, 2, 0, 32), v=t(2, 2, 0, 32)), ValueError, "k has an empty sequence"),
     ("bad layout", dict(layout="bsdh"), ValueError, "layout"),
     ("thd needs 3-D inputs", dict(layout="thd"), ValueError, "q must be a 3-D tensor"),
     ("offsets without thd", dict(cu_seqlens_q=torch.tensor([0, 100], dtype=torch.int32)), ValueError, "thd"),

@@ -115,6 +115,20 @@ def test_backend_matches_the_oracle(geometry, poisoned, backend, dtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_an_empty_batch_gives_empty_results_and_gradients(backend):
+    """B=0 (a batch emptied by filtering): out, lse and the gradients come back empty and shaped, dense or with a
+    block mask, causal or not."""
+    q, k, v = (t.requires_grad_(True) for t in qkv(0, 4, 100, 32, kv_heads=2))
+    for blocks in (None, torch.ones(0, 4, 2, 4, dtype=torch.bool, device=DEVICE)):
+        for is_causal in (False, True):
+            out, lse = blockattn.attention(q, k, v, blocks, (64, 32), is_causal=is_causal, return_lse=True,
+                                           backend=backend)
+            assert out.shape == (0, 4, 100, 32) and lse.shape == (0, 4, 100)
+            grads = torch.autograd.grad(out.float().sum() + lse.sum(), (q, k, v))
+            assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_causal_composes_with_block_and_token_masks(geometry, poisoned, backend):
     g = geometry
     seq_q, seq_kv = g.seqs[0], g.seqs[1]
