@@ -208,19 +208,27 @@ def test_batch_head_axes_number_every_pair_once_within_the_grid_limit(monkeypatc
     assert rows * slices == batch * heads and rows <= 4 and slices <= 4 and rows % heads == 0
 
 
-@pytest.mark.parametrize("dq_mode", ["kernel", "atomic"])
-def test_more_batch_heads_than_a_grid_axis_holds(poisoned, monkeypatch, dq_mode):
-    """With the grid's axis limit lowered to 4, a batch of 3 with 4 query heads and 2 key/value heads (12 and 6
-    programs per tile) spreads over axes 1 and 2, and every kernel gives bitwise the results of one axis."""
+@pytest.mark.parametrize("dq_mode, layout", [("kernel", "bhsd"), ("atomic", "bhsd"), ("kernel", "thd")])
+def test_more_batch_heads_than_a_grid_axis_holds(poisoned, monkeypatch, dq_mode, layout):
+    """With the grid's axis limit lowered to 4, a batch of 3 (padded, or packed sequences) with 4 query heads and
+    2 key/value heads (12 and 6 programs per tile) spreads over axes 1 and 2, and every kernel gives bitwise the
+    results of one axis."""
     monkeypatch.setattr(backward, "DQ_MODE_DEFAULT", dq_mode)
     seq = 96
     q, k, v = qkv(3, 4, seq, 32, kv_heads=2, seed=4)
     keep = random_keep(3, 4, seq, seq, (32, 32))
     grad = torch.randn(3, 4, seq, 32, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(6))
+    packing = {}
+    if layout == "thd":  # three sequences of 96, 70 and 33 tokens, packed
+        lengths = (96, 70, 33)
+        packing = dict(layout="thd", cu_seqlens_q=torch.tensor([0, 96, 166, 199], dtype=torch.int32, device=DEVICE))
+        packing["cu_seqlens_kv"] = packing["cu_seqlens_q"]
+        q, k, v, grad = (torch.cat([t[b, :, :n].transpose(0, 1) for b, n in enumerate(lengths)])
+                         for t in (q, k, v, grad))
 
     def step():
         leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-        out, lse = kernel(*leaves, keep, (32, 32), is_causal=True, return_lse=True)
+        out, lse = kernel(*leaves, keep, (32, 32), is_causal=True, return_lse=True, **packing)
         (out.float() * grad).sum().add(lse.sum() * 0.25).backward()
         return [out, lse] + [t.grad for t in leaves]
     one_axis = step()
