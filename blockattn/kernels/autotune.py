@@ -102,8 +102,9 @@ def nesting(kernel: str, block_m_of: int, block_n_of: int, smem_per_stage, fixed
 
     smem_per_stage(BLOCK_M, BLOCK_N) and fixed_smem(BLOCK_M, BLOCK_N) estimate the bytes a config plans for.
     pipelined: False when the kernel's products run on the FMA units (fp32 inputs multiplied in IEEE fp32), where
-    Triton keeps two buffers per loop load whatever num_stages says. cache_key: whatever else the two estimates depend on; given it, the list is memoized (with the environment
-    variables' current values in the key, so changing them still takes effect), sparing short calls the work."""
+    Triton keeps two buffers per loop load whatever num_stages says. cache_key: whatever else the two estimates
+    depend on; given it, the list is memoized (with the environment variables' current values in the key, so
+    changing them still takes effect), sparing short calls the work."""
     if cache_key is not None:
         key = (kernel, block_m_of, block_n_of, cache_key, pipelined, env_key(kernel), _MAX_TUNED[kernel])
         if key not in _NESTING_CACHE:
@@ -134,8 +135,7 @@ def nesting(kernel: str, block_m_of: int, block_n_of: int, smem_per_stage, fixed
 
 class Candidates(list):
     """A kernel's tile configs, best first: the first `tuned` are benchmarked; the rest stand by for when none of
-    those compiles within the GPU's resources (the shared-memory estimate is a lower bound: an fp32 kernel's
-    layout conversions, for one, take more)."""
+    those compiles within the GPU's shared memory (nesting() admits them on an estimate, not a compile)."""
 
     def __init__(self, kernel: str, configs=()):
         super().__init__(configs)
@@ -219,9 +219,9 @@ def launch(kernel_fn, grid, configs: list[triton.Config], key: tuple, reset_to_z
     interpreted = is_interpreted(kernel_fn)
     if interpreted:
         return _launch_config(kernel_fn, grid, configs[0], pre_hook, kwargs, interpreted)
-    tuned, name = getattr(configs, "tuned", len(configs)), getattr(configs, "kernel", None)
+    tuned, kernel_name = getattr(configs, "tuned", len(configs)), getattr(configs, "kernel", None)
     if tuned == 1:
-        return _first_that_fits(kernel_fn, grid, configs, pre_hook, kwargs, name)
+        return _first_that_fits(kernel_fn, grid, configs, pre_hook, kwargs, kernel_name)
     spare = configs[tuned:]
     configs = configs[:tuned]
     candidates = _HashableConfigs(configs)
@@ -244,7 +244,7 @@ def launch(kernel_fn, grid, configs: list[triton.Config], key: tuple, reset_to_z
     except OutOfResources:  # none of them fit
         if not spare:
             raise
-        kernel, config = _first_that_fits(kernel_fn, grid, spare, pre_hook, kwargs, name)
+        kernel, config = _first_that_fits(kernel_fn, grid, spare, pre_hook, kwargs, kernel_name)
     _CHOICES[choice_key] = config
     if DISK_CACHE:
         _write_choice(choice_key, config)
