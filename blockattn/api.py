@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -356,7 +357,9 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     else:
         ops = _kernel_ops()
         op = ops.sparse_attention_bwd if torch.compiler.is_compiling() else ops.backward_eager
-        grads = op(grad_out.contiguous(), None, p.q, p.k, p.v, out, lse, *_op_args(p, is_causal, need_q_lists=True))
+        with _on_device(p.q.device):
+            grads = op(grad_out.contiguous(), None, p.q, p.k, p.v, out, lse,
+                       *_op_args(p, is_causal, need_q_lists=True))
     return tuple(_to_layout(g, None, layout)[0] for g in grads)
 
 
@@ -400,4 +403,14 @@ def _triton_attention(p: _Prepared, is_causal: bool):
         op = ops.sparse_attention_fwd
     else:
         op = ops.EagerAttention.apply if needs_grad else ops.forward_eager
-    return op(p.q, p.k, p.v, *_op_args(p, is_causal, need_q_lists=needs_grad))
+    with _on_device(p.q.device):
+        return op(p.q, p.k, p.v, *_op_args(p, is_causal, need_q_lists=needs_grad))
+
+
+def _on_device(device: torch.device):
+    """Makes the inputs' GPU the current one while the kernels launch: Triton launches on the current device, and a
+    model spread over several GPUs calls with tensors on another. (The autograd engine runs a backward on its
+    tensors' device already, and compiled graphs set their own.)"""
+    if device.type != "cuda" or torch.compiler.is_compiling() or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)

@@ -115,3 +115,35 @@ def test_dense_masks_are_built_once_per_shape(monkeypatch):
     assert len(built) == 3
     with pytest.raises(TypeError, match="block_size"):
         blockattn.attention(q, k, v, None, (32, 32.0))
+
+
+def test_the_kernels_launch_with_the_inputs_gpu_current(monkeypatch):
+    """Triton launches on the current CUDA device, so a call whose tensors live on another GPU (a model spread over
+    several) makes theirs current for its launches: the helper, with the current device reported as GPU 1, and its
+    use around the forward's and the explicit backward's launches."""
+    from blockattn import api
+    entered = []
+
+    class Guard:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            return False
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.cuda, "current_device", lambda: 1)
+        patched.setattr(torch.cuda, "device", Guard)
+        for device in (torch.device("cpu"), torch.device("cuda", 1), torch.device("cuda", 0)):
+            with api._on_device(device):
+                pass
+    assert entered == [torch.device("cuda", 0)], "only a GPU other than the current one is switched to"
+
+    wrapped, devices = api._on_device, []
+    monkeypatch.setattr(api, "_on_device", lambda device: devices.append(device) or wrapped(device))
+    q, k, v = qkv(1, 2, 64, 16)
+    out, lse = blockattn.attention(q, k, v, None, (32, 32), return_lse=True, backend="triton")
+    blockattn.attention_backward(torch.ones_like(out), q, k, v, out, lse, None, (32, 32), backend="triton")
+    assert devices == [q.device, q.device], "the forward and the backward launch under the guard"
