@@ -198,35 +198,35 @@ class BlockSparsity:
                 f"mask=[{self.batch}, {self.heads}, {nq}, {nk}], device={self.device})")
 
     # ---------------------------------------------------------------- derived forms (cached)
+    def _derived(self, key, build):
+        """self._cache[key], made by build() on first use, outside inference mode (_outside_inference_mode)."""
+        if key not in self._cache:
+            with _outside_inference_mode():
+                self._cache[key] = build()
+        return self._cache[key]
+
     def q_lists(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per key block, the count int32 [Bm, Hm, nk] and ascending indices int32 [Bm, Hm, nk, nq] of the
         query blocks that kept it: the transpose of the kv lists, for the dK/dV walk."""
-        if "q_lists" not in self._cache:
-            with _outside_inference_mode():
-                self._cache["q_lists"] = build_lists(self.mask.transpose(-1, -2))
-        return self._cache["q_lists"]
+        return self._derived("q_lists", lambda: build_lists(self.mask.transpose(-1, -2)))
 
     def causal(self) -> "BlockSparsity":
         """The same mask without the blocks that lie wholly above the diagonal (key > query for every pair,
         top-left aligned). Blocks crossing the diagonal stay; the kernels resolve them per element."""
-        if "causal" not in self._cache:
-            with _outside_inference_mode():
-                _, largest = _difference_range(self.seq_q, self.seq_kv, self.block_size, self.device)  # query - key
-                keep = self.mask & (largest >= 0)
-                count, index = build_lists(keep)
-            self._cache["causal"] = BlockSparsity(count, index, self.block_size, self.seq_q, self.seq_kv, _mask=keep)
-        return self._cache["causal"]
+        return self._derived("causal", self._causal)
+
+    def _causal(self) -> "BlockSparsity":
+        _, largest = _difference_range(self.seq_q, self.seq_kv, self.block_size, self.device)  # query - key
+        keep = self.mask & (largest >= 0)
+        count, index = build_lists(keep)
+        return BlockSparsity(count, index, self.block_size, self.seq_q, self.seq_kv, _mask=keep)
 
     def tiled(self, tile_q: int, tile_kv: int) -> "BlockSparsity":
         """The mask at tile granularity: a ``tile_q x tile_kv`` tile is kept when any block it overlaps is kept.
 
         This serves block shapes that no kernel tile nests in (8x128, 100x100): the kernel walks these tile
         lists and tests each element against the original block mask."""
-        key = ("tiled", tile_q, tile_kv)
-        if key not in self._cache:
-            with _outside_inference_mode():
-                self._cache[key] = self._tiled(tile_q, tile_kv)
-        return self._cache[key]
+        return self._derived(("tiled", tile_q, tile_kv), lambda: self._tiled(tile_q, tile_kv))
 
     def _tiled(self, tile_q: int, tile_kv: int) -> "BlockSparsity":
         block_q, block_kv = self.block_size

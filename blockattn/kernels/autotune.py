@@ -254,18 +254,16 @@ def launch(kernel_fn, grid, configs: list[triton.Config], key: tuple, reset_to_z
 def _first_that_fits(kernel_fn, grid, configs: list, pre_hook, kwargs: dict, kernel: Optional[str]):
     """Launch the first of configs whose compiled kernel fits the GPU's resources (Triton checks before it
     launches anything); if none does, the last one's OutOfResources, with kernel's overriding variables named."""
-    for config in configs[:-1]:
+    for index, config in enumerate(configs):
         try:
             return _launch_config(kernel_fn, grid, config, pre_hook, kwargs, False)
-        except OutOfResources:
-            continue
-    try:
-        return _launch_config(kernel_fn, grid, configs[-1], pre_hook, kwargs, False)
-    except OutOfResources as error:
-        if kernel is not None:
-            error.add_note(f"blockattn: no {kernel} tile candidate fits; {', '.join(env_names(kernel))} choose "
-                           f"others (tried {[str(c) for c in configs]})")
-        raise
+        except OutOfResources as error:
+            if index + 1 < len(configs):
+                continue
+            if kernel is not None:
+                error.add_note(f"blockattn: no {kernel} tile candidate fits; {', '.join(env_names(kernel))} choose "
+                               f"others (tried {[str(c) for c in configs]})")
+            raise
 
 
 def _launch_config(kernel_fn, grid, config: triton.Config, pre_hook, kwargs: dict, interpreted: bool):
