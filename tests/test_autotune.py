@@ -17,6 +17,11 @@ def set_lists(monkeypatch, kernel="FWD", m="32,64,128,256", n="16,32,64,128", wa
         monkeypatch.setenv(f"BLOCKATTN_{kernel}_{field}", value)
 
 
+def default_lists(monkeypatch):
+    for name in autotune.env_names("FWD"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def test_the_filter_keeps_exactly_the_tiles_that_nest(monkeypatch):
     set_lists(monkeypatch)
     kept = autotune.nesting("FWD", 128, 64, no_smem, no_smem)
@@ -26,8 +31,7 @@ def test_the_filter_keeps_exactly_the_tiles_that_nest(monkeypatch):
 
 
 def test_defaults_always_offer_a_tile_for_multiples_of_16(monkeypatch):
-    for name in autotune.env_names("FWD"):
-        monkeypatch.delenv(name, raising=False)
+    default_lists(monkeypatch)
     for block in ((16, 16), (48, 80), (128, 128), (256, 256), (112, 16)):
         assert autotune.nesting("FWD", *block, no_smem, no_smem)
 
@@ -187,11 +191,6 @@ class TooTallKernelFn(FakeKernelFn):
             self.launched.append((grid, meta))
             return "compiled"
         return run
-
-
-def default_lists(monkeypatch):
-    for name in autotune.env_names("FWD"):
-        monkeypatch.delenv(name, raising=False)
 
 
 def test_a_candidate_that_does_not_fit_gives_way_to_the_next(monkeypatch):
