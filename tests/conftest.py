@@ -226,5 +226,15 @@ def pinned(monkeypatch, geometry):
     return geometry.tile
 
 
+@pytest.fixture
+def deterministic():
+    """torch.use_deterministic_algorithms(True) for one test, restored after: on a GPU the PyTorch backend's
+    fused attention (memory-efficient SDPA) otherwise accumulates its dQ in no fixed order."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(previous)
+
+
 def kernel(q, k, v, blocks=None, block_size=None, **kwargs):
     return blockattn.attention(q, k, v, blocks, block_size, backend="triton", **kwargs)
