@@ -81,6 +81,23 @@ def _check_qkv(q, k, v, layout: str):
             raise ValueError(f"{name} has an empty sequence (length 0)")
 
 
+_AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)  # autocast leaves fp64 alone
+
+
+def _under_autocast(q, k, v):
+    """(q, k, v, context). Under torch.autocast on q's device: q, k and v in the autocast dtype, as
+    scaled_dot_product_attention takes them there (fp64 stays fp64), and a context that switches autocast off while
+    blockattn computes, so the PyTorch backend's products keep the precision they have outside autocast. Otherwise
+    the inputs unchanged and a null context."""
+    device_type = q.device.type if isinstance(q, torch.Tensor) else None
+    if (device_type is None or not torch.amp.is_autocast_available(device_type)
+            or not torch.is_autocast_enabled(device_type)):
+        return q, k, v, contextlib.nullcontext()
+    dtype = torch.get_autocast_dtype(device_type)
+    q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_CASTS else t for t in (q, k, v))
+    return q, k, v, torch.autocast(device_type, enabled=False)
+
+
 @functools.lru_cache(maxsize=32)
 def _cached_dense(block_size: tuple, seq_q: int, seq_kv: int, device: torch.device) -> BlockSparsity:
     return BlockSparsity.dense(block_size, seq_q, seq_kv, device=device)
@@ -303,13 +320,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Returns out in the input layout with Dv last (and lse float32 [B, Hq, Sq], or [T, Hq] for "thd", natural log,
     if return_lse). backend: "auto" (Triton on CUDA, PyTorch on CPU unless TRITON_INTERPRET=1), "triton" or
     "torch". Differentiable on every backend (gradients for q, k, v, and through lse).
+    Under torch.autocast, q, k and v are cast to its dtype first, as scaled_dot_product_attention does (fp64
+    excepted): fp32 inputs then run the bf16/fp16 kernels and out comes back in that dtype.
     """
-    p = _prepare(q, k, v, blocks, block_size, layout, cu_seqlens_q, cu_seqlens_kv, scale, attn_mask, is_causal,
-                 kv_valid, quant, backend)
-    if p.backend == "torch":
-        out, lse = _reference(p, is_causal, need_lse=return_lse)
-    else:
-        out, lse = _triton_attention(p, is_causal)
+    q, k, v, autocast_off = _under_autocast(q, k, v)
+    with autocast_off:
+        p = _prepare(q, k, v, blocks, block_size, layout, cu_seqlens_q, cu_seqlens_kv, scale, attn_mask, is_causal,
+                     kv_valid, quant, backend)
+        if p.backend == "torch":
+            out, lse = _reference(p, is_causal, need_lse=return_lse)
+        else:
+            out, lse = _triton_attention(p, is_causal)
     out, lse = _to_layout(out, lse, layout)
     return (out, lse) if return_lse else out
 
@@ -332,35 +353,41 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     """Gradients (dq, dk, dv) of attention() from its saved output and LSE, without autograd.
 
     grad_out and out: shaped like attention()'s output; lse: float32 from return_lse=True ([B, Hq, Sq], or [T, Hq]
-    for "thd"). The other arguments must be those of the forward call. Returns tensors shaped like q, k, v."""
-    p = _prepare(q, k, v, blocks, block_size, layout, cu_seqlens_q, cu_seqlens_kv, scale, attn_mask, is_causal,
-                 kv_valid, None, backend)
-    out_rank, lse_rank = (3, 2) if layout == "thd" else (4, 3)
-    for name, t, rank in (("grad_out", grad_out, out_rank), ("out", out, out_rank), ("lse", lse, lse_rank)):
-        if not isinstance(t, torch.Tensor) or t.ndim != rank:
-            raise ValueError(f"{name} does not have the rank attention() returns for layout {layout!r}: got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    grad_out, out, lse = _from_layout(grad_out, layout), _from_layout(out, layout), _from_layout(lse, layout, True)
-    expected = (*p.q.shape[:3], p.v.shape[-1])
-    for name, t in (("grad_out", grad_out), ("out", out)):
-        if tuple(t.shape) != expected:
-            raise ValueError(f"{name} must have the output's shape {list(expected)} (bhsd order), got "
-                             f"{tuple(t.shape)}")
-    if tuple(lse.shape) != expected[:3] or lse.dtype != torch.float32:
-        raise ValueError(f"lse must be float32 {list(expected[:3])} (bhsd order), got {lse.dtype} "
-                         f"{tuple(lse.shape)}")
-    if p.backend == "torch":
-        with torch.enable_grad():
-            inputs = [t.detach().requires_grad_(True) for t in (p.q, p.k, p.v)]
-            recomputed, _ = _reference(p, is_causal, *inputs, need_lse=False)
-            grads = torch.autograd.grad(recomputed, inputs, grad_out.to(recomputed.dtype))
-    else:
-        ops = _kernel_ops()
-        op = ops.sparse_attention_bwd if torch.compiler.is_compiling() else ops.backward_eager
-        with _on_device(p.q.device):
-            grads = op(grad_out.contiguous(), None, p.q, p.k, p.v, out, lse,
-                       *_op_args(p, is_causal, need_q_lists=True))
-    return tuple(_to_layout(g, None, layout)[0] for g in grads)
+    for "thd"). The other arguments must be those of the forward call (under torch.autocast, as there: q, k, v are
+    cast alike). Returns tensors shaped like q, k, v, in their dtypes."""
+    dtypes = [t.dtype if isinstance(t, torch.Tensor) else None for t in (q, k, v)]
+    q, k, v, autocast_off = _under_autocast(q, k, v)
+    with autocast_off:
+        p = _prepare(q, k, v, blocks, block_size, layout, cu_seqlens_q, cu_seqlens_kv, scale, attn_mask, is_causal,
+                     kv_valid, None, backend)
+        out_rank, lse_rank = (3, 2) if layout == "thd" else (4, 3)
+        for name, t, rank in (("grad_out", grad_out, out_rank), ("out", out, out_rank), ("lse", lse, lse_rank)):
+            if not isinstance(t, torch.Tensor) or t.ndim != rank:
+                raise ValueError(f"{name} does not have the rank attention() returns for layout {layout!r}: got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        grad_out, out = _from_layout(grad_out, layout), _from_layout(out, layout)
+        lse = _from_layout(lse, layout, True)
+        expected = (*p.q.shape[:3], p.v.shape[-1])
+        for name, t in (("grad_out", grad_out), ("out", out)):
+            if tuple(t.shape) != expected:
+                raise ValueError(f"{name} must have the output's shape {list(expected)} (bhsd order), got "
+                                 f"{tuple(t.shape)}")
+        if tuple(lse.shape) != expected[:3] or lse.dtype != torch.float32:
+            raise ValueError(f"lse must be float32 {list(expected[:3])} (bhsd order), got {lse.dtype} "
+                             f"{tuple(lse.shape)}")
+        if p.backend == "torch":
+            with torch.enable_grad():
+                inputs = [t.detach().requires_grad_(True) for t in (p.q, p.k, p.v)]
+                recomputed, _ = _reference(p, is_causal, *inputs, need_lse=False)
+                grads = torch.autograd.grad(recomputed, inputs, grad_out.to(recomputed.dtype))
+        else:
+            ops = _kernel_ops()
+            op = ops.sparse_attention_bwd if torch.compiler.is_compiling() else ops.backward_eager
+            with _on_device(p.q.device):
+                grads = op(grad_out.contiguous(), None, p.q, p.k, p.v, out, lse,
+                           *_op_args(p, is_causal, need_q_lists=True))
+    # under autocast the gradients come back in the inputs' own dtypes, as autograd would give them
+    return tuple(_to_layout(g, None, layout)[0].to(dtype) for g, dtype in zip(grads, dtypes))
 
 
 def _op_args(p: _Prepared, is_causal: bool, need_q_lists: bool) -> tuple:

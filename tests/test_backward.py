@@ -139,6 +139,59 @@ def test_training_after_calls_under_inference_mode(geometry, pinned, determinist
             assert torch.equal(a, b), f"{name} differs after the inference-mode pass (blocks={blocks is not None})"
 
 
+@pytest.mark.parametrize("backend, compiled", [("torch", False), ("triton", False), ("triton", True)])
+def test_autocast_runs_fp32_inputs_in_its_dtype(geometry, pinned, deterministic, backend, compiled):
+    """Under torch.autocast, fp32 q, k, v run in the autocast dtype, as scaled_dot_product_attention does there: the
+    output is bf16 and equals, bitwise, the same call on inputs cast beforehand outside autocast (so the PyTorch
+    backend's own products are not downcast as well); the fp32 leaves get that call's gradients, cast up."""
+    g = geometry
+    seq = g.seqs[0]
+    q, k, v = qkv(g.batch, g.heads, seq, g.dim, dtype=torch.float32, seed=11)
+    keep = random_keep(g.batch, g.heads, seq, seq, g.block)
+    attention = torch.compile(blockattn.attention, fullgraph=True) if compiled else blockattn.attention
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        got = grads(q, k, v, keep, g.block, is_causal=True, backend=backend, attention=attention)
+    want = grads(*(t.to(torch.bfloat16) for t in (q, k, v)), keep, g.block, is_causal=True, backend=backend,
+                 attention=attention)
+    assert got[0].dtype == torch.bfloat16, f"autocast left the output in {got[0].dtype}"
+    assert torch.equal(got[0], want[0]), "out under autocast differs from the call on inputs cast beforehand"
+    for name, a, b in zip(("dq", "dk", "dv"), got[1:], want[1:]):
+        assert a.dtype == torch.float32, f"{name} came back in {a.dtype}, not the leaf's fp32"
+        assert torch.equal(a, b.float()), f"{name} under autocast differs from the cast call's, cast up"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_explicit_backward_under_autocast_matches_the_forwards_cast(geometry, pinned, deterministic, backend):
+    """attention_backward under autocast casts q, k, v as the forward did and returns gradients in their dtypes:
+    fp32 here, equal to the bf16 call's cast up."""
+    g = geometry
+    seq = g.seqs[0]
+    q, k, v = qkv(g.batch, g.heads, seq, g.dim, dtype=torch.float32, seed=12)
+    keep = random_keep(g.batch, g.heads, seq, seq, g.block)
+    grad_out = upstream((g.batch, g.heads, seq, g.dim), torch.bfloat16)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        out, lse = blockattn.attention(q, k, v, keep, g.block, return_lse=True, backend=backend)
+        got = blockattn.attention_backward(grad_out, q, k, v, out, lse, keep, g.block, backend=backend)
+    want = blockattn.attention_backward(grad_out, *(t.to(torch.bfloat16) for t in (q, k, v)), out, lse, keep,
+                                        g.block, backend=backend)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert a.dtype == torch.float32, f"{name} came back in {a.dtype}"
+        assert torch.equal(a, b.float()), f"{name} under autocast differs from the cast call's"
+
+
+def test_autocast_leaves_fp64_inputs_alone(geometry):
+    """fp64 is not an autocast dtype (PyTorch's autocast does not cast it); the PyTorch backend computes in it."""
+    g = geometry
+    seq = g.seqs[0]
+    q, k, v = qkv(g.batch, g.heads, seq, g.dim, dtype=torch.float64, seed=13)
+    keep = random_keep(g.batch, g.heads, seq, seq, g.block)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        out = blockattn.attention(q, k, v, keep, g.block, backend="torch")
+    assert out.dtype == torch.float64
+    want, _ = oracle(q, k, v, expand(keep, g.block, seq, seq))
+    assert (out - want).abs().max() <= 1e-10 * want.abs().max()
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_dropped_blocks_get_exactly_zero_gradients(geometry, poisoned, backend):
     g = geometry
