@@ -319,7 +319,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     and LSE -inf.
     Returns out in the input layout with Dv last (and lse float32 [B, Hq, Sq], or [T, Hq] for "thd", natural log,
     if return_lse). backend: "auto" (Triton on CUDA, PyTorch on CPU unless TRITON_INTERPRET=1), "triton" or
-    "torch". Differentiable on every backend (gradients for q, k, v, and through lse).
+    "torch". Differentiable on every backend (gradients for q, k, v, and through lse); the Triton backend once
+    only: a double backward (create_graph=True, then differentiating the gradients) raises.
     Under torch.autocast, q, k and v are cast to its dtype first, as scaled_dot_product_attention does (fp64
     excepted): fp32 inputs then run the bf16/fp16 kernels and out comes back in that dtype.
     """

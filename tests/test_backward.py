@@ -179,6 +179,23 @@ def test_explicit_backward_under_autocast_matches_the_forwards_cast(geometry, pi
         assert torch.equal(a, b.float()), f"{name} under autocast differs from the cast call's"
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_second_order_gradient_raises_instead_of_dropping_attention(geometry, compiled):
+    """The Triton backward is not itself differentiable. A gradient penalty that differentiates through dq (with
+    create_graph=True) must raise, not return a result that silently leaves out attention's second-order share
+    (here the penalty also has a path around attention, so without the guard backward() would succeed)."""
+    g = geometry
+    seq = g.seqs[0]
+    q, k, v = (t.requires_grad_(True) for t in qkv(g.batch, g.heads, seq, g.dim, dtype=torch.float32, seed=14))
+    keep = random_keep(g.batch, g.heads, seq, seq, g.block)
+    attention = torch.compile(blockattn.attention, fullgraph=True) if compiled else blockattn.attention
+    out = attention(q, k, v, keep, g.block, backend="triton")
+    dq, = torch.autograd.grad((out * out).sum(), q, create_graph=True)
+    penalty = (dq * dq).sum() + (q * q).sum()
+    with pytest.raises(RuntimeError, match="differentiate twice|double backward"):
+        penalty.backward()
+
+
 def test_autocast_leaves_fp64_inputs_alone(geometry):
     """fp64 is not an autocast dtype (PyTorch's autocast does not cast it); the PyTorch backend computes in it."""
     g = geometry

@@ -133,5 +133,6 @@ class EagerAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # a double backward raises instead of dropping this op's share
     def backward(ctx, grad_out, grad_lse):
         return _gradients(ctx, grad_out, grad_lse, backward_some)
