@@ -206,10 +206,12 @@ def test_a_candidate_that_does_not_fit_gives_way_to_the_next(monkeypatch):
     assert fn.refused == [128] * configs.index(first_fit) and len(fn.launched) == 1
 
 
-def test_tuned_candidates_that_all_overflow_fall_back_to_the_spares(monkeypatch):
+def test_tuned_candidates_that_all_overflow_fall_back_to_the_spares(monkeypatch, tmp_path):
+    """When no benchmarked candidate fits, the first spare that does runs, and that choice is remembered in memory
+    and on disk (a new process does not benchmark again)."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(autotune, "is_interpreted", lambda fn: False)
     monkeypatch.setattr(autotune, "_CHOICES", {})
-    monkeypatch.setattr(autotune, "DISK_CACHE", False)
     tall, short = (autotune.triton.Config({"BLOCK_M": m}, num_warps=w) for m, w in ((128, 8), (64, 4)))
     configs = autotune.Candidates("FWD", [tall, autotune.triton.Config({"BLOCK_M": 128}, num_warps=4), short])
     configs.tuned = 2
@@ -224,10 +226,12 @@ def test_tuned_candidates_that_all_overflow_fall_back_to_the_spares(monkeypatch)
     monkeypatch.setattr(autotune, "_tuner", lambda kernel_fn, candidates, key, reset: OverflowingTuner()
                         if len(candidates) == 2 else pytest.fail(f"benchmarked {len(candidates)} configs, not 2"))
     fn = TooTallKernelFn(max_block_m=64)
-    for _ in range(2):
+    for restart in (False, False, True):
+        if restart:
+            monkeypatch.setattr(autotune, "_CHOICES", {})  # a new process: only the disk remembers
         kernel, config = autotune.launch(fn, lambda meta: (1,), configs, ("A",), A=1)
         assert kernel == "compiled" and config is short
-    assert len(tuned) == 1, "the fallback is remembered"
+    assert len(tuned) == 1, "the fallback is remembered, in memory and on disk"
 
 
 def test_no_candidate_fitting_names_the_variables(monkeypatch):

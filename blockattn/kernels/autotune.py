@@ -200,8 +200,9 @@ class _HashableConfigs(tuple):
 # are set per config), so blockattn keeps its choices itself, in Triton's cache directory (TRITON_CACHE_DIR):
 # clearing that cache retunes. Benchmarks that sweep the candidates switch it off.
 DISK_CACHE = True
-_CHOICE_FORMAT = "blockattn-tile-choice-1"
-# (kernel, candidate list, tuning-key values, argument dtypes) -> the config chosen for them in this process.
+_CHOICE_FORMAT = "blockattn-tile-choice-2"
+# (kernel, every candidate, how many are tuned, tuning-key values, argument dtypes) -> the config chosen for them in
+# this process.
 _CHOICES: dict = {}
 
 
@@ -222,11 +223,12 @@ def launch(kernel_fn, grid, configs: list[triton.Config], key: tuple, reset_to_z
     tuned, kernel_name = getattr(configs, "tuned", len(configs)), getattr(configs, "kernel", None)
     if tuned == 1:
         return _first_that_fits(kernel_fn, grid, configs, pre_hook, kwargs, kernel_name)
+    # the choice is one of every candidate (a spare, when none of the tuned fits), stored as its index there
+    choice_key = (kernel_fn, _HashableConfigs(configs), tuned, tuple(kwargs.get(name) for name in key),
+                  tuple(str(value.dtype) for value in kwargs.values() if hasattr(value, "dtype")))
     spare = configs[tuned:]
     configs = configs[:tuned]
     candidates = _HashableConfigs(configs)
-    choice_key = (kernel_fn, candidates, tuple(kwargs.get(name) for name in key),
-                  tuple(str(value.dtype) for value in kwargs.values() if hasattr(value, "dtype")))
     config = _CHOICES.get(choice_key)
     if config is None and DISK_CACHE:
         config = _read_choice(choice_key)
@@ -281,10 +283,10 @@ def _choice_file(choice_key: tuple) -> tuple:
 
     import torch
     from triton.runtime.cache import get_cache_manager
-    kernel_fn, candidates, values, dtypes = choice_key
+    kernel_fn, candidates, tuned, values, dtypes = choice_key
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    parts = [_CHOICE_FORMAT, triton.__version__, gpu, kernel_fn.cache_key,
-             repr(values), repr(dtypes), repr(COMPILE_OPTIONS)] + [str(c) for c in candidates]
+    parts = [_CHOICE_FORMAT, triton.__version__, gpu, kernel_fn.cache_key, repr(values), repr(dtypes),
+             repr(COMPILE_OPTIONS), str(tuned)] + [str(c) for c in candidates]
     digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()
     return get_cache_manager(digest), f"{kernel_fn.__name__}.tile.json"
 

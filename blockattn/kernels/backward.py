@@ -436,7 +436,7 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
     shared = dict(Q=q, K=k, V=v, DO=grad_out, Lse2=lse2, Delta=delta,
                   **optional_tensors(lse, token_mask, block_mask, kv_valid, varlen))
     site = site_key(block_q, block_kv, scale, is_causal, token_mask, block_mask, mask_block_q, mask_block_kv,
-                    kv_valid, varlen) + (dq_mode, tma.DKDV_TMA_LOADS)
+                    kv_valid, varlen, q.dtype) + (dq_mode, tma.DKDV_TMA_LOADS)
     batch, seq_q, seq_kv = (varlen.batch, varlen.max_q, varlen.max_kv) if packed else (q.shape[0], q.shape[2],
                                                                                         k.shape[2])
     work = batch * heads * seq_q * seq_kv * q.shape[-1]  # the dense problem's, for tma.tile_args

@@ -233,12 +233,13 @@ def optional_tensors(dummy: torch.Tensor, token_mask, block_mask, kv_valid, varl
 
 
 def site_key(block_q: int, block_kv: int, scale: float, is_causal: bool, token_mask, block_mask, mask_block_q: int,
-             mask_block_kv: int, kv_valid, varlen: Optional[Varlen]) -> tuple:
+             mask_block_kv: int, kv_valid, varlen: Optional[Varlen], dtype: torch.dtype) -> tuple:
     """What every attention launcher's plan key holds besides its tensors (launch.run): the scalar arguments,
-    which optional tensors are present, and the switches the launchers read."""
+    which optional tensors are present, and the switches the launchers read (PyTorch's tf32 switch only for fp32
+    inputs, dtype, the only ones it changes: reading it costs a microsecond a launch)."""
     return (block_q, block_kv, scale, bool(is_causal), token_mask is None, block_mask is None, mask_block_q,
             mask_block_kv, kv_valid is None, (varlen.batch, varlen.max_q, varlen.max_kv) if varlen else None,
-            tma.TMA_LOADS, tma.MIN_DESCRIPTOR_WORK, tf32_allowed(), SPLIT_WALKS, launch.MAX_GRID_AXIS)
+            tma.TMA_LOADS, tma.MIN_DESCRIPTOR_WORK, dtype == torch.float32 and tf32_allowed(), SPLIT_WALKS, launch.MAX_GRID_AXIS)
 
 
 def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, scale: float,
@@ -260,7 +261,7 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
     tensors = dict(Q=q, K=k, V=v, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index,
                    **optional_tensors(kv_count, token_mask, block_mask, kv_valid, varlen))
     site = site_key(block_q, block_kv, scale, is_causal, token_mask, block_mask, mask_block_q, mask_block_kv,
-                    kv_valid, varlen) + (autotune.env_key("FWD"),)
+                    kv_valid, varlen, q.dtype) + (autotune.env_key("FWD"),)
 
     def build() -> launch.LaunchSpec:
         heads, kv_heads = q.shape[1], k.shape[1]
