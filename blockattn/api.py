@@ -90,7 +90,9 @@ def _under_autocast(q, k, v):
     blockattn computes, so the PyTorch backend's products keep the precision they have outside autocast. Otherwise
     the inputs unchanged and a null context."""
     device_type = q.device.type if isinstance(q, torch.Tensor) else None
-    if (device_type is None or not torch.amp.is_autocast_available(device_type)
+    # is_autocast_available (false for "meta") is opaque to torch.compile before PyTorch 2.13; a compiled call's
+    # tensors are on a real device, and the two autocast reads are folded to constants there
+    if (device_type is None or not (torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type))
             or not torch.is_autocast_enabled(device_type)):
         return q, k, v, contextlib.nullcontext()
     dtype = torch.get_autocast_dtype(device_type)
