@@ -110,8 +110,8 @@ def _dense_sparsity(block_size, seq_q: int, seq_kv: int, device: torch.device) -
     reuses its lists (and the causal and q lists derived from them) instead of rebuilding them every call. Built
     afresh while torch.compile traces or a CUDA graph captures (a cached tensor must not come from either)."""
     block_size = check_block_size(block_size)
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if torch.compiler.is_compiling() or capturing:
+    # is_compiling first: torch.compile cannot trace is_current_stream_capturing (a graph break)
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return BlockSparsity.dense(block_size, seq_q, seq_kv, device=device)
     return _cached_dense(block_size, seq_q, seq_kv, device)
 
