@@ -239,7 +239,8 @@ def site_key(block_q: int, block_kv: int, scale: float, is_causal: bool, token_m
     inputs, dtype, the only ones it changes: reading it costs a microsecond a launch)."""
     return (block_q, block_kv, scale, bool(is_causal), token_mask is None, block_mask is None, mask_block_q,
             mask_block_kv, kv_valid is None, (varlen.batch, varlen.max_q, varlen.max_kv) if varlen else None,
-            tma.TMA_LOADS, tma.MIN_DESCRIPTOR_WORK, dtype == torch.float32 and tf32_allowed(), SPLIT_WALKS, launch.MAX_GRID_AXIS)
+            tma.TMA_LOADS, tma.MIN_DESCRIPTOR_WORK, dtype == torch.float32 and tf32_allowed(), SPLIT_WALKS,
+            launch.MAX_GRID_AXIS)
 
 
 def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, scale: float,
