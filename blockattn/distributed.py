@@ -1,0 +1,100 @@
+"""Sequence-parallel block-sparse attention over torch.distributed (all-to-all over heads, "Ulysses").
+
+Each of P ranks holds a contiguous shard of the sequence (rank r: tokens r * S/P .. (r + 1) * S/P - 1) with every
+head. One all-to-all turns that into the whole sequence for H/P heads, blockattn.attention runs there with those
+heads' slice of the block mask (and token mask), and a second all-to-all returns the output to sequence shards.
+The result is exactly attention() on the whole sequence; the collectives are differentiable
+(torch.distributed.nn.functional.all_to_all), so the backward runs the reverse all-to-alls.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from .api import attention
+from .sparsity import BlockSparsity
+
+
+def _world(group) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("sequence_parallel_attention needs torch.distributed initialized (init_process_group)")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _all_to_all(chunks: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """Send chunks[j] to rank j; returns what each rank sent here, in rank order (differentiable)."""
+    from torch.distributed.nn.functional import all_to_all
+    chunks = [c.contiguous() for c in chunks]
+    return list(all_to_all([torch.empty_like(c) for c in chunks], chunks, group=group))
+
+
+def _sequence_to_heads(x: torch.Tensor, world: int, group) -> torch.Tensor:
+    """[B, H, S/P, D] (this rank's tokens, all heads) -> [B, H/P, S, D] (all tokens, this rank's heads)."""
+    return torch.cat(_all_to_all(list(x.chunk(world, dim=1)), group), dim=2)
+
+
+def _heads_to_sequence(x: torch.Tensor, world: int, group) -> torch.Tensor:
+    """[B, H/P, S, D] -> [B, H, S/P, D]: the inverse of _sequence_to_heads."""
+    return torch.cat(_all_to_all(list(x.chunk(world, dim=2)), group), dim=1)
+
+
+def _rank_heads(name: str, mask: Optional[torch.Tensor], heads: int, world: int, rank: int):
+    """This rank's heads of a [B|1, H|1, ..] mask (a head-shared mask is kept whole)."""
+    if mask is None or mask.ndim < 3 or mask.shape[-3] == 1:
+        return mask
+    if mask.ndim != 4 or mask.shape[1] != heads:
+        raise ValueError(f"{name} must have 1 or {heads} (the query heads) heads in dim 1 of [B, H, ..], got shape "
+                         f"{tuple(mask.shape)}")
+    per_rank = heads // world
+    return mask[:, rank * per_rank:(rank + 1) * per_rank]
+
+
+def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                blocks: Union[torch.Tensor, BlockSparsity, None] = None, block_size=None, *,
+                                group=None, layout: str = "bhsd", attn_mask: Optional[torch.Tensor] = None,
+                                return_lse: bool = False, **kwargs):
+    """blockattn.attention over a sequence split across the ranks of `group` (default: the world).
+
+    q: [B, Hq, Sq/P, D], k: [B, Hkv, Sk/P, D], v: [B, Hkv, Sk/P, Dv] ("bhsd"; [B, S/P, H, D] for "bshd"): this
+    rank's contiguous shard, every rank's the same size, Hq a multiple of P (when Hkv is not, the key/value heads
+    are repeated to Hq before the exchange, at Hq / Hkv times their traffic). blocks (a block mask or a
+    BlockSparsity), attn_mask and kv_valid describe the whole sequences (Sq, Sk), as attention() takes them; each
+    rank uses its heads' slice. Other keyword arguments (is_causal, scale, kv_valid, backend) go to attention().
+    Returns this rank's shard of out (and of lse [B, Hq, Sq/P] if return_lse), exactly attention() on the whole
+    sequence. Differentiable. The collectives are eager: compile attention() itself, not this function."""
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f'layout must be "bhsd" or "bshd" (a packed "thd" batch cannot be split by rank), got '
+                         f"{layout!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.ndim != 4:
+            raise ValueError(f"{name} must be a 4-D tensor ({layout!r}), got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    world, rank = _world(group)
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v)) if layout == "bshd" else (q, k, v)
+    heads, kv_heads = qh.shape[1], kh.shape[1]
+    if heads % world:
+        raise ValueError(f"the query heads ({heads}) must be a multiple of the ranks ({world}): each rank attends "
+                         "with a share of them")
+    if kv_heads and heads % kv_heads == 0 and kv_heads % world:
+        # fewer key/value heads than a whole share per rank: each query head gets its own copy (MHA) to send
+        kh, vh = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (kh, vh))
+    if isinstance(blocks, BlockSparsity):
+        if block_size is not None and tuple(block_size) != blocks.block_size:
+            raise ValueError(f"block_size {tuple(block_size)} disagrees with the BlockSparsity's {blocks.block_size}")
+        blocks, block_size = blocks.mask, blocks.block_size
+    local_blocks = _rank_heads("blocks", blocks, heads, world, rank) if isinstance(blocks, torch.Tensor) else blocks
+    local_mask = _rank_heads("attn_mask", attn_mask, heads, world, rank)
+
+    q_all, k_all, v_all = (_sequence_to_heads(t, world, group) for t in (qh, kh, vh))
+    result = attention(q_all, k_all, v_all, local_blocks, block_size, attn_mask=local_mask, return_lse=return_lse,
+                       **kwargs)
+    out, lse = result if return_lse else (result, None)
+    out = _heads_to_sequence(out, world, group)
+    if layout == "bshd":
+        out = out.transpose(1, 2)
+    if not return_lse:
+        return out
+    return out, _heads_to_sequence(lse[..., None], world, group)[..., 0]

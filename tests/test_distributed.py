@@ -1,0 +1,112 @@
+"""blockattn.distributed: sequence-parallel attention on 2 and 3 CPU ranks (gloo) equals attention() on the whole
+sequence, forward and backward."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import blockattn
+from blockattn.distributed import sequence_parallel_attention
+
+# Whole sequences (divisible by the ranks), heads and blocks; the block edges fall inside rank shards.
+# 6 query heads over 3 kv heads: on 3 ranks one kv head each, on 2 ranks the kv heads are repeated.
+SEQ_Q, SEQ_KV, HEADS, KV_HEADS, DIM, BLOCK = 96, 120, 6, 3, 16, (16, 8)
+
+
+def inputs(layout: str):
+    """The whole problem, the same on every rank: q, k, v (bhsd, fp32), a block mask per head, a token mask per
+    head, kv_valid, and the upstream gradient of out."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, HEADS, SEQ_Q, DIM, generator=gen)
+    k = torch.randn(2, KV_HEADS, SEQ_KV, DIM, generator=gen)
+    v = torch.randn(2, KV_HEADS, SEQ_KV, DIM, generator=gen)
+    nq, nk = -(-SEQ_Q // BLOCK[0]), -(-SEQ_KV // BLOCK[1])
+    keep = torch.rand(2, HEADS, nq, nk, generator=gen) < 0.5
+    keep[:, :, 3] = False                                          # a query block that sees nothing
+    token_mask = torch.rand(1, HEADS, SEQ_Q, SEQ_KV, generator=gen) < 0.8
+    kv_valid = torch.randint(1, BLOCK[1] + 1, (nk,), generator=gen, dtype=torch.int32)
+    grad_out = torch.randn(2, HEADS, SEQ_Q, DIM, generator=gen)
+    return q, k, v, keep, token_mask, kv_valid, grad_out
+
+
+def whole(layout: str, use_sparsity: bool):
+    """attention() on one process: out, lse and the three gradients, in bhsd."""
+    q, k, v, keep, token_mask, kv_valid, grad_out = inputs(layout)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out, lse = blockattn.attention(*leaves, keep, BLOCK, attn_mask=token_mask, kv_valid=kv_valid, is_causal=True,
+                                   return_lse=True, backend="torch")
+    (out * grad_out).sum().backward()
+    return [out.detach(), lse.detach()] + [t.grad for t in leaves]
+
+
+def shard(x: torch.Tensor, rank: int, world: int, dim: int = 2) -> torch.Tensor:
+    return x.chunk(world, dim=dim)[rank]
+
+
+def worker(rank: int, world: int, port: int, layout: str, use_sparsity: bool, results):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        q, k, v, keep, token_mask, kv_valid, grad_out = inputs(layout)
+        blocks = blockattn.BlockSparsity.from_mask(keep, BLOCK, SEQ_Q, SEQ_KV) if use_sparsity else keep
+        local = [shard(t, rank, world).clone().requires_grad_(True) for t in (q, k, v)]
+        args = [t.transpose(1, 2) for t in local] if layout == "bshd" else local
+        out, lse = sequence_parallel_attention(*args, blocks, None if use_sparsity else BLOCK, layout=layout,
+                                               attn_mask=token_mask, kv_valid=kv_valid, is_causal=True,
+                                               return_lse=True, backend="torch")
+        if layout == "bshd":
+            out = out.transpose(1, 2)
+        (out * shard(grad_out, rank, world)).sum().backward()
+        results[rank] = [out.detach(), lse.detach()] + [t.grad for t in local]
+    except Exception as error:  # reported to the parent, which fails the test with it
+        results[rank] = repr(error)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world, layout, use_sparsity", [(2, "bhsd", False), (3, "bshd", True)])
+def test_sequence_parallel_attention_equals_the_whole_sequence(world, layout, use_sparsity):
+    """Each rank's shard of out, lse, dq, dk and dv equals the single-process result's (GQA, a block mask per
+    head, a token mask per head, kv_valid, causal, an empty query block), to fp32 rounding."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        env = {"OMP_NUM_THREADS": "1"}
+        previous = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
+        try:
+            mp.spawn(worker, args=(world, free_port(), layout, use_sparsity, results), nprocs=world)
+        finally:
+            for name, value in previous.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        got = dict(results)
+    want = whole(layout, use_sparsity)
+    for rank in range(world):
+        assert not isinstance(got[rank], str), f"rank {rank} raised {got[rank]}"
+        for name, part, full in zip(("out", "lse", "dq", "dk", "dv"), got[rank], want):
+            expected = shard(full, rank, world)
+            assert torch.isfinite(part[expected.isfinite()]).all() and torch.equal(part.isinf(), expected.isinf())
+            torch.testing.assert_close(part, expected, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name}")
+
+
+def test_without_an_initialized_group_the_error_says_so():
+    q = torch.zeros(1, 2, 16, 16)
+    with pytest.raises(ValueError, match="needs torch.distributed initialized"):
+        sequence_parallel_attention(q, q, q)
+
+
+def test_bad_layout_is_named():
+    q = torch.zeros(1, 2, 16, 16)
+    with pytest.raises(ValueError, match='layout must be "bhsd" or "bshd"'):
+        sequence_parallel_attention(q, q, q, layout="thd")
