@@ -193,8 +193,24 @@ class _Prepared(NamedTuple):
     lengths: Optional[list]   # "thd" only: [(start_q, len_q, start_kv, len_kv)] per sequence (host values)
 
 
-def _prepare_offsets(cu_seqlens_q, cu_seqlens_kv, tokens_q: int, tokens_kv: int, device):
-    """Check the "thd" offsets (a host read) and return (Varlen, per-sequence spans)."""
+def _check_max_seqlens(max_seqlen_q, max_seqlen_kv, layout: str) -> Optional[tuple]:
+    """(max_seqlen_q, max_seqlen_kv) when given (both, positive ints, layout "thd"), else None."""
+    if max_seqlen_q is None and max_seqlen_kv is None:
+        return None
+    if layout != "thd":
+        raise ValueError(f'max_seqlen_q / max_seqlen_kv belong to layout "thd", got layout {layout!r}')
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int (give both max_seqlen_q and max_seqlen_kv, or neither),"
+                             f" got {value!r}")
+    return max_seqlen_q, max_seqlen_kv
+
+
+def _prepare_offsets(cu_seqlens_q, cu_seqlens_kv, tokens_q: int, tokens_kv: int, device,
+                     max_seqlens: Optional[tuple] = None, need_spans: bool = True):
+    """Check the "thd" offsets and return (Varlen, per-sequence spans or None). The offsets' values are read on the
+    host (a synchronization) unless max_seqlens gives the longest lengths and need_spans is False (the kernels need
+    no spans): then nothing is read, and the values are the caller's promise."""
     for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, tokens_q), ("cu_seqlens_kv", cu_seqlens_kv, tokens_kv)):
         if cu is None:
             raise ValueError(f'layout "thd" needs {name} (int32 offsets [N + 1] of each sequence\'s first token)')
@@ -206,6 +222,13 @@ def _prepare_offsets(cu_seqlens_q, cu_seqlens_kv, tokens_q: int, tokens_kv: int,
     if cu_seqlens_q.shape != cu_seqlens_kv.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_kv must describe the same number of sequences, got "
                          f"{cu_seqlens_q.shape[0] - 1} and {cu_seqlens_kv.shape[0] - 1}")
+    if max_seqlens is not None:
+        for name, value, total in (("max_seqlen_q", max_seqlens[0], tokens_q),
+                                   ("max_seqlen_kv", max_seqlens[1], tokens_kv)):
+            if value > max(total, 1):
+                raise ValueError(f"{name}={value} exceeds the packed token count {total}")
+        if not need_spans:
+            return Varlen(cu_seqlens_q.contiguous(), cu_seqlens_kv.contiguous(), *max_seqlens), None
     host_q, host_kv = cu_seqlens_q.tolist(), cu_seqlens_kv.tolist()
     for name, cu, total in (("cu_seqlens_q", host_q, tokens_q), ("cu_seqlens_kv", host_kv, tokens_kv)):
         if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] != total:
@@ -214,11 +237,17 @@ def _prepare_offsets(cu_seqlens_q, cu_seqlens_kv, tokens_q: int, tokens_kv: int,
              for i in range(len(host_q) - 1)]
     max_q = max(1, max(span[1] for span in spans))
     max_kv = max(1, max(span[3] for span in spans))
+    if max_seqlens is not None:
+        for name, given, longest in (("max_seqlen_q", max_seqlens[0], max_q), ("max_seqlen_kv", max_seqlens[1],
+                                                                                max_kv)):
+            if given < longest:
+                raise ValueError(f"{name}={given} is shorter than the longest sequence ({longest})")
+        max_q, max_kv = max_seqlens
     return Varlen(cu_seqlens_q.contiguous(), cu_seqlens_kv.contiguous(), max_q, max_kv), spans
 
 
 def _prepare(q, k, v, blocks, block_size, layout, cu_seqlens_q, cu_seqlens_kv, scale, attn_mask, is_causal,
-             kv_valid, quant, backend) -> _Prepared:
+             kv_valid, quant, backend, max_seqlens: Optional[tuple] = None) -> _Prepared:
     """Validate every argument and bring the inputs to "bhsd" views (no copies)."""
     if layout not in _LAYOUTS:
         raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
@@ -251,7 +280,8 @@ def _prepare(q, k, v, blocks, block_size, layout, cu_seqlens_q, cu_seqlens_kv, s
         if attn_mask is not None:
             raise NotImplementedError('attn_mask with layout "thd" is not supported yet: use blocks, is_causal '
                                       "and kv_valid")
-        varlen, spans = _prepare_offsets(cu_seqlens_q, cu_seqlens_kv, seq_q, seq_kv, device)
+        varlen, spans = _prepare_offsets(cu_seqlens_q, cu_seqlens_kv, seq_q, seq_kv, device, max_seqlens,
+                                         need_spans=backend == "torch")
         batch, seq_q, seq_kv = varlen.batch, varlen.max_q, varlen.max_kv
     sparsity = _prepare_blocks(blocks, block_size, seq_q, seq_kv, batch, heads, device)
     token_mask = _prepare_token_mask(attn_mask, batch, heads, seq_q, seq_kv, device)
@@ -304,12 +334,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               layout: str = "bhsd", cu_seqlens_q=None, cu_seqlens_kv=None, scale: Optional[float] = None,
               attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
               kv_valid: Optional[torch.Tensor] = None, quant: Optional[str] = None, return_lse: bool = False,
-              backend: str = "auto"):
+              backend: str = "auto", max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None):
     """Exact attention over the kept (query block, key block) pairs.
 
     q: [B, Hq, Sq, D], k: [B, Hkv, Sk, D], v: [B, Hkv, Sk, Dv] for layout "bhsd"; [B, S, H, D] for "bshd";
     packed [T, H, D] for "thd" with cu_seqlens_q / cu_seqlens_kv (int32 offsets [N + 1]; a sequence's query and
-    key lengths may differ). Hq a multiple of Hkv (GQA/MQA); D, Dv in 16..256; fp16, bf16 or fp32 (fp64 on the
+    key lengths may differ; max_seqlen_q / max_seqlen_kv, the longest lengths as ints, spare the host read of the
+    offsets, which synchronizes and breaks a torch.compile graph: with them the Triton path reads nothing back, and
+    they must be at least the longest lengths, which it cannot check). Hq a multiple of Hkv (GQA/MQA); D, Dv in 16..256; fp16, bf16 or fp32 (fp64 on the
     torch backend).
     blocks: block mask (bool/int8/uint8, nonzero = keep) shaped [nq, nk], [H|1, nq, nk] or [B|1, H|1, nq, nk]
     with nq = ceil(Sq / block_q), nk = ceil(Sk / block_kv) ("thd": [N|1, H|1, nq, nk] at the longest lengths, each
@@ -326,10 +358,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Under torch.autocast, q, k and v are cast to its dtype first, as scaled_dot_product_attention does (fp64
     excepted): fp32 inputs then run the bf16/fp16 kernels and out comes back in that dtype.
     """
+    max_seqlens = _check_max_seqlens(max_seqlen_q, max_seqlen_kv, layout)
     q, k, v, autocast_off = _under_autocast(q, k, v)
     with autocast_off:
         p = _prepare(q, k, v, blocks, block_size, layout, cu_seqlens_q, cu_seqlens_kv, scale, attn_mask, is_causal,
-                     kv_valid, quant, backend)
+                     kv_valid, quant, backend, max_seqlens)
         if p.backend == "torch":
             out, lse = _reference(p, is_causal, need_lse=return_lse)
         else:
@@ -352,17 +385,19 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        blocks: Union[torch.Tensor, BlockSparsity, None] = None, block_size=None, *,
                        layout: str = "bhsd", cu_seqlens_q=None, cu_seqlens_kv=None, scale: Optional[float] = None,
                        attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
-                       kv_valid: Optional[torch.Tensor] = None, backend: str = "auto"):
+                       kv_valid: Optional[torch.Tensor] = None, backend: str = "auto",
+                       max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None):
     """Gradients (dq, dk, dv) of attention() from its saved output and LSE, without autograd.
 
     grad_out and out: shaped like attention()'s output; lse: float32 from return_lse=True ([B, Hq, Sq], or [T, Hq]
     for "thd"). The other arguments must be those of the forward call (under torch.autocast, as there: q, k, v are
     cast alike). Returns tensors shaped like q, k, v, in their dtypes."""
+    max_seqlens = _check_max_seqlens(max_seqlen_q, max_seqlen_kv, layout)
     dtypes = [t.dtype if isinstance(t, torch.Tensor) else None for t in (q, k, v)]
     q, k, v, autocast_off = _under_autocast(q, k, v)
     with autocast_off:
         p = _prepare(q, k, v, blocks, block_size, layout, cu_seqlens_q, cu_seqlens_kv, scale, attn_mask, is_causal,
-                     kv_valid, None, backend)
+                     kv_valid, None, backend, max_seqlens)
         out_rank, lse_rank = (3, 2) if layout == "thd" else (4, 3)
         for name, t, rank in (("grad_out", grad_out, out_rank), ("out", out, out_rank), ("lse", lse, lse_rank)):
             if not isinstance(t, torch.Tensor) or t.ndim != rank:

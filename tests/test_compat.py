@@ -161,6 +161,9 @@ def test_npu_errors():
     with pytest.raises(ValueError, match="num_key_value_heads"):
         npu.npu_block_sparse_attention(q, q, q, mask, [16, 16], num_key_value_heads=1, actual_seq_lengths=[10],
                                        actual_seq_lengths_kv=[10])
+    with pytest.raises(ValueError, match="actual_seq_lengths_kv must sum to the packed token count 10, got 12"):
+        npu.npu_block_sparse_attention(q, q, q, mask, [16, 16], num_key_value_heads=2, actual_seq_lengths=[4, 6],
+                                       actual_seq_lengths_kv=[6, 6])
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])

@@ -4,7 +4,7 @@ import torch
 
 import blockattn
 from blockattn.kernels import ops
-from conftest import ON_GPU, qkv, random_keep
+from conftest import DEVICE, ON_GPU, qkv, random_keep
 
 
 def op_args(requires_grad):
@@ -98,3 +98,18 @@ def test_eager_autograd_bypasses_the_custom_op():
     q, k, v = (t.requires_grad_(True) for t in qkv(1, 2, 64, 32, dtype=torch.float32))
     out = blockattn.attention(q, k, v, random_keep(1, 2, 64, 64, (32, 32)), (32, 32), backend="triton")
     assert type(out.grad_fn).__name__ == "EagerAttentionBackward"
+
+
+def test_a_compiled_packed_batch_with_its_longest_lengths_has_no_graph_break():
+    """layout "thd" under torch.compile(fullgraph=True): with max_seqlen_q / max_seqlen_kv given, nothing reads the
+    offsets on the host (that read is a graph break), and the result equals the eager call's."""
+    gen = torch.Generator(device=DEVICE).manual_seed(6)
+    q, k, v = (torch.randn(70, 2, 32, generator=gen, device=DEVICE) for _ in range(3))
+    cu = torch.tensor([0, 30, 70], dtype=torch.int32, device=DEVICE)
+    keep = random_keep(2, 2, 40, 40, (32, 16))
+    kwargs = dict(layout="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=40, max_seqlen_kv=40,
+                  is_causal=True, backend="triton")
+    torch._dynamo.reset()
+    compiled = torch.compile(blockattn.attention, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    torch.testing.assert_close(compiled(q, k, v, keep, (32, 16), **kwargs),
+                               blockattn.attention(q, k, v, keep, (32, 16), **kwargs), rtol=0, atol=0)

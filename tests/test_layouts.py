@@ -1,19 +1,26 @@
 """Layouts: "bshd" and packed "thd" against "bhsd" on the same data, forward and backward, on every backend; the
 offsets' validation."""
 
+import contextlib
 import math
 
 import pytest
 import torch
 
 import blockattn
-from conftest import DEVICE, ON_GPU, make_generator
+from conftest import DEVICE, ON_GPU, make_generator, pin
 
 BACKENDS = ("torch", "triton")
 # query and key lengths per sequence: ragged, unequal, an empty query sequence and an empty key sequence
 LENGTHS_Q = [355, 17, 41, 83, 0, 129, 7] if ON_GPU else [75, 1, 40, 0, 20]
 LENGTHS_KV = [533, 23, 67, 0, 9, 257, 11] if ON_GPU else [90, 3, 33, 9, 0]
 BLOCK = (64, 128) if ON_GPU else (16, 32)
+
+
+@pytest.fixture
+def pinned_thd(monkeypatch):
+    """One tile per kernel for the bitwise comparisons (a tile that nests in BLOCK)."""
+    pin(monkeypatch, (max(16, BLOCK[0] // 2), max(16, BLOCK[1] // 2)))
 
 
 def offsets(lengths):
@@ -131,3 +138,58 @@ def test_bad_offsets_are_refused(change, message):
             for name, value in dict(args, **change).items()}
     with pytest.raises(ValueError, match=message):
         blockattn.attention(q, k, v, layout="thd", **args)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_given_longest_lengths_change_nothing(pinned_thd, backend):
+    """max_seqlen_q / max_seqlen_kv equal to the longest lengths: the same out, LSE and gradients, bitwise, as the
+    call that reads the offsets; the Triton path then reads nothing back (Tensor.tolist raises here)."""
+    q, k, v, keep = packed()
+    kwargs = dict(blocks=keep, block_size=BLOCK, layout="thd", cu_seqlens_q=offsets(LENGTHS_Q),
+                  cu_seqlens_kv=offsets(LENGTHS_KV), is_causal=True, backend=backend, lse_weight=0.5)
+    want = run(q, k, v, **kwargs)
+    with contextlib.ExitStack() as stack:
+        if backend == "triton":
+            patch = stack.enter_context(pytest.MonkeyPatch.context())
+            patch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("the offsets were read on the host"))
+        got = run(q, k, v, max_seqlen_q=max(LENGTHS_Q), max_seqlen_kv=max(LENGTHS_KV), **kwargs)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), f"{name} differs with the longest lengths given"
+
+
+def test_longer_given_lengths_size_the_mask_and_change_nothing(pinned_thd):
+    """Longest lengths given above the real ones (a fixed bucket, as a compiled model keeps): the block mask is
+    sized at them, and the results equal those of the real lengths with that mask cut to size."""
+    q, k, v, keep = packed()
+    max_q, max_kv = max(LENGTHS_Q) + 2 * BLOCK[0], max(LENGTHS_KV) + BLOCK[1]
+    bigger = torch.zeros(*keep.shape[:2], math.ceil(max_q / BLOCK[0]), math.ceil(max_kv / BLOCK[1]),
+                         dtype=torch.bool, device=DEVICE)
+    bigger[..., :keep.shape[2], :keep.shape[3]] = keep
+    bigger[..., keep.shape[2]:, :] = True   # blocks past every sequence: never reached
+    kwargs = dict(block_size=BLOCK, layout="thd", cu_seqlens_q=offsets(LENGTHS_Q), cu_seqlens_kv=offsets(LENGTHS_KV),
+                  is_causal=True, backend="triton")
+    want = run(q, k, v, blocks=keep, **kwargs)
+    got = run(q, k, v, blocks=bigger, max_seqlen_q=max_q, max_seqlen_kv=max_kv, **kwargs)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"{name} differs with longer lengths given")
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(max_seqlen_q=20), "max_seqlen_kv must be a positive int .give both"),
+    (dict(max_seqlen_q=0, max_seqlen_kv=20), "max_seqlen_q must be a positive int"),
+    (dict(max_seqlen_q=10, max_seqlen_kv=20.0), "max_seqlen_kv must be a positive int"),
+    (dict(max_seqlen_q=31, max_seqlen_kv=20), "exceeds the packed token count 30"),
+    (dict(max_seqlen_q=9, max_seqlen_kv=20, backend="torch"), "max_seqlen_q=9 is shorter than the longest"),
+    (dict(max_seqlen_q=10, max_seqlen_kv=20, layout="bhsd"), 'belong to layout "thd"'),
+])
+def test_bad_longest_lengths_are_refused(change, message):
+    q = torch.zeros(30, 2, 16, device=DEVICE)
+    k = v = torch.zeros(40, 2, 16, device=DEVICE)
+    args = dict(cu_seqlens_q=torch.tensor([0, 10, 20, 30], dtype=torch.int32, device=DEVICE),
+                cu_seqlens_kv=torch.tensor([0, 10, 30, 40], dtype=torch.int32, device=DEVICE), layout="thd")
+    args.update(change)
+    if args["layout"] != "thd":
+        q, k, v = (t[None] for t in (q, k, v))
+        args.pop("cu_seqlens_q"), args.pop("cu_seqlens_kv")
+    with pytest.raises(ValueError, match=message):
+        blockattn.attention(q, k, v, **args)

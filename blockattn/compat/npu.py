@@ -27,14 +27,20 @@ def _layout(q_input_layout: str, kv_input_layout: str) -> str:
     return _LAYOUTS[q_input_layout]
 
 
+def _host_lengths(name: str, lengths: Lengths) -> torch.Tensor:
+    """int64 lengths on the CPU (a list stays on the host; a device tensor is read back once), checked >= 0."""
+    lengths = torch.as_tensor(lengths, dtype=torch.int64).flatten().cpu()
+    if (lengths < 0).any():
+        raise ValueError(f"{name} must be non-negative lengths, got {lengths.tolist()}")
+    return lengths
+
+
 def _offsets(name: str, lengths: Lengths, layout: str, device) -> Optional[torch.Tensor]:
     if lengths is None:
         if layout == "thd":
             raise RuntimeError(f"{name} must be specified when q_input_layout is TND")
         return None
-    lengths = torch.as_tensor(lengths, dtype=torch.int64).flatten().cpu()
-    if (lengths < 0).any():
-        raise ValueError(f"{name} must be non-negative lengths, got {lengths.tolist()}")
+    lengths = _host_lengths(name, lengths)
     return torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(device=device, dtype=torch.int32)
 
 
@@ -68,6 +74,17 @@ def _common(query, key, value, block_sparse_mask, block_shape, q_input_layout, k
     kwargs = dict(layout=layout, scale=None if not scale_value else float(scale_value))
     if layout == "thd":
         kwargs.update(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
+        # the lengths are on the host already: check their totals here and hand the longest ones over, so that
+        # attention() need not read the offsets back from the device
+        longest = []
+        for name, lengths, tensor in (("actual_seq_lengths", actual_seq_lengths, query),
+                                      ("actual_seq_lengths_kv", actual_seq_lengths_kv, key)):
+            host = _host_lengths(name, lengths)
+            if int(host.sum()) != tensor.shape[0]:
+                raise ValueError(f"{name} must sum to the packed token count {tensor.shape[0]}, got "
+                                 f"{int(host.sum())}")
+            longest.append(max(1, int(host.max())) if host.numel() else 1)
+        kwargs.update(max_seqlen_q=longest[0], max_seqlen_kv=longest[1])
     elif cu_q is not None or cu_kv is not None:
         seq_axis = 2 if layout == "bhsd" else 1
         seq_q, seq_kv = query.shape[seq_axis], key.shape[seq_axis]
