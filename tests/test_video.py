@@ -204,3 +204,15 @@ def test_bad_arguments_are_named(overrides, error, message):
 def test_public_names():
     assert blockattn.video.video_sparse_attention is video_sparse_attention
     assert blockattn.video.TileLayout is TileLayout
+
+
+def test_video_sparse_attention_compiles_without_a_graph_break(pinned):
+    """torch.compile(fullgraph=True) traces the whole scheme (pooling, top-k, lists, the kernels' op) and gives the
+    eager result."""
+    layout, (q, k, v) = tiled_inputs(torch.float32, seed=15)
+    kwargs = dict(q_valid=layout.valid, kv_valid=layout.valid, backend="triton")
+    torch._dynamo.reset()
+    # aot_eager: the same PyTorch ops as eager (inductor may reorder the pooling's sums and so flip a near tie)
+    compiled = torch.compile(video_sparse_attention, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v, 2, layout.tile_tokens, **kwargs),
+                               video_sparse_attention(q, k, v, 2, layout.tile_tokens, **kwargs), rtol=1e-6, atol=1e-6)
