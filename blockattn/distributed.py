@@ -42,14 +42,17 @@ def _heads_to_sequence(x: torch.Tensor, world: int, group) -> torch.Tensor:
 
 
 def _rank_heads(name: str, mask: Optional[torch.Tensor], heads: int, world: int, rank: int):
-    """This rank's heads of a [B|1, H|1, ..] mask (a head-shared mask is kept whole)."""
-    if mask is None or mask.ndim < 3 or mask.shape[-3] == 1:
+    """This rank's heads of a [.., H|1, X, Y] mask (heads third from last; a head-shared or 2-D mask stays whole)."""
+    if mask is None or mask.ndim < 3:
         return mask
-    if mask.ndim != 4 or mask.shape[1] != heads:
-        raise ValueError(f"{name} must have 1 or {heads} (the query heads) heads in dim 1 of [B, H, ..], got shape "
-                         f"{tuple(mask.shape)}")
+    axis = mask.ndim - 3
+    if mask.shape[axis] == 1:
+        return mask
+    if mask.ndim > 4 or mask.shape[axis] != heads:
+        raise ValueError(f"{name} must have 1 or {heads} (the query heads) heads, third from last in [B, H, X, Y], "
+                         f"got shape {tuple(mask.shape)}")
     per_rank = heads // world
-    return mask[:, rank * per_rank:(rank + 1) * per_rank]
+    return mask.narrow(axis, rank * per_rank, per_rank)
 
 
 def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

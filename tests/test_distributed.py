@@ -37,7 +37,7 @@ def whole(layout: str, use_sparsity: bool):
     """attention() on one process: out, lse and the three gradients, in bhsd."""
     q, k, v, keep, token_mask, kv_valid, grad_out = inputs(layout)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out, lse = blockattn.attention(*leaves, keep, BLOCK, attn_mask=token_mask, kv_valid=kv_valid, is_causal=True,
+    out, lse = blockattn.attention(*leaves, keep if use_sparsity else keep[0], BLOCK, attn_mask=token_mask, kv_valid=kv_valid, is_causal=True,
                                    return_lse=True, backend="torch")
     (out * grad_out).sum().backward()
     return [out.detach(), lse.detach()] + [t.grad for t in leaves]
@@ -51,7 +51,8 @@ def worker(rank: int, world: int, port: int, layout: str, use_sparsity: bool, re
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         q, k, v, keep, token_mask, kv_valid, grad_out = inputs(layout)
-        blocks = blockattn.BlockSparsity.from_mask(keep, BLOCK, SEQ_Q, SEQ_KV) if use_sparsity else keep
+        # a BlockSparsity, or the mask tensor as 3-D [H, nq, nk] (batch-shared) to slice on another axis
+        blocks = blockattn.BlockSparsity.from_mask(keep, BLOCK, SEQ_Q, SEQ_KV) if use_sparsity else keep[0]
         local = [shard(t, rank, world).clone().requires_grad_(True) for t in (q, k, v)]
         args = [t.transpose(1, 2) for t in local] if layout == "bshd" else local
         out, lse = sequence_parallel_attention(*args, blocks, None if use_sparsity else BLOCK, layout=layout,
