@@ -84,6 +84,9 @@ class TileLayout:
         return x.index_select(dim, self.slots.to(x.device))
 
 
+_POOL_CHUNK_BYTES = 256 << 20  # the fp32 copy _tile_means makes at a time
+
+
 def _tile_tokens(tile_size) -> int:
     if isinstance(tile_size, (tuple, list)):
         return math.prod(_three_positive("tile_size", tile_size))
@@ -112,9 +115,12 @@ def _tile_means(x: torch.Tensor, counts: torch.Tensor, tile_tokens: int) -> torc
     gives zeros). counts: int32 [B|1, n]."""
     batch, heads, seq, dim = x.shape
     tiles = seq // tile_tokens
-    real = torch.arange(tile_tokens, device=x.device) < counts[..., None]                  # [B|1, n, tile]
-    sums = torch.einsum("bhntd,bnt->bhnd", x.float().view(batch, heads, tiles, tile_tokens, dim),
-                        real.to(torch.float32).expand(batch, tiles, tile_tokens))
+    real = (torch.arange(tile_tokens, device=x.device) < counts[..., None]).to(torch.float32).expand(
+        batch, tiles, tile_tokens)                                                         # [B, n, tile]
+    # a few heads at a time: a long video's q in fp32 at once would add a whole input's size in fp32 to the peak
+    per_head = batch * seq * dim * 4
+    sums = torch.cat([torch.einsum("bhntd,bnt->bhnd", part.float().view(batch, -1, tiles, tile_tokens, dim), real)
+                      for part in x.split(max(1, _POOL_CHUNK_BYTES // per_head), dim=1)], dim=1)
     return sums / counts.clamp(min=1)[:, None, :, None].to(torch.float32)
 
 

@@ -216,3 +216,12 @@ def test_video_sparse_attention_compiles_without_a_graph_break(pinned):
     compiled = torch.compile(video_sparse_attention, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(q, k, v, 2, layout.tile_tokens, **kwargs),
                                video_sparse_attention(q, k, v, 2, layout.tile_tokens, **kwargs), rtol=1e-6, atol=1e-6)
+
+
+def test_tile_means_in_head_chunks_equal_the_whole(monkeypatch):
+    """The pooling casts a few heads at a time to bound its fp32 copy; one head per chunk gives the same means."""
+    from blockattn import video
+    layout, (q, k, v) = tiled_inputs(torch.bfloat16, seed=16)
+    whole = video._tile_means(q, layout.valid[None], layout.tile_tokens)
+    monkeypatch.setattr(video, "_POOL_CHUNK_BYTES", 1)
+    assert torch.equal(video._tile_means(q, layout.valid[None], layout.tile_tokens), whole)
