@@ -222,13 +222,8 @@ def _prepare_offsets(cu_seqlens_q, cu_seqlens_kv, tokens_q: int, tokens_kv: int,
     if cu_seqlens_q.shape != cu_seqlens_kv.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_kv must describe the same number of sequences, got "
                          f"{cu_seqlens_q.shape[0] - 1} and {cu_seqlens_kv.shape[0] - 1}")
-    if max_seqlens is not None:
-        for name, value, total in (("max_seqlen_q", max_seqlens[0], tokens_q),
-                                   ("max_seqlen_kv", max_seqlens[1], tokens_kv)):
-            if value > max(total, 1):
-                raise ValueError(f"{name}={value} exceeds the packed token count {total}")
-        if not need_spans:
-            return Varlen(cu_seqlens_q.contiguous(), cu_seqlens_kv.contiguous(), *max_seqlens), None
+    if max_seqlens is not None and not need_spans:
+        return Varlen(cu_seqlens_q.contiguous(), cu_seqlens_kv.contiguous(), *max_seqlens), None
     host_q, host_kv = cu_seqlens_q.tolist(), cu_seqlens_kv.tolist()
     for name, cu, total in (("cu_seqlens_q", host_q, tokens_q), ("cu_seqlens_kv", host_kv, tokens_kv)):
         if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] != total:
