@@ -1,11 +1,13 @@
 """Every bad input to the public functions raises the right error, naming the argument."""
 
+import contextlib
+
 import pytest
 import torch
 
 import blockattn
 from blockattn.api import resolve_backend
-from conftest import DEVICE, qkv
+from conftest import DEVICE, ON_GPU, qkv
 
 
 def base():
@@ -147,3 +149,44 @@ def test_the_kernels_launch_with_the_inputs_gpu_current(monkeypatch):
     out, lse = blockattn.attention(q, k, v, None, (32, 32), return_lse=True, backend="triton")
     blockattn.attention_backward(torch.ones_like(out), q, k, v, out, lse, None, (32, 32), backend="triton")
     assert devices == [q.device, q.device], "the forward and the backward launch under the guard"
+
+
+@contextlib.contextmanager
+def no_host_reads(monkeypatch):
+    """Fails any read of a tensor's values back to the host: CUDA's sync debug mode on a GPU; on the CPU, where
+    nothing synchronizes, the reads themselves (Tensor.item, Tensor.tolist) are made to fail."""
+    if ON_GPU:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return
+    with monkeypatch.context() as patch:
+        for name in ("item", "tolist"):
+            patch.setattr(torch.Tensor, name, lambda self, name=name: pytest.fail(f"Tensor.{name} read a value"))
+        yield
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "thd"])
+def test_prepared_calls_read_nothing_back(monkeypatch, layout):
+    """Forward and backward with a prepared BlockSparsity (and, packed, the longest lengths given) never read a
+    tensor's values on the host, after a first call (which may compile and tune)."""
+    q, k, v = (t.requires_grad_(True) for t in qkv(1, 4, 96, 32, kv_heads=2, dtype=torch.float32))
+    kwargs = dict(is_causal=True, backend="triton")
+    if layout == "thd":
+        q, k, v = (t.detach()[0].transpose(0, 1).requires_grad_(True) for t in (q, k, v))   # [T, H, D]
+        cu = torch.tensor([0, 40, 96], dtype=torch.int32, device=DEVICE)
+        kwargs.update(layout="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=56, max_seqlen_kv=56)
+        seq = 56
+    else:
+        seq = 96
+    n = -(-seq // 16)
+    keep = torch.rand(2 if layout == "thd" else 1, 4, n, n, generator=torch.Generator(device=DEVICE).manual_seed(1),
+                      device=DEVICE) < 0.5
+    blocks = blockattn.BlockSparsity.from_mask(keep, (16, 16), seq, seq)
+    for check in (False, True):
+        with no_host_reads(monkeypatch) if check else contextlib.nullcontext():
+            out = blockattn.attention(q, k, v, blocks, **kwargs)
+            out.sum().backward()
