@@ -24,21 +24,52 @@ def _world(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def shard_sizes(seq: int, world: int) -> list[int]:
+    """Tokens per rank when a sequence of `seq` tokens is split over `world` ranks as torch.chunk splits it: ranks
+    in order hold ceil(seq / world) tokens each, the last ones what is left (possibly none)."""
+    size = -(-seq // world)
+    return [max(0, min(size, seq - rank * size)) for rank in range(world)]
+
+
 def _all_to_all(chunks: list[torch.Tensor], group) -> list[torch.Tensor]:
-    """Send chunks[j] to rank j; returns what each rank sent here, in rank order (differentiable)."""
+    """Send chunks[j] (all one shape) to rank j; returns what each rank sent here, in rank order
+    (differentiable)."""
     from torch.distributed.nn.functional import all_to_all
     chunks = [c.contiguous() for c in chunks]
     return list(all_to_all([torch.empty_like(c) for c in chunks], chunks, group=group))
 
 
-def _sequence_to_heads(x: torch.Tensor, world: int, group) -> torch.Tensor:
-    """[B, H, S/P, D] (this rank's tokens, all heads) -> [B, H/P, S, D] (all tokens, this rank's heads)."""
-    return torch.cat(_all_to_all(list(x.chunk(world, dim=1)), group), dim=2)
+def _padded(x: torch.Tensor, length: int) -> torch.Tensor:
+    """x [B, H, n, D] with zero rows appended along the sequence up to `length`: Gloo exchanges only equal shapes,
+    so unequal shards travel padded to the longest and are cut back on arrival."""
+    return torch.nn.functional.pad(x, (0, 0, 0, length - x.shape[2]))
 
 
-def _heads_to_sequence(x: torch.Tensor, world: int, group) -> torch.Tensor:
-    """[B, H/P, S, D] -> [B, H, S/P, D]: the inverse of _sequence_to_heads."""
-    return torch.cat(_all_to_all(list(x.chunk(world, dim=2)), group), dim=1)
+def _sequence_to_heads(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """[B, H, S_r, D] (this rank's tokens, all heads) -> [B, H/P, S, D] (all tokens, this rank's heads); sizes: the
+    tokens each rank holds."""
+    pieces = _all_to_all(list(_padded(x, max(sizes)).chunk(len(sizes), dim=1)), group)
+    return torch.cat([piece[:, :, :n] for piece, n in zip(pieces, sizes)], dim=2)
+
+
+def _heads_to_sequence(x: torch.Tensor, sizes: list[int], rank: int, group) -> torch.Tensor:
+    """[B, H/P, S, D] -> [B, H, S_rank, D]: the inverse of _sequence_to_heads."""
+    pieces = _all_to_all([_padded(piece, max(sizes)) for piece in x.split(sizes, dim=2)], group)
+    return torch.cat([piece[:, :, :sizes[rank]] for piece in pieces], dim=1)
+
+
+def _sizes(name: str, whole: Optional[int], local: int, world: int, rank: int) -> list[int]:
+    """Every rank's token count for a sequence of `whole` tokens (default: world * local), checked against this
+    rank's `local`."""
+    if whole is None:
+        return [local] * world
+    if isinstance(whole, bool) or not isinstance(whole, int) or whole < 1:
+        raise ValueError(f"{name} must be a positive int (the whole sequence's length), got {whole!r}")
+    sizes = shard_sizes(whole, world)
+    if sizes[rank] != local:
+        raise ValueError(f"{name}={whole} split over {world} ranks gives rank {rank} {sizes[rank]} tokens (as "
+                         f"torch.chunk splits it), but its shard has {local}")
+    return sizes
 
 
 def _rank_heads(name: str, mask: Optional[torch.Tensor], heads: int, world: int, rank: int):
@@ -58,15 +89,17 @@ def _rank_heads(name: str, mask: Optional[torch.Tensor], heads: int, world: int,
 def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 blocks: Union[torch.Tensor, BlockSparsity, None] = None, block_size=None, *,
                                 group=None, layout: str = "bhsd", attn_mask: Optional[torch.Tensor] = None,
-                                return_lse: bool = False, **kwargs):
+                                seq_q: Optional[int] = None, seq_kv: Optional[int] = None, return_lse: bool = False,
+                                **kwargs):
     """blockattn.attention over a sequence split across the ranks of `group` (default: the world).
 
-    q: [B, Hq, Sq/P, D], k: [B, Hkv, Sk/P, D], v: [B, Hkv, Sk/P, Dv] ("bhsd"; [B, S/P, H, D] for "bshd"): this
-    rank's contiguous shard, every rank's the same size, Hq a multiple of P (when Hkv is not, the key/value heads
+    q: [B, Hq, Sq_r, D], k: [B, Hkv, Sk_r, D], v: [B, Hkv, Sk_r, Dv] ("bhsd"; [B, S_r, H, D] for "bshd"): this
+    rank's contiguous shard. seq_q / seq_kv: the whole lengths, split as torch.chunk splits them (shard_sizes);
+    default: every rank holds as many tokens as this one (S = P * S_r). Hq a multiple of P (when Hkv is not, the key/value heads
     are repeated to Hq before the exchange, at Hq / Hkv times their traffic). blocks (a block mask or a
     BlockSparsity), attn_mask and kv_valid describe the whole sequences (Sq, Sk), as attention() takes them; each
     rank uses its heads' slice. Other keyword arguments (is_causal, scale, kv_valid, backend) go to attention().
-    Returns this rank's shard of out (and of lse [B, Hq, Sq/P] if return_lse), exactly attention() on the whole
+    Returns this rank's shard of out (and of lse [B, Hq, Sq_r] if return_lse), exactly attention() on the whole
     sequence. Differentiable. The collectives are eager: compile attention() itself, not this function."""
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f'layout must be "bhsd" or "bshd" (a packed "thd" batch cannot be split by rank), got '
@@ -78,6 +111,8 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     world, rank = _world(group)
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v)) if layout == "bshd" else (q, k, v)
     heads, kv_heads = qh.shape[1], kh.shape[1]
+    sizes_q, sizes_kv = (_sizes(name, whole, local.shape[2], world, rank)
+                         for name, whole, local in (("seq_q", seq_q, qh), ("seq_kv", seq_kv, kh)))
     if heads % world:
         raise ValueError(f"the query heads ({heads}) must be a multiple of the ranks ({world}): each rank attends "
                          "with a share of them")
@@ -91,13 +126,14 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     local_blocks = _rank_heads("blocks", blocks, heads, world, rank) if isinstance(blocks, torch.Tensor) else blocks
     local_mask = _rank_heads("attn_mask", attn_mask, heads, world, rank)
 
-    q_all, k_all, v_all = (_sequence_to_heads(t, world, group) for t in (qh, kh, vh))
+    q_all, k_all, v_all = (_sequence_to_heads(t, sizes, group) for t, sizes in ((qh, sizes_q), (kh, sizes_kv),
+                                                                                (vh, sizes_kv)))
     result = attention(q_all, k_all, v_all, local_blocks, block_size, attn_mask=local_mask, return_lse=return_lse,
                        **kwargs)
     out, lse = result if return_lse else (result, None)
-    out = _heads_to_sequence(out, world, group)
+    out = _heads_to_sequence(out, sizes_q, rank, group)
     if layout == "bshd":
         out = out.transpose(1, 2)
     if not return_lse:
         return out
-    return out, _heads_to_sequence(lse[..., None], world, group)[..., 0]
+    return out, _heads_to_sequence(lse[..., None], sizes_q, rank, group)[..., 0]

@@ -14,13 +14,15 @@ from blockattn.distributed import sequence_parallel_attention
 
 # Whole sequences (divisible by the ranks), heads and blocks; the block edges fall inside rank shards.
 # 6 query heads over 3 kv heads: on 3 ranks one kv head each, on 2 ranks the kv heads are repeated.
-SEQ_Q, SEQ_KV, HEADS, KV_HEADS, DIM, BLOCK = 96, 120, 6, 3, 16, (16, 8)
+HEADS, KV_HEADS, DIM, BLOCK = 6, 3, 16, (16, 8)
+EVEN, UNEVEN = (96, 120), (95, 118)   # whole (query, key) lengths; the uneven ones leave the last rank fewer
 
 
-def inputs(layout: str):
+def inputs(lengths):
     """The whole problem, the same on every rank: q, k, v (bhsd, fp32), a block mask per head, a token mask per
     head, kv_valid, and the upstream gradient of out."""
     gen = torch.Generator().manual_seed(0)
+    SEQ_Q, SEQ_KV = lengths
     q = torch.randn(2, HEADS, SEQ_Q, DIM, generator=gen)
     k = torch.randn(2, KV_HEADS, SEQ_KV, DIM, generator=gen)
     v = torch.randn(2, KV_HEADS, SEQ_KV, DIM, generator=gen)
@@ -33,9 +35,9 @@ def inputs(layout: str):
     return q, k, v, keep, token_mask, kv_valid, grad_out
 
 
-def whole(layout: str, use_sparsity: bool):
+def whole(lengths, use_sparsity: bool):
     """attention() on one process: out, lse and the three gradients, in bhsd."""
-    q, k, v, keep, token_mask, kv_valid, grad_out = inputs(layout)
+    q, k, v, keep, token_mask, kv_valid, grad_out = inputs(lengths)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     out, lse = blockattn.attention(*leaves, keep if use_sparsity else keep[0], BLOCK, attn_mask=token_mask, kv_valid=kv_valid, is_causal=True,
                                    return_lse=True, backend="torch")
@@ -47,17 +49,18 @@ def shard(x: torch.Tensor, rank: int, world: int, dim: int = 2) -> torch.Tensor:
     return x.chunk(world, dim=dim)[rank]
 
 
-def worker(rank: int, world: int, port: int, layout: str, use_sparsity: bool, results):
+def worker(rank: int, world: int, port: int, layout: str, use_sparsity: bool, lengths, results):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        q, k, v, keep, token_mask, kv_valid, grad_out = inputs(layout)
+        q, k, v, keep, token_mask, kv_valid, grad_out = inputs(lengths)
         # a BlockSparsity, or the mask tensor as 3-D [H, nq, nk] (batch-shared) to slice on another axis
-        blocks = blockattn.BlockSparsity.from_mask(keep, BLOCK, SEQ_Q, SEQ_KV) if use_sparsity else keep[0]
+        blocks = blockattn.BlockSparsity.from_mask(keep, BLOCK, *lengths) if use_sparsity else keep[0]
+        whole_lengths = dict(seq_q=lengths[0], seq_kv=lengths[1]) if lengths != EVEN else {}
         local = [shard(t, rank, world).clone().requires_grad_(True) for t in (q, k, v)]
         args = [t.transpose(1, 2) for t in local] if layout == "bshd" else local
         out, lse = sequence_parallel_attention(*args, blocks, None if use_sparsity else BLOCK, layout=layout,
                                                attn_mask=token_mask, kv_valid=kv_valid, is_causal=True,
-                                               return_lse=True, backend="torch")
+                                               return_lse=True, backend="torch", **whole_lengths)
         if layout == "bshd":
             out = out.transpose(1, 2)
         (out * shard(grad_out, rank, world)).sum().backward()
@@ -74,17 +77,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("world, layout, use_sparsity", [(2, "bhsd", False), (3, "bshd", True)])
-def test_sequence_parallel_attention_equals_the_whole_sequence(world, layout, use_sparsity):
+@pytest.mark.parametrize("world, layout, use_sparsity, lengths", [(2, "bhsd", False, EVEN), (3, "bshd", True, EVEN),
+                                                                  (3, "bhsd", True, UNEVEN)])
+def test_sequence_parallel_attention_equals_the_whole_sequence(world, layout, use_sparsity, lengths):
     """Each rank's shard of out, lse, dq, dk and dv equals the single-process result's (GQA, a block mask per
-    head, a token mask per head, kv_valid, causal, an empty query block), to fp32 rounding."""
+    head, a token mask per head, kv_valid, causal, an empty query block; shards of equal and of unequal length, as
+    torch.chunk splits), to fp32 rounding."""
     with mp.Manager() as manager:
         results = manager.dict()
         env = {"OMP_NUM_THREADS": "1"}
         previous = {name: os.environ.get(name) for name in env}
         os.environ.update(env)
         try:
-            mp.spawn(worker, args=(world, free_port(), layout, use_sparsity, results), nprocs=world)
+            mp.spawn(worker, args=(world, free_port(), layout, use_sparsity, lengths, results), nprocs=world)
         finally:
             for name, value in previous.items():
                 if value is None:
@@ -92,7 +97,7 @@ def test_sequence_parallel_attention_equals_the_whole_sequence(world, layout, us
                 else:
                     os.environ[name] = value
         got = dict(results)
-    want = whole(layout, use_sparsity)
+    want = whole(lengths, use_sparsity)
     for rank in range(world):
         assert not isinstance(got[rank], str), f"rank {rank} raised {got[rank]}"
         for name, part, full in zip(("out", "lse", "dq", "dk", "dv"), got[rank], want):
@@ -111,3 +116,27 @@ def test_bad_layout_is_named():
     q = torch.zeros(1, 2, 16, 16)
     with pytest.raises(ValueError, match='layout must be "bhsd" or "bshd"'):
         sequence_parallel_attention(q, q, q, layout="thd")
+
+
+def test_shard_sizes_split_as_torch_chunk_does():
+    from blockattn.distributed import shard_sizes
+    for seq in range(1, 40):
+        for world in range(1, 6):
+            sizes = shard_sizes(seq, world)
+            chunks = [len(c) for c in torch.arange(seq).chunk(world)]
+            assert sizes[:len(chunks)] == chunks and sum(sizes) == seq and len(sizes) == world, (seq, world)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(seq_q=50), r"seq_q=50 split over 2 ranks gives rank 1 25 tokens .* but its shard has 16"),
+    (dict(seq_kv=0), "seq_kv must be a positive int"),
+    (dict(heads=3), r"the query heads \(3\) must be a multiple of the ranks \(2\)"),
+])
+def test_shards_and_heads_that_do_not_fit_the_ranks_are_named(monkeypatch, overrides, message):
+    """Checked before any exchange (here on rank 1 of 2, without a process group)."""
+    from blockattn import distributed
+    monkeypatch.setattr(distributed, "_world", lambda group: (2, 1))
+    heads = overrides.pop("heads", 2)
+    q = torch.zeros(1, heads, 16, 16)
+    with pytest.raises(ValueError, match=message):
+        sequence_parallel_attention(q, q, q, **overrides)
