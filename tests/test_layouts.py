@@ -193,3 +193,16 @@ def test_bad_longest_lengths_are_refused(change, message):
         args.pop("cu_seqlens_q"), args.pop("cu_seqlens_kv")
     with pytest.raises(ValueError, match=message):
         blockattn.attention(q, k, v, **args)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_explicit_backward_takes_the_longest_lengths(pinned_thd, backend):
+    """attention_backward with max_seqlen_q / max_seqlen_kv gives the gradients autograd gives."""
+    q, k, v, keep = packed()
+    kwargs = dict(layout="thd", cu_seqlens_q=offsets(LENGTHS_Q), cu_seqlens_kv=offsets(LENGTHS_KV), is_causal=True,
+                  backend=backend, max_seqlen_q=max(LENGTHS_Q), max_seqlen_kv=max(LENGTHS_KV))
+    want = run(q, k, v, blocks=keep, block_size=BLOCK, **kwargs)
+    grad = torch.randn(want[0].shape, generator=make_generator(5), device=DEVICE)
+    got = blockattn.attention_backward(grad, q, k, v, want[0], want[1], keep, BLOCK, **kwargs)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want[2:]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"explicit {name}")
