@@ -10,5 +10,6 @@ from .api import attention, attention_backward
 from .select import select_blocks
 from .sparsity import BlockSparsity
 
-__all__ = ["attention", "attention_backward", "BlockSparsity", "select_blocks", "masks", "flex", "video", "distributed"]
+__all__ = ["attention", "attention_backward", "BlockSparsity", "select_blocks", "masks", "flex", "video",
+           "distributed"]
 __version__ = "0.1.0"

@@ -336,8 +336,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     packed [T, H, D] for "thd" with cu_seqlens_q / cu_seqlens_kv (int32 offsets [N + 1]; a sequence's query and
     key lengths may differ; max_seqlen_q / max_seqlen_kv, the longest lengths as ints, spare the host read of the
     offsets, which synchronizes and breaks a torch.compile graph: with them the Triton path reads nothing back, and
-    they must be at least the longest lengths, which it cannot check). Hq a multiple of Hkv (GQA/MQA); D, Dv in 16..256; fp16, bf16 or fp32 (fp64 on the
-    torch backend).
+    they must be at least the longest lengths, which it cannot check). Hq a multiple of Hkv (GQA/MQA); D, Dv in
+    16..256; fp16, bf16 or fp32 (fp64 on the torch backend).
     blocks: block mask (bool/int8/uint8, nonzero = keep) shaped [nq, nk], [H|1, nq, nk] or [B|1, H|1, nq, nk]
     with nq = ceil(Sq / block_q), nk = ceil(Sk / block_kv) ("thd": [N|1, H|1, nq, nk] at the longest lengths, each
     sequence's blocks starting at its own first token); or a prepared BlockSparsity; or None (dense).

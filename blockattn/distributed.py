@@ -1,6 +1,6 @@
 """Sequence-parallel block-sparse attention over torch.distributed (all-to-all over heads, "Ulysses").
 
-Each of P ranks holds a contiguous shard of the sequence (rank r: tokens r * S/P .. (r + 1) * S/P - 1) with every
+Each of P ranks holds a contiguous shard of the sequence, split as torch.chunk splits it (shard_sizes), with every
 head. One all-to-all turns that into the whole sequence for H/P heads, blockattn.attention runs there with those
 heads' slice of the block mask (and token mask), and a second all-to-all returns the output to sequence shards.
 The result is exactly attention() on the whole sequence; the collectives are differentiable
@@ -41,8 +41,8 @@ def _all_to_all(chunks: list[torch.Tensor], group) -> list[torch.Tensor]:
 
 def _padded(x: torch.Tensor, length: int) -> torch.Tensor:
     """x [B, H, n, D] with zero rows appended along the sequence up to `length`: Gloo exchanges only equal shapes,
-    so unequal shards travel padded to the longest and are cut back on arrival."""
-    return torch.nn.functional.pad(x, (0, 0, 0, length - x.shape[2]))
+    so unequal shards travel padded to the longest and are cut back on arrival (equal ones go as they are)."""
+    return x if x.shape[2] == length else torch.nn.functional.pad(x, (0, 0, 0, length - x.shape[2]))
 
 
 def _sequence_to_heads(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
@@ -95,8 +95,8 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
     q: [B, Hq, Sq_r, D], k: [B, Hkv, Sk_r, D], v: [B, Hkv, Sk_r, Dv] ("bhsd"; [B, S_r, H, D] for "bshd"): this
     rank's contiguous shard. seq_q / seq_kv: the whole lengths, split as torch.chunk splits them (shard_sizes);
-    default: every rank holds as many tokens as this one (S = P * S_r). Hq a multiple of P (when Hkv is not, the key/value heads
-    are repeated to Hq before the exchange, at Hq / Hkv times their traffic). blocks (a block mask or a
+    default: every rank holds as many tokens as this one (S = P * S_r). Hq a multiple of P (when Hkv is not, the
+    key/value heads are repeated to Hq before the exchange, at Hq / Hkv times their traffic). blocks (a block mask or a
     BlockSparsity), attn_mask and kv_valid describe the whole sequences (Sq, Sk), as attention() takes them; each
     rank uses its heads' slice. Other keyword arguments (is_causal, scale, kv_valid, backend) go to attention().
     Returns this rank's shard of out (and of lse [B, Hq, Sq_r] if return_lse), exactly attention() on the whole

@@ -75,7 +75,7 @@ def test_unpipelined_products_count_two_buffers_whatever_the_stages(monkeypatch)
     set_lists(monkeypatch, m="64", n="32,64", stages="2")
     estimates = dict(smem_per_stage=lambda bm, bn: bn * 512 * 4, fixed_smem=lambda bm, bn: bm * 256 * 4)
     pipelined = autotune.nesting("FWD", 128, 64, **estimates)
-    unpipelined = autotune.nesting("FWD", 128, 64, **estimates, pipelined=False)
+    unpipelined = autotune.nesting("FWD", 128, 64, **estimates, fp32_precision="ieee")
     assert [c.kwargs["BLOCK_N"] for c in pipelined] == [32, 64]
     assert [c.kwargs["BLOCK_N"] for c in unpipelined] == [32]
 

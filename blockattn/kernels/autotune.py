@@ -96,20 +96,20 @@ _NESTING_CACHE: dict = {}
 
 
 def nesting(kernel: str, block_m_of: int, block_n_of: int, smem_per_stage, fixed_smem,
-            cache_key: Optional[tuple] = None, pipelined: bool = True) -> list[triton.Config]:
+            cache_key: Optional[tuple] = None, fp32_precision: Optional[str] = None) -> list[triton.Config]:
     """Candidates whose tile nests in the block (BLOCK_M | block_m_of, BLOCK_N | block_n_of) and fits shared memory,
     the first _MAX_TUNED[kernel] of them to be benchmarked (all of them when the environment overrides the list).
 
     smem_per_stage(BLOCK_M, BLOCK_N) and fixed_smem(BLOCK_M, BLOCK_N) estimate the bytes a config plans for.
-    pipelined: False when the kernel's products run on the FMA units (fp32 inputs multiplied in IEEE fp32), where
-    Triton keeps two buffers per loop load whatever num_stages says. cache_key: whatever else the two estimates
+    fp32_precision: the kernel's FP32_PRECISION; "ieee" products run on the FMA units, unpipelined, where Triton
+    keeps two buffers per loop load whatever num_stages says. cache_key: whatever else the two estimates
     depend on; given it, the list is memoized (with the environment variables' current values in the key, so
     changing them still takes effect), sparing short calls the work."""
     if cache_key is not None:
-        key = (kernel, block_m_of, block_n_of, cache_key, pipelined, env_key(kernel), _MAX_TUNED[kernel])
+        key = (kernel, block_m_of, block_n_of, cache_key, fp32_precision, env_key(kernel), _MAX_TUNED[kernel])
         if key not in _NESTING_CACHE:
             _NESTING_CACHE[key] = nesting(kernel, block_m_of, block_n_of, smem_per_stage, fixed_smem,
-                                          pipelined=pipelined)
+                                          fp32_precision=fp32_precision)
         return _NESTING_CACHE[key]
     kept = Candidates(kernel)
     overridden = any(name in os.environ for name in env_names(kernel))
@@ -120,7 +120,7 @@ def nesting(kernel: str, block_m_of: int, block_n_of: int, smem_per_stage, fixed
         # 3 stages and D=256 runs, which 3 buffers would not fit). Unpipelined FMA products hold two (Triton 3.6's
         # sm_90 metadata.shared: the fp32 D=256 dQ and dK/dV kernels exactly, the forward 1.5). Configs that still
         # overflow give way to the next (launch).
-        buffers = max(stages - 1, 1) if pipelined else 2
+        buffers = 2 if fp32_precision == "ieee" else max(stages - 1, 1)
         if buffers * smem_per_stage(block_m, block_n) + fixed_smem(block_m, block_n) > _SMEM_BUDGET:
             continue
         kept.append(triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages))

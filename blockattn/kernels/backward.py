@@ -13,8 +13,8 @@ from . import autotune, buffers, forward, launch, tma
 from .forward import (LOG2E, TUNING_KEY, fp32_precision, head_dims, optional_tensors, site_key, stride_args,
                       strides)
 from .varlen import Varlen
-from .primitives import (batch_head_program, dot, element_keep, first_entry_at_or_after, kv_list_start, untested_steps,
-                         kv_list_tiles, load_tile_or_box, query_tile_program, sequence_span)
+from .primitives import (batch_head_program, dot, element_keep, first_entry_at_or_after, kv_list_start,
+                         kv_list_tiles, load_tile_or_box, query_tile_program, sequence_span, untested_steps)
 
 # How the backward produces dQ:
 #   "kernel": a separate dQ kernel walks the kv lists and recomputes P and dP (7 tile products per tile pair in
@@ -469,7 +469,7 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
                 "BWD_DQ", block_q, block_kv,
                 smem_per_stage=lambda bm, bn: bn * (block_d + block_dv) * elt,
                 fixed_smem=lambda bm, bn: bm * (block_d + block_dv) * elt, cache_key=(block_d, block_dv, elt),
-                pipelined=static["FP32_PRECISION"] != "ieee")
+                fp32_precision=static["FP32_PRECISION"])
             kv_tiles = tma.tile_args(attention_bwd_dq_kernel, packed, work, K_DESC=k, V_DESC=v)
             static.update(kv_tiles, num_heads=heads, HAS_GRAD_LSE=grad_lse is not None,
                           **stride_args("dq", dq, "bhsd"), **stride_args("o", out, "bhsd"),
@@ -491,7 +491,7 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
             "BWD_DKDV", block_q, block_kv,
             smem_per_stage=lambda bm, bn: bm * (block_d + block_dv) * elt,
             fixed_smem=lambda bm, bn: bn * (block_d + block_dv) * elt + (bm * block_d * 4 if dq_mode == "tma" else 0),
-            cache_key=(block_d, block_dv, elt, dq_mode), pipelined=static["FP32_PRECISION"] != "ieee")
+            cache_key=(block_d, block_dv, elt, dq_mode), fp32_precision=static["FP32_PRECISION"])
         q_tiles = tma.tile_args(attention_bwd_dkdv_kernel, packed, work,
                                 use=tma.DKDV_TMA_LOADS and not accumulate, Q_DESC=q, DO_DESC=grad_out)
         dq_desc = tma.accumulator_descriptor(dq_acc) if dq_mode == "tma" else None

@@ -276,7 +276,7 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
             "FWD", block_q, block_kv,
             smem_per_stage=lambda bm, bn: bn * (block_d + block_dv) * elt,
             fixed_smem=lambda bm, bn: bm * block_d * elt, cache_key=(block_d, block_dv, elt),
-            pipelined=precision != "ieee")
+            fp32_precision=precision)
         kv_tiles = tma.tile_args(attention_fwd_kernel, packed, batch * heads * seq_q * seq_kv * head_dim,
                                  K_DESC=k, V_DESC=v)
         static = dict(

@@ -101,8 +101,8 @@ def batch_head_program():
 def query_tile_program(CU_SEQLENS_Q, CU_SEQLENS_KV, seq_q, seq_kv, num_heads, group_size,
                        BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Where a program of a kv-list walk works (grid: query tiles x batch * query heads, launch.batch_head_axes):
-    (off_b, off_h, off_hkv,
-    start_m, q_block, q_start, seq_q, kv_start, seq_kv), the last four its sequence's spans (sequence_span)."""
+    (off_b, off_h, off_hkv, start_m, q_block, q_start, seq_q, kv_start, seq_kv), the last four its sequence's spans
+    (sequence_span)."""
     pid_m = tl.program_id(0)
     pid_bh = batch_head_program()
     off_b = pid_bh // num_heads
