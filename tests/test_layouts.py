@@ -141,7 +141,7 @@ def test_bad_offsets_are_refused(change, message):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_given_longest_lengths_change_nothing(pinned_thd, backend):
+def test_given_longest_lengths_change_nothing(pinned_thd, deterministic, backend):
     """max_seqlen_q / max_seqlen_kv equal to the longest lengths: the same out, LSE and gradients, bitwise, as the
     call that reads the offsets; the Triton path then reads nothing back (Tensor.tolist raises here)."""
     q, k, v, keep = packed()
