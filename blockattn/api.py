@@ -19,6 +19,8 @@ _LAYOUTS = ("bhsd", "bshd", "thd")
 _BACKENDS = ("auto", "triton", "torch")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MIN_HEAD_DIM, _MAX_HEAD_DIM = 16, 256
+_QUANTS = ("int8",)
+_QUANTS_PLANNED = ("int8-fp8", "int8-int8")  # in DESIGN.md's API, not built
 
 
 def _interpret_requested() -> bool:
@@ -193,6 +195,19 @@ class _Prepared(NamedTuple):
     lengths: Optional[list]   # "thd" only: [(start_q, len_q, start_kv, len_kv)] per sequence (host values)
 
 
+def _check_quant(quant, q, k, v) -> None:
+    """quant is None or a built scheme, and then no input needs a gradient (the quantized forward has no backward)."""
+    if quant is None:
+        return
+    if quant in _QUANTS_PLANNED:
+        raise NotImplementedError(f"quant={quant!r} is not implemented yet; built: {_QUANTS}")
+    if quant not in _QUANTS:
+        raise ValueError(f"quant must be None or one of {_QUANTS}, got {quant!r}")
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
+        raise ValueError(f"quant={quant!r} is a forward for inference and has no backward: call it under "
+                         "torch.no_grad() / torch.inference_mode(), or with inputs that do not require grad")
+
+
 def _check_max_seqlens(max_seqlen_q, max_seqlen_kv, layout: str) -> Optional[tuple]:
     """(max_seqlen_q, max_seqlen_kv) when given (both, positive ints, layout "thd"), else None."""
     if max_seqlen_q is None and max_seqlen_kv is None:
@@ -248,8 +263,7 @@ def _prepare(q, k, v, blocks, block_size, layout, cu_seqlens_q, cu_seqlens_kv, s
         raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
     if layout != "thd" and (cu_seqlens_q is not None or cu_seqlens_kv is not None):
         raise ValueError(f'cu_seqlens_q / cu_seqlens_kv belong to layout "thd", got layout {layout!r}')
-    if quant is not None:
-        raise NotImplementedError(f"quant={quant!r}: quantized forwards are not implemented yet")
+    _check_quant(quant, q, k, v)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if layout in ("bshd", "thd"):
@@ -352,13 +366,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     only: a double backward (create_graph=True, then differentiating the gradients) raises.
     Under torch.autocast, q, k and v are cast to its dtype first, as scaled_dot_product_attention does (fp64
     excepted): fp32 inputs then run the bf16/fp16 kernels and out comes back in that dtype.
+    quant="int8": a quantized forward for inference (SageAttention's scheme; no backward, so no input may require
+    grad). The keys less their mean over the sequence (per batch and kv head) and the queries are rounded per token
+    to int8 with scale max|x| / 127, and the scores are scale * q8 . k8 * (their scales), an int8 product on the
+    GPU; softmax ignores the mean's share, which is added back to the LSE. P @ V stays in the inputs' dtype. Every
+    backend computes this; the PyTorch backend as exact attention on the dequantized values.
     """
     max_seqlens = _check_max_seqlens(max_seqlen_q, max_seqlen_kv, layout)
     q, k, v, autocast_off = _under_autocast(q, k, v)
     with autocast_off:
         p = _prepare(q, k, v, blocks, block_size, layout, cu_seqlens_q, cu_seqlens_kv, scale, attn_mask, is_causal,
                      kv_valid, quant, backend, max_seqlens)
-        if p.backend == "torch":
+        if quant is not None:
+            out, lse = _quantized(p, is_causal, quant, need_lse=return_lse)
+        elif p.backend == "torch":
             out, lse = _reference(p, is_causal, need_lse=return_lse)
         else:
             out, lse = _triton_attention(p, is_causal)
@@ -427,13 +448,20 @@ def _op_args(p: _Prepared, is_causal: bool, need_q_lists: bool) -> tuple:
     """The kernel ops' arguments after q, k, v (forward) or after out, lse (backward): kv lists, q lists (None,
     None unless need_q_lists), token mask, gathered block mask, kv_valid, cu_seqlens_q / _kv, scale, list block
     sizes, mask block sizes, is_causal, max_seqlen_q / _kv."""
-    lists, gather_mask = _kernel_inputs(p.sparsity, is_causal)
+    lists, gather_mask, token_mask, cu_seqlens, max_seqlens = _kernel_tensors(p, is_causal)
     q_count, q_index = lists.q_lists() if need_q_lists else (None, None)
+    return (lists.kv_count, lists.kv_index, q_count, q_index, token_mask, gather_mask, p.kv_valid, *cu_seqlens,
+            p.scale, *lists.block_size, *p.sparsity.block_size, is_causal, *max_seqlens)
+
+
+def _kernel_tensors(p: _Prepared, is_causal: bool) -> tuple:
+    """(lists, gathered block mask, uint8 token mask, (cu_seqlens_q, cu_seqlens_kv), (max_seqlen_q, max_seqlen_kv))
+    as the kernel ops take them (None, None and 0, 0 unless "thd")."""
+    lists, gather_mask = _kernel_inputs(p.sparsity, is_causal)
     token_mask = p.token_mask.view(torch.uint8) if p.token_mask is not None else None
     cu_seqlens, max_seqlens = ((p.varlen.cu_q, p.varlen.cu_kv), (p.varlen.max_q, p.varlen.max_kv)) if p.varlen else (
         (None, None), (0, 0))
-    return (lists.kv_count, lists.kv_index, q_count, q_index, token_mask, gather_mask, p.kv_valid, *cu_seqlens,
-            p.scale, *lists.block_size, *p.sparsity.block_size, is_causal, *max_seqlens)
+    return lists, gather_mask, token_mask, cu_seqlens, max_seqlens
 
 
 def _kernel_inputs(sparsity: BlockSparsity, is_causal: bool):
@@ -465,6 +493,21 @@ def _triton_attention(p: _Prepared, is_causal: bool):
         op = ops.EagerAttention.apply if needs_grad else ops.forward_eager
     with _on_device(p.q.device):
         return op(p.q, p.k, p.v, *_op_args(p, is_causal, need_q_lists=needs_grad))
+
+
+def _quantized(p: _Prepared, is_causal: bool, quant: str, need_lse: bool):
+    """The quantized forward (quant="int8") on either backend: the PyTorch one runs the exact attention of the
+    dequantized q and smoothed k that the kernels multiply in int8 (reference.quantized_qk)."""
+    if p.backend == "torch":
+        q_hat, k_hat, shift = reference.quantized_qk(p.q, p.k, p.scale)
+        out, lse = _reference(p, is_causal, q_hat, k_hat, p.v, need_lse=need_lse)
+        return out.to(p.q.dtype), (lse + shift if need_lse else None)
+    ops = _kernel_ops()
+    op = ops.quantized_attention_fwd if torch.compiler.is_compiling() else ops.forward_quantized
+    lists, gather_mask, token_mask, cu_seqlens, max_seqlens = _kernel_tensors(p, is_causal)
+    with _on_device(p.q.device):
+        return op(p.q, p.k, p.v, lists.kv_count, lists.kv_index, token_mask, gather_mask, p.kv_valid, *cu_seqlens,
+                  p.scale, *lists.block_size, *p.sparsity.block_size, is_causal, *max_seqlens, quant)
 
 
 def _on_device(device: torch.device):

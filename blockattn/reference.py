@@ -105,3 +105,26 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
         return out, None
     lse = torch.cat(lses, dim=2).flatten(2, 3)[:, :, :seq_q].to(torch.float32)
     return out, lse
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """Per-row int8 quantization of x [.., D] (the last dim), returned dequantized in x's dtype (fp32 or fp64):
+    round(x * 127 / max|x|) (halves away from zero) times max|x| / 127; an all-zero row stays zero. The rule of
+    kernels/quant.py."""
+    amax = x.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127 / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.zeros_like(amax))
+    y = x * inverse
+    return torch.where(y >= 0, y + 0.5, y - 0.5).trunc() * (amax / 127)
+
+
+def quantized_qk(q: torch.Tensor, k: torch.Tensor, scale: float):
+    """quant="int8" on q [B, Hq, Sq, D] and k [B, Hkv, Sk, D]: (q's dequantized int8 values, the keys' less their
+    mean over the sequence, in fp32 (fp64 for fp64 inputs), and the LSE's shift [B, Hq, Sq] fp32: scale * q . mean,
+    the share of the mean the kernels leave out of the scores)."""
+    compute = torch.promote_types(q.dtype, torch.float32)
+    mean = k.to(compute).mean(2, keepdim=True)                                  # [B, Hkv, 1, D]
+    q_hat = quantize_rows(q.to(compute))
+    k_hat = quantize_rows(k.to(compute) - mean)
+    group = q.shape[1] // k.shape[1]
+    shift = (q_hat * mean.repeat_interleave(group, 1)).sum(-1) * scale
+    return q_hat, k_hat, shift.to(torch.float32)

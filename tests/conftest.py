@@ -196,10 +196,11 @@ def tuner_launches(monkeypatch) -> list:
 
 @pytest.fixture
 def poisoned(monkeypatch):
-    """The launchers' outputs (and the backward's row terms) start as NaN, so an element a kernel never wrote
-    shows up."""
+    """The launchers' outputs (and the backward's row terms) start as NaN (integer buffers as their type's least
+    value, which the int8 quantizer never writes), so an element a kernel never wrote shows up."""
     def empty(*shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+        return torch.full(shape, float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min, dtype=dtype,
+                          device=device)
 
     def empty_like(tensor):
         return torch.full_like(tensor, float("nan"))

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from . import autotune, buffers, launch, tma
+from .quant import quantize_rows
 from .primitives import dot, element_keep, kv_list_start, kv_list_tiles, query_tile_program, untested_steps
 from .varlen import Varlen
 
@@ -38,19 +39,29 @@ def _forward_walk(lo, hi, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv
                   K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q,
                   mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk,
                   stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok,
+                  k_scale_base, stride_kss, row_scale,
                   BLOCK_KV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr,
                   HAS_TOKEN_MASK: tl.constexpr, GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr,
-                  FP32_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr):
+                  FP32_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr, QUANT_QK: tl.constexpr):
     """Steps lo..hi of the walk over a kv list: the online softmax state (m_i, l_i [BM], acc [BM, BDV]) after
-    them. The flags say which element tests these steps need (none: a plain loop)."""
+    them. The flags say which element tests these steps need (none: a plain loop).
+    QUANT_QK: q and K are int8, each key's scale at k_scale_base + n * stride_kss, row_scale [BM] each query's
+    scale times scale * log2(e), and scale_log2 is 1 (the scores come out of the product already scaled)."""
     MASKED: tl.constexpr = (not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID
     for it in range(lo, hi):
         offs_n, k, v = kv_list_tiles(it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base,
                                      stride_ks, stride_kd, stride_vs, stride_vd, offs_n0, offs_d, offs_dv, d_ok, dv_ok,
                                      BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV,
                                      TMA_LOADS)  # [BN], [BN, BD], [BN, BDV]
-        qk = dot(q, tl.trans(k), None, FP32_PRECISION)  # [BM, BN]
+        if QUANT_QK:
+            if EVEN_KV:
+                k_scale = tl.load(k_scale_base + offs_n * stride_kss)  # [BN]
+            else:
+                k_scale = tl.load(k_scale_base + offs_n * stride_kss, mask=offs_n < seq_kv, other=0.0)
+            qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * k_scale[None, :] * row_scale[:, None]
+        else:
+            qk = dot(q, tl.trans(k), None, FP32_PRECISION)  # [BM, BN]
         if MASKED:
             keep = element_keep(offs_m[:, None], offs_n[None, :], seq_q, seq_kv, off_b, off_h,
                                 TOKEN_MASK, stride_tb, stride_th, stride_tq, stride_tk,
@@ -76,6 +87,7 @@ def _forward_walk(lo, hi, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv
 @triton.jit(do_not_specialize=["seq_bucket"])
 def attention_fwd_kernel(
     Q, K, V, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID, CU_SEQLENS_Q, CU_SEQLENS_KV,
+    Q_SCALE, K_SCALE,
     scale_log2, seq_q, seq_kv, num_heads, group_size, mask_block_q, mask_block_kv, seq_bucket,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -87,11 +99,13 @@ def attention_fwd_kernel(
     stride_tb, stride_th, stride_tq, stride_tk,
     stride_mb, stride_mh, stride_mq,
     stride_vvb,
+    stride_qsb, stride_qsh, stride_qss,
+    stride_ksb, stride_ksh, stride_kss,
     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
     GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr,
-    IS_VARLEN: tl.constexpr, TMA_LOADS: tl.constexpr, SPLIT_WALK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, TMA_LOADS: tl.constexpr, SPLIT_WALK: tl.constexpr, QUANT_QK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: a BLOCK_M query tile of one (batch, head), walking only the key blocks its query block kept.
@@ -101,7 +115,9 @@ def attention_fwd_kernel(
     IS_VARLEN: a packed batch; "batch" b is sequence b, whose tokens start at CU_SEQLENS_Q[b] / CU_SEQLENS_KV[b]
     along the token stride (the batch strides are 0), seq_q / seq_kv are the longest lengths.
     TMA_LOADS: K and V tiles come through K_DESC / V_DESC, host descriptors of K and V (kernels/tma.py).
-    SPLIT_WALK: split_walk() on the host: the walk runs the tiles before the tested blocks without tests."""
+    SPLIT_WALK: split_walk() on the host: the walk runs the tiles before the tested blocks without tests.
+    QUANT_QK: Q and K are int8 (kernels/quant.py) with per-token scales Q_SCALE fp32 [B, H, Sq] and K_SCALE fp32
+    [B, Hkv, Sk]; the scores are their int32 products times both scales."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     TILES_PER_BLOCK: tl.constexpr = BLOCK_KV // BLOCK_N
@@ -121,7 +137,17 @@ def attention_fwd_kernel(
 
     q_ptrs = (Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
               + (q_start + offs_m[:, None]).to(tl.int64) * stride_qs + offs_d[None, :] * stride_qd)
-    q = tl.load(q_ptrs, mask=(offs_m[:, None] < seq_q) & d_ok[None, :], other=0.0)  # [BM, BD]
+    q = tl.load(q_ptrs, mask=(offs_m[:, None] < seq_q) & d_ok[None, :], other=0)  # [BM, BD]
+    k_scale_base = K_SCALE + off_b.to(tl.int64) * stride_ksb + off_hkv.to(tl.int64) * stride_ksh \
+        + kv_start.to(tl.int64) * stride_kss
+    if QUANT_QK:
+        q_scale = tl.load(Q_SCALE + off_b.to(tl.int64) * stride_qsb + off_h.to(tl.int64) * stride_qsh
+                          + (q_start + offs_m).to(tl.int64) * stride_qss, mask=offs_m < seq_q, other=0.0)  # [BM]
+        row_scale = q_scale * scale_log2
+        walk_scale = 1.0
+    else:
+        row_scale = scale_log2
+        walk_scale = scale_log2
 
     count, index_row, k_base, v_base = kv_list_start(
         KV_COUNT, KV_INDEX, K, V, off_b, off_h, off_hkv, q_block, kv_start, stride_cb, stride_ch, stride_ib, stride_ih,
@@ -137,19 +163,20 @@ def attention_fwd_kernel(
         plain = untested_steps(index_row, count, start_m, seq_kv, BLOCK_KV, TILES_PER_BLOCK, EVEN_KV, IS_CAUSAL)
         m_i, l_i, acc = _forward_walk(
             0, plain, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv, K_DESC,
-            V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q, mask_block_kv,
+            V_DESC, k_base, v_base, walk_scale, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q, mask_block_kv,
             stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk, stride_mb,
-            stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, BLOCK_KV, BLOCK_N, BLOCK_D,
-            BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, False, False, False, False, FP32_PRECISION, TMA_LOADS)
+            stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, k_scale_base, stride_kss,
+            row_scale, BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, False, False, False, False,
+            FP32_PRECISION, TMA_LOADS, QUANT_QK)
     else:
         plain = 0
     m_i, l_i, acc = _forward_walk(
         plain, total, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv, K_DESC,
-        V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q, mask_block_kv,
+        V_DESC, k_base, v_base, walk_scale, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q, mask_block_kv,
         stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk, stride_mb,
-        stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, BLOCK_KV, BLOCK_N, BLOCK_D,
-        BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK, HAS_KV_VALID,
-        FP32_PRECISION, TMA_LOADS)
+        stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, k_scale_base, stride_kss, row_scale,
+        BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK,
+        GATHER_BLOCK_MASK, HAS_KV_VALID, FP32_PRECISION, TMA_LOADS, QUANT_QK)
 
     seen = l_i > 0
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -163,7 +190,7 @@ def attention_fwd_kernel(
 
 
 TUNING_KEY = ("BLOCK_Q", "BLOCK_KV", "HEAD_DIM", "HEAD_DIM_V", "EVEN_Q", "EVEN_KV", "IS_CAUSAL", "HAS_TOKEN_MASK",
-              "GATHER_BLOCK_MASK", "HAS_KV_VALID", "IS_VARLEN", "TMA_LOADS", "SPLIT_WALK", "seq_bucket")
+              "GATHER_BLOCK_MASK", "HAS_KV_VALID", "IS_VARLEN", "TMA_LOADS", "SPLIT_WALK", "QUANT_QK", "seq_bucket")
 
 
 def output_buffers(q: torch.Tensor, head_dim_v: int, packed: bool):
@@ -246,8 +273,8 @@ def site_key(block_q: int, block_kv: int, scale: float, is_causal: bool, token_m
 def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, scale: float,
                       token_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                       block_mask: Optional[torch.Tensor] = None, mask_block_q: int = 0, mask_block_kv: int = 0,
-                      kv_valid: Optional[torch.Tensor] = None, varlen: Optional[Varlen] = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      kv_valid: Optional[torch.Tensor] = None, varlen: Optional[Varlen] = None,
+                      quant: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward. q [B, H, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any strides, last dim dense
     preferred) -> (out [B, H, Sq, Dv], lse fp32 [B, H, Sq]).
 
@@ -256,26 +283,36 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
     element is then tested against it. token_mask: uint8, expanded to [B, H, Sq, Sk] (stride 0 broadcasts);
     kv_valid: int32 [B|1, nk'] expanded to [B, nk'].
     varlen: a packed batch; q, k, v are then [1, H, T, D] views of "thd" tensors, and out / lse come back as
-    [1, H, Tq, Dv] / [1, H, Tq] views of "thd"-ordered [Tq, H, Dv] / [Tq, H] buffers."""
+    [1, H, Tq, Dv] / [1, H, Tq] views of "thd"-ordered [Tq, H, Dv] / [Tq, H] buffers.
+    quant: None, or "int8": q and k are quantized per token first (kernels/quant.py: the keys less their mean over
+    the sequence), the scores come from their int8 product, and the LSE gets the mean's share back."""
     packed = varlen is not None
     out, lse = output_buffers(q, v.shape[-1], packed)
+    q_scale = k_scale = row_dot = None
+    if quant is not None:
+        mean = k.mean(2, dtype=torch.float32)  # [B, Hkv, D]: the keys' smoothing (softmax ignores a shared shift)
+        k, k_scale, _ = quantize_rows(k, mean, subtract_mean=True, dot_mean=False)
+        q, q_scale, row_dot = quantize_rows(q, mean, subtract_mean=False, dot_mean=True)
     tensors = dict(Q=q, K=k, V=v, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index,
-                   **optional_tensors(kv_count, token_mask, block_mask, kv_valid, varlen))
+                   **optional_tensors(kv_count, token_mask, block_mask, kv_valid, varlen),
+                   Q_SCALE=kv_count if q_scale is None else q_scale, K_SCALE=kv_count if k_scale is None else k_scale)
     site = site_key(block_q, block_kv, scale, is_causal, token_mask, block_mask, mask_block_q, mask_block_kv,
-                    kv_valid, varlen, q.dtype) + (autotune.env_key("FWD"),)
+                    kv_valid, varlen, v.dtype) + (autotune.env_key("FWD"), quant)
 
     def build() -> launch.LaunchSpec:
         heads, kv_heads = q.shape[1], k.shape[1]
         batch, seq_q, seq_kv = (varlen.batch, varlen.max_q, varlen.max_kv) if packed else (q.shape[0], q.shape[2],
                                                                                             k.shape[2])
         head_dim, head_dim_v, block_d, block_dv = head_dims(q, v)
+        if quant is not None:
+            block_d = max(32, block_d)  # the GPU's int8 products take 32 columns at a time
         gather = block_mask is not None
         even_kv = whole_blocks(seq_kv, block_kv, packed)
-        elt, precision = q.element_size(), fp32_precision(q.dtype, attention_fwd_kernel)
+        elt, elt_v, precision = q.element_size(), v.element_size(), fp32_precision(v.dtype, attention_fwd_kernel)
         configs = autotune.nesting(
             "FWD", block_q, block_kv,
-            smem_per_stage=lambda bm, bn: bn * (block_d + block_dv) * elt,
-            fixed_smem=lambda bm, bn: bm * block_d * elt, cache_key=(block_d, block_dv, elt),
+            smem_per_stage=lambda bm, bn: bn * (block_d * elt + block_dv * elt_v),
+            fixed_smem=lambda bm, bn: bm * block_d * elt, cache_key=(block_d, block_dv, elt, elt_v),
             fp32_precision=precision)
         kv_tiles = tma.tile_args(attention_fwd_kernel, packed, batch * heads * seq_q * seq_kv * head_dim,
                                  K_DESC=k, V_DESC=v)
@@ -288,16 +325,20 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
             **stride_args("c", kv_count, "bh"), **stride_args("i", kv_index, "bhq"),
             **stride_args("t", token_mask, "bhqk"), **stride_args("m", block_mask, "bhq"),
             stride_vvb=strides(kv_valid, 1)[0],
+            **stride_args("qs", q_scale, "bhs"), **stride_args("ks", k_scale, "bhs"),
             BLOCK_Q=block_q, BLOCK_KV=block_kv, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d,
             BLOCK_DV=block_dv, EVEN_KV=even_kv,
             IS_CAUSAL=bool(is_causal), HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather,
             HAS_KV_VALID=kv_valid is not None, FP32_PRECISION=precision,
-            IS_VARLEN=packed, SPLIT_WALK=split_walk(is_causal, even_kv, token_mask, block_mask, kv_valid))
+            IS_VARLEN=packed, SPLIT_WALK=split_walk(is_causal, even_kv, token_mask, block_mask, kv_valid),
+            QUANT_QK=quant is not None)
         return launch.LaunchSpec(
             grid=lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), *launch.batch_head_axes(batch, heads)),
             configs=configs,
             tuning_key=TUNING_KEY, static=static, pre_hook=tma.set_boxes if kv_tiles["TMA_LOADS"] else None)
 
     launch.run(attention_fwd_kernel, site, tensors, build, fresh=("Out", "Lse"))
+    if row_dot is not None:
+        lse.add_(row_dot, alpha=scale)  # the scores' share of the keys' mean, q . mean * scale; -inf stays -inf
     return out, lse
 

@@ -47,6 +47,28 @@ def _(q, k, v, kv_count, kv_index, q_count, q_index, token_mask, block_mask, kv_
     return output_buffers(q, v.shape[-1], cu_seqlens_q is not None)
 
 
+def forward_quantized(q: Tensor, k: Tensor, v: Tensor, kv_count: Tensor, kv_index: Tensor,
+                      token_mask: Optional[Tensor], block_mask: Optional[Tensor], kv_valid: Optional[Tensor],
+                      cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor], scale: float, block_q: int,
+                      block_kv: int, mask_block_q: int, mask_block_kv: int, is_causal: bool, max_seqlen_q: int,
+                      max_seqlen_kv: int, quant: str) -> tuple[Tensor, Tensor]:
+    """The quantized forward (quant="int8"): (out [B, H, Sq, Dv], lse fp32 [B, H, Sq]); no backward."""
+    return attention_forward(q, k, v, kv_count, kv_index, block_q, block_kv, scale, token_mask=token_mask,
+                             is_causal=is_causal, block_mask=block_mask, mask_block_q=mask_block_q,
+                             mask_block_kv=mask_block_kv, kv_valid=kv_valid,
+                             varlen=_varlen(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv), quant=quant)
+
+
+quantized_attention_fwd = torch.library.custom_op("blockattn::quantized_attention_fwd",
+                                                  mutates_args=())(forward_quantized)
+
+
+@quantized_attention_fwd.register_fake
+def _(q, k, v, kv_count, kv_index, token_mask, block_mask, kv_valid, cu_seqlens_q, cu_seqlens_kv, scale, block_q,
+      block_kv, mask_block_q, mask_block_kv, is_causal, max_seqlen_q, max_seqlen_kv, quant):
+    return output_buffers(q, v.shape[-1], cu_seqlens_q is not None)
+
+
 def backward_eager(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                    lse: Tensor, kv_count: Tensor, kv_index: Tensor, q_count: Tensor, q_index: Tensor,
                    token_mask: Optional[Tensor], block_mask: Optional[Tensor], kv_valid: Optional[Tensor],

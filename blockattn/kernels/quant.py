@@ -1,0 +1,78 @@
+"""Per-token int8 quantization of q and k for the quantized forward (quant="int8"): kernel and launcher.
+What it computes and why: kernels/README.md, "Quantized forward"."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import buffers, launch
+from .primitives import batch_head_program
+
+# Rows one program quantizes; the head dim is whole in every row (BLOCK_D >= D).
+_ROWS = 64
+
+
+@triton.jit
+def quantize_rows_kernel(X, MEAN, X8, SCALE, ROW_DOT, seq, num_heads, group_size,
+                         stride_xb, stride_xh, stride_xs, stride_xd, stride_mb, stride_mh,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                         SUBTRACT_MEAN: tl.constexpr, DOT_MEAN: tl.constexpr):
+    """One program: BLOCK_S rows of one (batch, head) of X [B, H, S, D] (any strides).
+
+    Each row x (less MEAN's row of its head when SUBTRACT_MEAN: the keys' smoothing) becomes int8 round(x * 127 /
+    max|x|) (halves away from zero) in X8 [B, H, S, D] (dense) with SCALE = max|x| / 127 fp32 [B, H, S]; an
+    all-zero row gives zeros and scale 0. DOT_MEAN (queries): ROW_DOT fp32 [B, H, S] gets the dequantized row's
+    dot product with MEAN's row of its kv head (h // group_size), the LSE's share of the subtracted mean.
+    MEAN: fp32 [B, H / group_size, D] with strides (stride_mb, stride_mh, 1)."""
+    pid_s = tl.program_id(0)
+    pid_bh = batch_head_program()
+    off_b = pid_bh // num_heads
+    off_h = pid_bh % num_heads
+    rows = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < seq
+    col_ok = cols < HEAD_DIM
+    ok = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(X + off_b.to(tl.int64) * stride_xb + off_h.to(tl.int64) * stride_xh
+                + rows[:, None].to(tl.int64) * stride_xs + cols[None, :] * stride_xd, mask=ok, other=0.0)
+    x = x.to(tl.float32)  # [BS, BD]
+    mean_row = MEAN + off_b.to(tl.int64) * stride_mb + (off_h // group_size).to(tl.int64) * stride_mh
+    if SUBTRACT_MEAN:
+        mean = tl.load(mean_row + cols, mask=col_ok, other=0.0)  # [BD]
+        x = tl.where(ok, x - mean[None, :], 0.0)
+    amax = tl.max(tl.abs(x), 1)  # [BS]
+    inverse = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+    y = x * inverse[:, None]
+    # the conversion truncates toward zero, so adding a signed half rounds halves away from zero
+    x8 = tl.where(y >= 0, y + 0.5, y - 0.5).to(tl.int8)
+    scale = amax / 127.0
+    out_rows = (off_b * num_heads + off_h).to(tl.int64) * seq + rows
+    tl.store(X8 + out_rows[:, None] * HEAD_DIM + cols[None, :], x8, mask=ok)
+    tl.store(SCALE + out_rows, scale, mask=row_ok)
+    if DOT_MEAN:
+        mean = tl.load(mean_row + cols, mask=col_ok, other=0.0)
+        tl.store(ROW_DOT + out_rows, tl.sum(x8.to(tl.float32) * mean[None, :], 1) * scale, mask=row_ok)
+
+
+def quantize_rows(x: torch.Tensor, mean: torch.Tensor, subtract_mean: bool,
+                  dot_mean: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """x [B, H, S, D] (fp16/bf16/fp32, any strides) -> (int8 [B, H, S, D] dense, scale fp32 [B, H, S], row_dot
+    fp32 [B, H, S] or None unless dot_mean). mean: fp32 [B, Hm, D], H a multiple of Hm (see the kernel)."""
+    batch, heads, seq, dim = x.shape
+    x8 = buffers.empty(batch, heads, seq, dim, dtype=torch.int8, device=x.device)
+    scale = buffers.empty(batch, heads, seq, dtype=torch.float32, device=x.device)
+    row_dot = buffers.empty(batch, heads, seq, dtype=torch.float32, device=x.device) if dot_mean else None
+    if x.numel() == 0:
+        return x8, scale, row_dot
+    block_d = max(16, triton.next_power_of_2(dim))
+    grid = (triton.cdiv(seq, _ROWS), *launch.batch_head_axes(batch, heads))
+    quantize_rows_kernel[grid](
+        x, mean, x8, scale, scale if row_dot is None else row_dot, seq, heads, heads // mean.shape[1],
+        *x.stride(), mean.stride(0), mean.stride(1),
+        HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=_ROWS, SUBTRACT_MEAN=subtract_mean, DOT_MEAN=dot_mean,
+        num_warps=4)
+    return x8, scale, row_dot

@@ -1,0 +1,177 @@
+"""The quantized forward (quant="int8"): the quantization kernel against its rule, the attention kernel and the
+PyTorch backend against the fp64 oracle on the values they quantized to, how close both come to exact attention,
+key smoothing, the layouts, and every refusal."""
+
+import math
+
+import pytest
+import torch
+
+import blockattn
+from blockattn import reference
+from blockattn.kernels.quant import quantize_rows
+from conftest import DEVICE, check_against_oracle, expand, make_generator, oracle, qkv, random_keep, rel_error
+
+BACKENDS = ("torch", "triton")
+
+
+def rule(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantization rule in fp64, written from its statement: (int8 values as fp64, scale max|x| / 127)."""
+    x = x.double()
+    amax = x.abs().amax(-1, keepdim=True)
+    y = torch.where(amax > 0, x * 127 / amax, torch.zeros_like(x))
+    return torch.sign(y) * torch.floor(y.abs() + 0.5), amax[..., 0] / 127
+
+
+def dequantized(q, k):
+    """What the Triton path multiplies: the quantization kernel's q and smoothed k, dequantized in fp64, and the
+    LSE shift it adds (scale * q . mean of the keys)."""
+    mean = k.mean(2, dtype=torch.float32)
+    q8, q_scale, _ = quantize_rows(q, mean, subtract_mean=False, dot_mean=True)
+    k8, k_scale, _ = quantize_rows(k, mean, subtract_mean=True, dot_mean=False)
+    group = q.shape[1] // k.shape[1]
+    q_hat = q8.double() * q_scale.double()[..., None]
+    shift = (q_hat * mean.double().repeat_interleave(group, 1)[:, :, None]).sum(-1) * q.shape[-1] ** -0.5
+    return q_hat, k8.double() * k_scale.double()[..., None], shift
+
+
+def inputs_of(backend, q, k):
+    """(q_hat, k_hat, shift) in fp64 as the backend computes them."""
+    if backend == "triton":
+        return dequantized(q, k)
+    q_hat, k_hat, shift = reference.quantized_qk(q, k, q.shape[-1] ** -0.5)
+    return q_hat.double(), k_hat.double(), shift.double()
+
+
+@pytest.mark.parametrize("subtract_mean", [False, True])
+def test_quantize_rows_follows_the_rule(poisoned, subtract_mean):
+    """int8 values within one step of the rule's (near-halves round either way in fp32), nearly all equal; scales
+    to fp32 rounding; a zero row gives zeros and scale 0; strided [B, S, H, D] input."""
+    gen = make_generator(3)
+    x = (torch.randn(2, 77, 3, 40, generator=gen, device=DEVICE) * 3).to(torch.bfloat16).transpose(1, 2)
+    mean = torch.randn(2, 3, 40, generator=gen, device=DEVICE).to(torch.bfloat16).float() * subtract_mean
+    x[0, 1, 5] = mean[0, 1]  # a row that quantizes from all zeros
+    x8, scale, row_dot = quantize_rows(x, mean, subtract_mean=subtract_mean, dot_mean=True)
+    want8, want_scale = rule(x.double() - mean.double()[:, :, None] if subtract_mean else x)
+    assert x8.dtype == torch.int8 and x8.shape == x.shape and x8.is_contiguous()
+    gap = (x8.double() - want8).abs()
+    assert gap.max() <= 1 and (gap > 0).float().mean() < 1e-3, f"{int((gap > 0).sum())} values off the rule"
+    torch.testing.assert_close(scale.double(), want_scale, rtol=1e-6, atol=0)
+    assert (x8[0, 1, 5] == 0).all() and scale[0, 1, 5] == 0
+    dots = (x8.double() * scale.double()[..., None] * mean.double()[:, :, None]).sum(-1)
+    torch.testing.assert_close(row_dot.double(), dots, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["ragged", "causal", "gqa_empty_row", "kv_valid"])
+def test_quantized_forward_matches_the_oracle_on_its_quantized_values(geometry, poisoned, backend, case):
+    """out and LSE against fp64 attention on exactly the values the backend quantized q and k to (and the keys'
+    mean added back): the same error budget as an unquantized bf16 kernel."""
+    g = geometry
+    seq_q, seq_kv = g.seqs
+    kv_heads = g.heads // 2 if case == "gqa_empty_row" else g.heads
+    q, k, v = qkv(g.batch, g.heads, seq_q, g.dim, kv_heads=kv_heads, seq_kv=seq_kv, seed=4)
+    k = k + 2.0 * torch.randn(g.dim, generator=make_generator(9), device=DEVICE).to(k.dtype)  # a shared offset
+    keep = random_keep(g.batch, g.heads, seq_q, seq_kv, g.block)
+    kwargs = {}
+    if case == "gqa_empty_row":
+        keep[..., 1, :] = False
+    if case == "kv_valid":
+        valid = torch.randint(0, g.block[1] + 1, (keep.shape[-1],), generator=make_generator(2), device=DEVICE)
+        kwargs["kv_valid"] = valid.to(torch.int32)
+    out, lse = blockattn.attention(q, k, v, keep, g.block, quant="int8", backend=backend, return_lse=True,
+                                   is_causal=case == "causal", **kwargs)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    q_hat, k_hat, shift = inputs_of(backend, q, k)
+    visible = expand(keep, g.block, seq_q, seq_kv)
+    if case == "kv_valid":
+        positions = torch.arange(seq_kv, device=DEVICE)
+        visible = visible & (positions % g.block[1] < valid.repeat_interleave(g.block[1])[:seq_kv])
+    # the oracle sees the smoothed keys, so its LSE lacks the shift the backends add back
+    check_against_oracle(out, lse - shift.float(), q_hat.to(q.dtype), k_hat.to(k.dtype), v, visible,
+                         is_causal=case == "causal")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_quantized_forward_stays_near_exact_attention_despite_a_key_offset(geometry, backend):
+    """Against exact fp64 attention on the unquantized inputs: keys with a large shared offset (as real keys
+    carry) lose no more accuracy than keys without, thanks to the smoothing, and the error is the size of
+    per-token int8 rounding (the same inputs quantized by the fp64 rule without smoothing: the offset ruins it)."""
+    g = geometry
+    seq = g.seqs[0]
+    q, k, v = qkv(1, g.heads, seq, g.dim, seed=6)
+    offset = 8.0 * torch.randn(g.dim, generator=make_generator(7), device=DEVICE)
+    keep = random_keep(1, g.heads, seq, seq, g.block)
+    visible = expand(keep, g.block, seq, seq)
+    errors = {}
+    for name, keys in (("plain", k), ("offset", (k.float() + offset).to(k.dtype))):
+        want, want_lse = oracle(q, keys, v, visible)
+        out, lse = blockattn.attention(q, keys, v, keep, g.block, quant="int8", backend=backend, return_lse=True)
+        errors[name] = rel_error(out, want)
+        assert (lse.double() - want_lse).abs().max() < 0.05 * want_lse.abs().max(), f"{name}: LSE off"
+    q8, q_scale = rule(q)
+    k8, k_scale = rule(k.float() + offset)
+    naive = oracle(q8 * q_scale[..., None], k8 * k_scale[..., None], v, visible)[0]
+    naive_error = rel_error(naive, oracle(q, (k.float() + offset).to(k.dtype), v, visible)[0])
+    assert errors["offset"] <= 1.5 * errors["plain"] + 1e-3, errors
+    assert errors["offset"] < naive_error / 2, (errors, naive_error)
+    assert errors["plain"] < 0.05, errors
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_quantized_packed_batch_matches_each_sequence_on_its_values(backend):
+    """"thd": each sequence's out against the oracle on the values quantized over the whole packed batch (the
+    keys' mean is taken over every packed token, which softmax ignores all the same)."""
+    lengths_q, lengths_kv, block = (37, 64, 5), (50, 29, 70), (32, 16)
+    gen = make_generator(8)
+    q = torch.randn(sum(lengths_q), 4, 32, generator=gen, device=DEVICE).to(torch.bfloat16)
+    k = torch.randn(sum(lengths_kv), 2, 32, generator=gen, device=DEVICE).to(torch.bfloat16)
+    v = torch.randn(sum(lengths_kv), 2, 32, generator=gen, device=DEVICE).to(torch.bfloat16)
+    nq, nk = math.ceil(max(lengths_q) / block[0]), math.ceil(max(lengths_kv) / block[1])
+    keep = torch.rand(3, 4, nq, nk, generator=gen, device=DEVICE) < 0.6
+    cu_q = torch.tensor([0, 37, 101, 106], dtype=torch.int32, device=DEVICE)
+    cu_kv = torch.tensor([0, 50, 79, 149], dtype=torch.int32, device=DEVICE)
+    out, lse = blockattn.attention(q, k, v, keep, block, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+                                   quant="int8", backend=backend, return_lse=True)
+    q_hat, k_hat, shift = inputs_of(backend, q.transpose(0, 1)[None], k.transpose(0, 1)[None])
+    for i in range(3):
+        sq, sk = slice(cu_q[i], cu_q[i + 1]), slice(cu_kv[i], cu_kv[i + 1])
+        visible = expand(keep[i:i + 1], block, lengths_q[i], lengths_kv[i])
+        check_against_oracle(out[sq].transpose(0, 1)[None], (lse[sq] - shift[0, :, sq].t().float()).t()[None],
+                             q_hat[:, :, sq].to(q.dtype), k_hat[:, :, sk].to(k.dtype),
+                             v[sk].transpose(0, 1)[None], visible)
+
+
+def test_compiled_quantized_forward_matches_eager(geometry):
+    g = geometry
+    q, k, v = qkv(1, g.heads, g.seqs[0], g.dim, seed=2)
+    keep = random_keep(1, g.heads, g.seqs[0], g.seqs[0], g.block)
+
+    def call(q, k, v, keep):
+        return blockattn.attention(q, k, v, keep, g.block, quant="int8", backend="triton", return_lse=True)
+    torch._dynamo.reset()
+    got = torch.compile(call, fullgraph=True)(q, k, v, keep)
+    want = call(q, k, v, keep)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("quant, error, message", [
+    ("fp4", ValueError, "quant must be None or one of"),
+    (8, ValueError, "quant must be None or one of"),
+    ("int8-fp8", NotImplementedError, "not implemented yet"),
+])
+def test_unknown_quant_is_refused(quant, error, message):
+    q = torch.zeros(1, 2, 16, 32, device=DEVICE)
+    with pytest.raises(error, match=message):
+        blockattn.attention(q, q, q, quant=quant)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_quantized_forward_refuses_inputs_that_need_gradients(backend):
+    q = torch.zeros(1, 2, 16, 32, device=DEVICE, requires_grad=True)
+    k = torch.zeros(1, 2, 16, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="has no backward"):
+        blockattn.attention(q, k, k, quant="int8", backend=backend)
+    with torch.no_grad():
+        assert torch.isfinite(blockattn.attention(q, k, k, quant="int8", backend=backend)).all()
