@@ -110,17 +110,19 @@ def _valid_counts(name: str, valid, batch: int, tiles: int, tile_tokens: int, de
     return valid.reshape(-1, tiles).to(torch.int32).clamp(0, tile_tokens)  # a tile holds at most tile_tokens
 
 
-def _tile_means(x: torch.Tensor, counts: torch.Tensor, tile_tokens: int) -> torch.Tensor:
+def _tile_means(x: torch.Tensor, counts: Optional[torch.Tensor], tile_tokens: int) -> torch.Tensor:
     """[B, H, n * tile, D] -> fp32 [B, H, n, D]: the mean over each tile's first counts[b, n] tokens (an empty tile
-    gives zeros). counts: int32 [B|1, n]."""
+    gives zeros); counts: int32 [B|1, n], or None (every tile full). Summed in fp32 straight from x's dtype."""
     batch, heads, seq, dim = x.shape
     tiles = seq // tile_tokens
-    real = (torch.arange(tile_tokens, device=x.device) < counts[..., None]).to(torch.float32).expand(
-        batch, tiles, tile_tokens)                                                         # [B, n, tile]
-    # a few heads at a time: a long video's q in fp32 at once would add a whole input's size in fp32 to the peak
-    per_head = batch * seq * dim * 4
-    sums = torch.cat([torch.einsum("bhntd,bnt->bhnd", part.float().view(batch, -1, tiles, tile_tokens, dim), real)
-                      for part in x.split(max(1, _POOL_CHUNK_BYTES // per_head), dim=1)], dim=1)
+    tiled = x.view(batch, heads, tiles, tile_tokens, dim)
+    if counts is None:
+        return tiled.sum(3, dtype=torch.float32) / tile_tokens
+    real = (torch.arange(tile_tokens, device=x.device) < counts[..., None])[:, None, :, :, None]  # [B|1, 1, n, t, 1]
+    # padding slots may hold anything; zeroing them copies x, a few heads at a time to bound the peak memory
+    per_head = batch * seq * dim * x.element_size()
+    sums = torch.cat([torch.where(real, part, 0).sum(3, dtype=torch.float32)
+                      for part in tiled.split(max(1, _POOL_CHUNK_BYTES // per_head), dim=1)], dim=1)
     return sums / counts.clamp(min=1)[:, None, :, None].to(torch.float32)
 
 
@@ -170,23 +172,30 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, to
     scale = dim ** -0.5 if scale is None else scale
 
     group = heads // kv_heads
-    pooled_q = _tile_means(qh, q_counts, tile)                                             # [B, Hq, nq, D]
-    pooled_k = _tile_means(kh, kv_counts, tile).repeat_interleave(group, 1)                # [B, Hq, nk, D]
-    pooled_v = _tile_means(vh, kv_counts, tile).repeat_interleave(group, 1)                # [B, Hq, nk, Dv]
+    pooled_q = _tile_means(qh, None if q_valid is None else q_counts, tile)                # [B, Hq, nq, D]
+    kv_given = None if kv_valid is None else kv_counts
+    pooled_k = _tile_means(kh, kv_given, tile).repeat_interleave(group, 1)                 # [B, Hq, nk, D]
+    pooled_v = _tile_means(vh, kv_given, tile).repeat_interleave(group, 1)                 # [B, Hq, nk, Dv]
     scores = pooled_q @ pooled_k.transpose(-1, -2) * scale                                 # [B, Hq, nq, nk]
     empty = (kv_counts == 0)[:, None, None, :]                                             # no key in the tile
     scores = scores.masked_fill(empty, float("-inf"))
     weights = torch.nan_to_num(torch.softmax(scores, -1), nan=0.0)       # a row with only empty tiles: zeros
     coarse = (weights @ pooled_v).to(q.dtype)                                              # [B, Hq, nq, Dv]
-    coarse = coarse[:, :, :, None, :].expand(batch, heads, nq, tile, coarse.shape[-1]).reshape(
-        batch, heads, seq_q, coarse.shape[-1])
 
     with torch.no_grad():
         keep = torch.zeros(scores.shape, dtype=torch.bool, device=q.device)
         keep.scatter_(-1, scores.topk(topk, dim=-1).indices, True)
     blocks = BlockSparsity.from_mask(keep, (tile, tile), seq_q, seq_kv)
     fine = attention(q, k, v, blocks, layout=layout, scale=scale, kv_valid=kv_counts, backend=backend)
+    # each query tile's coarse row broadcast over its tokens, never materialized at full length
+    dim_v = coarse.shape[-1]
     if layout == "bshd":
-        coarse = coarse.transpose(1, 2)
-    out = fine + (coarse if gate is None else coarse * gate)
+        tiled = (batch, nq, tile, heads, dim_v)
+        coarse = coarse.permute(0, 2, 1, 3)[:, :, None]                                    # [B, nq, 1, Hq, Dv]
+    else:
+        tiled = (batch, heads, nq, tile, dim_v)
+        coarse = coarse[:, :, :, None]                                                     # [B, Hq, nq, 1, Dv]
+    fine = fine.view(tiled)
+    out = fine + coarse if gate is None else torch.addcmul(fine, gate.reshape(tiled), coarse)
+    out = out.reshape(*q.shape[:3], dim_v)
     return (out, blocks) if return_blocks else out

@@ -219,9 +219,22 @@ def test_video_sparse_attention_compiles_without_a_graph_break(pinned):
 
 
 def test_tile_means_in_head_chunks_equal_the_whole(monkeypatch):
-    """The pooling casts a few heads at a time to bound its fp32 copy; one head per chunk gives the same means."""
+    """The pooling zeroes padding slots a few heads at a time to bound its copy; one head per chunk gives the same
+    means."""
     from blockattn import video
     layout, (q, k, v) = tiled_inputs(torch.bfloat16, seed=16)
     whole = video._tile_means(q, layout.valid[None], layout.tile_tokens)
     monkeypatch.setattr(video, "_POOL_CHUNK_BYTES", 1)
     assert torch.equal(video._tile_means(q, layout.valid[None], layout.tile_tokens), whole)
+
+
+def test_counts_of_full_tiles_change_nothing():
+    """Without q_valid / kv_valid the pooling sums whole tiles without a mask: the same output as the counts of
+    full tiles given, within fp32 summation order."""
+    layout = TileLayout((4, 8, 8), (2, 4, 4), device=DEVICE)   # the tiles cut the grid evenly
+    q, k, v = (layout.to_tiles(t) for t in qkv(1, HEADS, 256, DIM, kv_heads=KV_HEADS, seed=17))
+    full = layout.valid
+    assert (full == layout.tile_tokens).all()
+    got = video_sparse_attention(q, k, v, 2, layout.tile_tokens, backend="torch")
+    want = video_sparse_attention(q, k, v, 2, layout.tile_tokens, q_valid=full, kv_valid=full, backend="torch")
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
