@@ -1,5 +1,6 @@
 """The Triton helpers on their own: the list search that orders the dK/dV walk, the split walks' count of steps
-that need no element test, and the tile load that drops its masks where a side is whole."""
+that need no element test, the tile load that drops its masks where a side is whole, and the int32 -> fp32
+conversion of the quantized forward."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import triton
 import triton.language as tl
 
 from conftest import DEVICE
-from blockattn.kernels.primitives import first_entry_at_or_after, load_tile, untested_steps
+from blockattn.kernels.primitives import first_entry_at_or_after, int32_to_float, load_tile, untested_steps
 
 
 @triton.jit
@@ -104,3 +105,21 @@ def test_load_tile_zeroes_what_is_out_of_range(even_rows, even_cols):
     want = torch.zeros_like(x)
     want[:rows, :cols] = x[:rows, :cols]
     assert torch.equal(out, want)
+
+
+@triton.jit
+def _to_float_kernel(X, Out):
+    offs = tl.arange(0, 1024)
+    tl.store(Out + offs, int32_to_float(tl.load(X + offs)))
+
+
+def test_int32_to_float_is_exact_over_the_int8_products_range():
+    """Every int8 product of up to 256 columns (|x| <= 127 * 127 * 256 < 2**22) converts exactly: the ends, zero,
+    +-1 and random values."""
+    gen = torch.Generator().manual_seed(5)
+    edge = 2 ** 22 - 1
+    x = torch.randint(-edge, edge + 1, (1024,), generator=gen, dtype=torch.int32)
+    x[:6] = torch.tensor([edge, -edge, 0, 1, -1, 127 * 127 * 256])
+    out = torch.full((1024,), float("nan"), device=DEVICE)
+    _to_float_kernel[(1,)](x.to(DEVICE), out)
+    assert torch.equal(out.cpu(), x.float())

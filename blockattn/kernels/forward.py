@@ -11,7 +11,7 @@ import triton.language as tl
 
 from . import autotune, buffers, launch, tma
 from .quant import quantize_rows
-from .primitives import dot, element_keep, kv_list_start, kv_list_tiles, query_tile_program, untested_steps
+from .primitives import dot, element_keep, int32_to_float, kv_list_start, kv_list_tiles, query_tile_program, untested_steps
 from .varlen import Varlen
 
 LOG2E = 1.4426950408889634
@@ -39,15 +39,15 @@ def _forward_walk(lo, hi, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv
                   K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q,
                   mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk,
                   stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok,
-                  k_scale_base, stride_kss, row_scale,
+                  k_scale_base, stride_kss,
                   BLOCK_KV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr,
                   HAS_TOKEN_MASK: tl.constexpr, GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr,
                   FP32_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr, QUANT_QK: tl.constexpr):
     """Steps lo..hi of the walk over a kv list: the online softmax state (m_i, l_i [BM], acc [BM, BDV]) after
     them. The flags say which element tests these steps need (none: a plain loop).
-    QUANT_QK: q and K are int8, each key's scale at k_scale_base + n * stride_kss, row_scale [BM] each query's
-    scale times scale * log2(e), and scale_log2 is 1 (the scores come out of the product already scaled)."""
+    QUANT_QK: q and K are int8, each key's scale at k_scale_base + n * stride_kss, and scale_log2 is a row
+    vector [BM] (each query's scale times scale * log2(e)) instead of a scalar."""
     MASKED: tl.constexpr = (not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID
     for it in range(lo, hi):
         offs_n, k, v = kv_list_tiles(it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base,
@@ -59,9 +59,11 @@ def _forward_walk(lo, hi, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv
                 k_scale = tl.load(k_scale_base + offs_n * stride_kss)  # [BN]
             else:
                 k_scale = tl.load(k_scale_base + offs_n * stride_kss, mask=offs_n < seq_kv, other=0.0)
-            qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * k_scale[None, :] * row_scale[:, None]
+            qk = int32_to_float(tl.dot(q, tl.trans(k), out_dtype=tl.int32)) * k_scale[None, :]  # [BM, BN]
+            score_scale = scale_log2[:, None]
         else:
             qk = dot(q, tl.trans(k), None, FP32_PRECISION)  # [BM, BN]
+            score_scale = scale_log2
         if MASKED:
             keep = element_keep(offs_m[:, None], offs_n[None, :], seq_q, seq_kv, off_b, off_h,
                                 TOKEN_MASK, stride_tb, stride_th, stride_tq, stride_tk,
@@ -75,7 +77,7 @@ def _forward_walk(lo, hi, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
             m_shift = m_new
-        p = tl.math.exp2(qk * scale_log2 - m_shift[:, None])  # [BM, BN]
+        p = tl.math.exp2(qk * score_scale - m_shift[:, None])  # [BM, BN]
         alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -143,10 +145,9 @@ def attention_fwd_kernel(
     if QUANT_QK:
         q_scale = tl.load(Q_SCALE + off_b.to(tl.int64) * stride_qsb + off_h.to(tl.int64) * stride_qsh
                           + (q_start + offs_m).to(tl.int64) * stride_qss, mask=offs_m < seq_q, other=0.0)  # [BM]
-        row_scale = q_scale * scale_log2
-        walk_scale = 1.0
+        # an all-zero query row (scale 0) scores 0 whatever its scale: 1 keeps a masked row's -inf from 0 * -inf
+        walk_scale = tl.where(q_scale > 0, q_scale, 1.0) * scale_log2
     else:
-        row_scale = scale_log2
         walk_scale = scale_log2
 
     count, index_row, k_base, v_base = kv_list_start(
@@ -166,7 +167,7 @@ def attention_fwd_kernel(
             V_DESC, k_base, v_base, walk_scale, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q, mask_block_kv,
             stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk, stride_mb,
             stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, k_scale_base, stride_kss,
-            row_scale, BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, False, False, False, False,
+            BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, False, False, False, False,
             FP32_PRECISION, TMA_LOADS, QUANT_QK)
     else:
         plain = 0
@@ -174,7 +175,7 @@ def attention_fwd_kernel(
         plain, total, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv, K_DESC,
         V_DESC, k_base, v_base, walk_scale, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q, mask_block_kv,
         stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk, stride_mb,
-        stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, k_scale_base, stride_kss, row_scale,
+        stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, k_scale_base, stride_kss,
         BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK,
         GATHER_BLOCK_MASK, HAS_KV_VALID, FP32_PRECISION, TMA_LOADS, QUANT_QK)
 
