@@ -158,17 +158,6 @@ def test_compiled_quantized_forward_matches_eager(geometry):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("quant, error, message", [
-    ("fp4", ValueError, "quant must be None or one of"),
-    (8, ValueError, "quant must be None or one of"),
-    ("int8-fp8", NotImplementedError, "not implemented yet"),
-])
-def test_unknown_quant_is_refused(quant, error, message):
-    q = torch.zeros(1, 2, 16, 32, device=DEVICE)
-    with pytest.raises(error, match=message):
-        blockattn.attention(q, q, q, quant=quant)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_quantized_forward_refuses_inputs_that_need_gradients(backend):
     q = torch.zeros(1, 2, 16, 32, device=DEVICE, requires_grad=True)
