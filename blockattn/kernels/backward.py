@@ -13,7 +13,7 @@ from . import autotune, buffers, forward, launch, tma
 from .forward import (LOG2E, TUNING_KEY, fp32_precision, head_dims, optional_tensors, site_key, stride_args,
                       strides)
 from .varlen import Varlen
-from .primitives import (batch_head_program, dot, element_keep, first_entry_at_or_after, kv_list_start,
+from .primitives import (batch_and_head, dot, element_keep, first_entry_at_or_after, kv_list_start,
                          kv_list_tiles, load_tile_or_box, query_tile_program, sequence_span, untested_steps)
 
 # How the backward produces dQ:
@@ -44,9 +44,7 @@ def attention_bwd_preprocess_kernel(Out, DO, GradLse, Lse, Lse2, Delta, seq_q, n
     accumulating dQ modes; in dQ mode "kernel" the dQ kernel computes them itself. Packed batches run as one
     sequence of all their tokens."""
     pid_m = tl.program_id(0)
-    pid_bh = batch_head_program()
-    off_b = pid_bh // num_heads
-    off_h = pid_bh % num_heads
+    off_b, off_h = batch_and_head(num_heads)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < seq_q
@@ -310,9 +308,7 @@ def attention_bwd_dkdv_kernel(
     TILES_PER_BLOCK: tl.constexpr = BLOCK_Q // BLOCK_M
 
     pid_n = tl.program_id(0)
-    pid_bh = batch_head_program()
-    off_b = pid_bh // kv_heads
-    off_hkv = pid_bh % kv_heads
+    off_b, off_hkv = batch_and_head(kv_heads)
     start_n = pid_n * BLOCK_N
     kv_block = start_n // BLOCK_KV
     q_start, seq_q = sequence_span(CU_SEQLENS_Q, off_b, seq_q, IS_VARLEN)

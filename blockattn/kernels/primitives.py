@@ -106,6 +106,13 @@ def batch_head_program():
 
 
 @triton.jit
+def batch_and_head(num_heads):
+    """(off_b, off_h) of this program, for the row-wise kernels (no GQA reordering): batch_head_program split."""
+    pid_bh = batch_head_program()
+    return pid_bh // num_heads, pid_bh % num_heads
+
+
+@triton.jit
 def query_tile_program(CU_SEQLENS_Q, CU_SEQLENS_KV, seq_q, seq_kv, num_heads, group_size,
                        BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Where a program of a kv-list walk works (grid: query tiles x batch * query heads, launch.batch_head_axes):

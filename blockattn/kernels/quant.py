@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from . import buffers, launch
-from .primitives import batch_head_program
+from .primitives import batch_and_head
 
 # Rows one program quantizes; the head dim is whole in every row (BLOCK_D >= D).
 _ROWS = 64
@@ -29,9 +29,7 @@ def quantize_rows_kernel(X, MEAN, X8, SCALE, ROW_DOT, seq, num_heads, group_size
     dot product with MEAN's row of its kv head (h // group_size), the LSE's share of the subtracted mean.
     MEAN: fp32 [B, H / group_size, D] with strides (stride_mb, stride_mh, 1)."""
     pid_s = tl.program_id(0)
-    pid_bh = batch_head_program()
-    off_b = pid_bh // num_heads
-    off_h = pid_bh % num_heads
+    off_b, off_h = batch_and_head(num_heads)
     rows = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < seq
