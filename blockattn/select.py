@@ -13,15 +13,30 @@ from .sparsity import BlockSparsity, check_block_size
 _CHUNK_TOKENS = 128 * 1024
 
 
-def _pool(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Mean over the real tokens of each block, in fp32: [B, H, S, D] -> [B, H, ceil(S / block), D]."""
+# Bytes of input block_means copies at a time when it zeroes padding tokens (a few heads at a time).
+_POOL_CHUNK_BYTES = 256 << 20
+
+
+def block_means(x: torch.Tensor, block: int, counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Mean of each block of `block` tokens, summed in fp32 straight from x's dtype: [B, H, S, D] -> fp32
+    [B, H, ceil(S / block), D]. Without counts, over each block's tokens inside the sequence (the last block may be
+    ragged). counts: int [B|1, n] (S whole blocks), the real tokens at the start of each block, the rest padding
+    that may hold anything; a block with none gives zeros."""
     batch, heads, seq, dim = x.shape
-    blocks = math.ceil(seq / block)
-    padded = torch.nn.functional.pad(x.float(), (0, 0, 0, blocks * block - seq))
-    sums = padded.view(batch, heads, blocks, block, dim).sum(3)
-    counts = torch.clamp(torch.arange(1, blocks + 1, device=x.device) * block, max=seq) - \
-        torch.arange(blocks, device=x.device) * block
-    return sums / counts[:, None].to(sums.dtype)
+    whole, tail = divmod(seq, block)
+    if counts is None:
+        sums = x[:, :, :whole * block].reshape(batch, heads, whole, block, dim).sum(3, dtype=torch.float32)
+        sizes = torch.full((whole + bool(tail),), block, dtype=torch.float32, device=x.device)
+        if tail:
+            sums = torch.cat([sums, x[:, :, whole * block:].sum(2, keepdim=True, dtype=torch.float32)], dim=2)
+            sizes[-1] = tail
+        return sums / sizes[:, None]
+    tiled = x.view(batch, heads, whole, block, dim)
+    real = (torch.arange(block, device=x.device) < counts[..., None])[:, None, :, :, None]   # [B|1, 1, n, block, 1]
+    per_head = batch * seq * dim * x.element_size()
+    sums = torch.cat([torch.where(real, part, 0).sum(3, dtype=torch.float32)
+                      for part in tiled.split(max(1, _POOL_CHUNK_BYTES // per_head), dim=1)], dim=1)
+    return sums / counts.clamp(min=1)[:, None, :, None].to(torch.float32)
 
 
 def _broadcastable(name: str, mask, shape) -> Optional[torch.Tensor]:
@@ -73,7 +88,7 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, budget: Optional[float] = 0.
     pins = _broadcastable("pins", pins, shape)
     drops = _broadcastable("drops", drops, shape)
 
-    pooled_k = _pool(k, block_kv).repeat_interleave(group, 1)            # [B, H, nk, D]
+    pooled_k = block_means(k, block_kv).repeat_interleave(group, 1)            # [B, H, nk, D]
     keep = torch.zeros(shape, dtype=torch.bool, device=q.device)
     q_first = torch.arange(nq, device=q.device) * block_q
     q_last = torch.clamp(q_first + block_q, max=seq_q) - 1
@@ -82,7 +97,7 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, budget: Optional[float] = 0.
     rows_per_chunk = max(1, _CHUNK_TOKENS // block_q)
     for start in range(0, nq, rows_per_chunk):
         stop = min(nq, start + rows_per_chunk)
-        pooled_q = _pool(q[:, :, start * block_q:stop * block_q], block_q)  # [B, H, c, D]
+        pooled_q = block_means(q[:, :, start * block_q:stop * block_q], block_q)  # [B, H, c, D]
         scores = pooled_q @ pooled_k.transpose(-1, -2) * scale              # [B, H, c, nk]
         if head_shared:
             scores = scores.mean(1, keepdim=True)

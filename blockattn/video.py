@@ -24,6 +24,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .api import attention
+from .select import block_means
 from .sparsity import BlockSparsity
 
 
@@ -84,9 +85,6 @@ class TileLayout:
         return x.index_select(dim, self.slots.to(x.device))
 
 
-_POOL_CHUNK_BYTES = 256 << 20  # the fp32 copy _tile_means makes at a time
-
-
 def _tile_tokens(tile_size) -> int:
     if isinstance(tile_size, (tuple, list)):
         return math.prod(_three_positive("tile_size", tile_size))
@@ -108,22 +106,6 @@ def _valid_counts(name: str, valid, batch: int, tiles: int, tile_tokens: int, de
     if valid.device != device:
         raise ValueError(f"{name} is on {valid.device} but q is on {device}")
     return valid.reshape(-1, tiles).to(torch.int32).clamp(0, tile_tokens)  # a tile holds at most tile_tokens
-
-
-def _tile_means(x: torch.Tensor, counts: Optional[torch.Tensor], tile_tokens: int) -> torch.Tensor:
-    """[B, H, n * tile, D] -> fp32 [B, H, n, D]: the mean over each tile's first counts[b, n] tokens (an empty tile
-    gives zeros); counts: int32 [B|1, n], or None (every tile full). Summed in fp32 straight from x's dtype."""
-    batch, heads, seq, dim = x.shape
-    tiles = seq // tile_tokens
-    tiled = x.view(batch, heads, tiles, tile_tokens, dim)
-    if counts is None:
-        return tiled.sum(3, dtype=torch.float32) / tile_tokens
-    real = (torch.arange(tile_tokens, device=x.device) < counts[..., None])[:, None, :, :, None]  # [B|1, 1, n, t, 1]
-    # padding slots may hold anything; zeroing them copies x, a few heads at a time to bound the peak memory
-    per_head = batch * seq * dim * x.element_size()
-    sums = torch.cat([torch.where(real, part, 0).sum(3, dtype=torch.float32)
-                      for part in tiled.split(max(1, _POOL_CHUNK_BYTES // per_head), dim=1)], dim=1)
-    return sums / counts.clamp(min=1)[:, None, :, None].to(torch.float32)
 
 
 def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk: int,
@@ -172,10 +154,10 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, to
     scale = dim ** -0.5 if scale is None else scale
 
     group = heads // kv_heads
-    pooled_q = _tile_means(qh, None if q_valid is None else q_counts, tile)                # [B, Hq, nq, D]
+    pooled_q = block_means(qh, tile, None if q_valid is None else q_counts)                # [B, Hq, nq, D]
     kv_given = None if kv_valid is None else kv_counts
-    pooled_k = _tile_means(kh, kv_given, tile).repeat_interleave(group, 1)                 # [B, Hq, nk, D]
-    pooled_v = _tile_means(vh, kv_given, tile).repeat_interleave(group, 1)                 # [B, Hq, nk, Dv]
+    pooled_k = block_means(kh, tile, kv_given).repeat_interleave(group, 1)                 # [B, Hq, nk, D]
+    pooled_v = block_means(vh, tile, kv_given).repeat_interleave(group, 1)                 # [B, Hq, nk, Dv]
     scores = pooled_q @ pooled_k.transpose(-1, -2) * scale                                 # [B, Hq, nq, nk]
     empty = (kv_counts == 0)[:, None, None, :]                                             # no key in the tile
     scores = scores.masked_fill(empty, float("-inf"))

@@ -8,7 +8,7 @@ import torch
 
 import blockattn
 from blockattn import select_blocks
-from blockattn.select import _pool
+from blockattn.select import block_means
 from conftest import DEVICE, ON_GPU, make_generator, oracle, qkv, rel_error
 
 SEQ_Q, SEQ_KV, BLOCK = (2000, 1800, (128, 64)) if ON_GPU else (300, 270, (64, 32))
@@ -106,7 +106,7 @@ def test_mass_mode_reaches_its_mass_with_the_fewest_blocks():
     for mass in (0.5, 0.9, 0.99):
         sel = select_blocks(q, k, None, BLOCK, mass=mass, keep_diagonal=False)
         # recompute the pooled softmax the selector used
-        scores = (_pool(q, BLOCK[0]) @ _pool(k, BLOCK[1]).repeat_interleave(2, 1).transpose(-1, -2)) * q.shape[-1] ** -0.5
+        scores = (block_means(q, BLOCK[0]) @ block_means(k, BLOCK[1]).repeat_interleave(2, 1).transpose(-1, -2)) * q.shape[-1] ** -0.5
         probs = torch.softmax(scores, -1)
         reached = (probs * sel.mask).sum(-1)
         assert (reached >= mass - 1e-6).all(), "the kept blocks do not reach the mass"
@@ -140,3 +140,23 @@ def test_bad_arguments(kwargs, error, message):
     q, k, _ = qkv(1, 2, 100, 32, kv_heads=1, dtype=torch.float32)
     with pytest.raises(error, match=message):
         select_blocks(q, k, **dict(dict(budget=0.25, block_size=(32, 32)), **kwargs))
+
+
+def test_block_means_average_the_real_tokens_of_each_block():
+    """Ragged last block without counts; per-block counts (the rest padding, here NaN) with them; an empty block
+    gives zeros. Against fp64 means."""
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    x = torch.randn(2, 3, 77, 8, generator=gen, device=DEVICE).to(torch.bfloat16)
+    want = torch.stack([x[:, :, i:i + 16].double().mean(2) for i in range(0, 77, 16)], 2)
+    torch.testing.assert_close(block_means(x, 16).double(), want, rtol=1e-6, atol=1e-6)
+    counts = torch.tensor([[16, 5, 0, 9, 1], [3, 16, 16, 2, 7]], dtype=torch.int32, device=DEVICE)
+    padded = torch.full((2, 3, 80, 8), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    padded[:, :, :77] = x
+    real = torch.arange(16, device=DEVICE) < counts[..., None]                      # [B, n, 16]
+    padded.view(2, 3, 5, 16, 8)[~real[:, None].expand(2, 3, 5, 16)] = float("nan")
+    got = block_means(padded, 16, counts)
+    want = torch.stack([torch.stack([padded[b, :, i * 16:i * 16 + int(counts[b, i])].double().mean(1)
+                                     if counts[b, i] else torch.zeros(3, 8, dtype=torch.float64, device=DEVICE)
+                                     for i in range(5)], 1) for b in range(2)])
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)

@@ -221,11 +221,11 @@ def test_video_sparse_attention_compiles_without_a_graph_break(pinned):
 def test_tile_means_in_head_chunks_equal_the_whole(monkeypatch):
     """The pooling zeroes padding slots a few heads at a time to bound its copy; one head per chunk gives the same
     means."""
-    from blockattn import video
+    from blockattn import select
     layout, (q, k, v) = tiled_inputs(torch.bfloat16, seed=16)
-    whole = video._tile_means(q, layout.valid[None], layout.tile_tokens)
-    monkeypatch.setattr(video, "_POOL_CHUNK_BYTES", 1)
-    assert torch.equal(video._tile_means(q, layout.valid[None], layout.tile_tokens), whole)
+    whole = select.block_means(q, layout.tile_tokens, layout.valid[None])
+    monkeypatch.setattr(select, "_POOL_CHUNK_BYTES", 1)
+    assert torch.equal(select.block_means(q, layout.tile_tokens, layout.valid[None]), whole)
 
 
 def test_counts_of_full_tiles_change_nothing():
