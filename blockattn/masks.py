@@ -58,15 +58,21 @@ def global_tokens(seq_q: int, seq_kv: int, block_size, num_tokens: int, device=N
     return _wrap(keep, block_size, seq_q, seq_kv)
 
 
+def three_positive(name: str, value) -> tuple[int, int, int]:
+    """value as a (T, H, W) tuple of three positive ints (a list or tuple of Python ints), else a ValueError."""
+    if (not isinstance(value, (tuple, list)) or len(value) != 3
+            or any(isinstance(x, bool) or not isinstance(x, int) or x <= 0 for x in value)):
+        raise ValueError(f"{name} must be three positive ints (T, H, W), got {value!r}")
+    return tuple(value)
+
+
 def sliding_tile(grid: Sequence[int], tile: Sequence[int], window: Sequence[int], device=None) -> BlockSparsity:
     """Sliding-tile attention over a video latent of `grid` = (T, H, W) tokens laid out tile by tile (tiles in
     row-major (T, H, W) tile order, the t*h*w tokens of a tile contiguous): each tile is one block, and query tile a
     keeps key tile b when |a_x - b_x| <= window[x] // 2 on every axis (window counted in tiles). Blocks are
     t*h*w tokens square; the grid must divide into whole tiles."""
-    grid, tile, window = (tuple(int(x) for x in arg) for arg in (grid, tile, window))
-    for name, arg in (("grid", grid), ("tile", tile), ("window", window)):
-        if len(arg) != 3 or any(x <= 0 for x in arg):
-            raise ValueError(f"{name} must be three positive ints (T, H, W), got {arg}")
+    grid, tile, window = (three_positive(name, arg) for name, arg in (("grid", grid), ("tile", tile),
+                                                                      ("window", window)))
     if any(g % t for g, t in zip(grid, tile)):
         raise ValueError(f"grid {grid} must divide into whole tiles of {tile}")
     counts = [g // t for g, t in zip(grid, tile)]

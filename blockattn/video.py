@@ -24,15 +24,9 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .api import attention
+from .masks import three_positive
 from .select import block_means
 from .sparsity import BlockSparsity
-
-
-def _three_positive(name: str, value) -> tuple[int, int, int]:
-    if (not isinstance(value, (tuple, list)) or len(value) != 3
-            or any(isinstance(x, bool) or not isinstance(x, int) or x <= 0 for x in value)):
-        raise ValueError(f"{name} must be three positive ints (T, H, W), got {value!r}")
-    return tuple(value)
 
 
 class TileLayout:
@@ -42,7 +36,7 @@ class TileLayout:
     tokens of each tile (t*h*w unless the grid's edge cuts it); seq = num_tiles * t*h*w, the tile-ordered length."""
 
     def __init__(self, grid: Sequence[int], tile: Sequence[int], device=None):
-        self.grid, self.tile = _three_positive("grid", grid), _three_positive("tile", tile)
+        self.grid, self.tile = three_positive("grid", grid), three_positive("tile", tile)
         self.tiles_per_axis = tuple(math.ceil(g / t) for g, t in zip(self.grid, self.tile))
         self.num_tiles = math.prod(self.tiles_per_axis)
         self.tile_tokens = math.prod(self.tile)
@@ -87,7 +81,7 @@ class TileLayout:
 
 def _tile_tokens(tile_size) -> int:
     if isinstance(tile_size, (tuple, list)):
-        return math.prod(_three_positive("tile_size", tile_size))
+        return math.prod(three_positive("tile_size", tile_size))
     if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size <= 0:
         raise ValueError(f"tile_size must be a positive int (tokens per tile) or (t, h, w), got {tile_size!r}")
     return tile_size

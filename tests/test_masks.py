@@ -73,6 +73,16 @@ def test_sliding_tile_refuses_a_grid_that_does_not_tile():
         masks.sliding_tile((5, 8, 8), (2, 4, 4), (3, 3, 3))
 
 
+@pytest.mark.parametrize("grid, tile, window, name", [
+    ((4, 8, 8.5), (2, 4, 4), (3, 3, 3), "grid"),      # was truncated to 8 before
+    ((4, 8, 8), (2, 4), (3, 3, 3), "tile"),
+    ((4, 8, 8), (2, 4, 4), (3, 0, 3), "window"),
+])
+def test_sliding_tile_names_an_argument_that_is_not_three_positive_ints(grid, tile, window, name):
+    with pytest.raises(ValueError, match=f"{name} must be three positive ints"):
+        masks.sliding_tile(grid, tile, window)
+
+
 @pytest.mark.parametrize("seq_q, seq_kv, block", GEOMETRIES)
 def test_from_token_mask_reduces_and_reports_the_residual(seq_q, seq_kv, block):
     i, j = positions(seq_q, seq_kv)
