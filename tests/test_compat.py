@@ -1,5 +1,5 @@
-"""Drop-in entry points: torch_npu's npu_block_sparse_attention (and backward) and FastVideo's
-block_sparse_attn_256, against an fp64 oracle, out and gradients. GPU runs use the reference suites' sizes; the
+"""Drop-in entry points: torch_npu's npu_block_sparse_attention (and backward), FastVideo's
+block_sparse_attn_256 and SageAttention's sageattn / sageattn_varlen, against an fp64 oracle, out and gradients. GPU runs use the reference suites' sizes; the
 CPU interpreter runs the same cases with fewer heads and a smaller head dim."""
 
 import math
@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from blockattn.compat import fastvideo, npu
+import blockattn
+from blockattn.compat import fastvideo, npu, sage
 from conftest import DEVICE, ON_GPU, make_generator, oracle
 
 DIM = 128 if ON_GPU else 32
@@ -197,3 +198,54 @@ def test_fastvideo_variable_block_sizes_against_the_oracle(poisoned, layout):
     padded = ~valid_keys
     assert (leaves[1].grad[:, :, padded] == 0).all() and (leaves[2].grad[:, :, padded] == 0).all(), \
         "padding of a key tile got a gradient"
+
+
+# ---------------------------------------------------------------- SageAttention
+
+@pytest.mark.parametrize("tensor_layout", ["HND", "NHD"])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_sageattn_is_the_quantized_forward(tensor_layout, sparse):
+    """sageattn (GQA, causal, a given scale, the LSE; a block mask when sparse) equals attention(quant="int8") on
+    the same layout, bitwise, and its out comes back in the layout it was given."""
+    seq, block = (1000, (128, 64)) if ON_GPU else (150, (32, 16))
+    q = gen_tensor(2, 4, seq, DIM, dtype=torch.bfloat16, seed=1)
+    k, v = (gen_tensor(2, 2, seq, DIM, dtype=torch.bfloat16, seed=s) for s in (2, 3))
+    keep = (torch.rand(2, 4, math.ceil(seq / block[0]), math.ceil(seq / block[1]), generator=make_generator(4),
+                       device=DEVICE) < 0.5) if sparse else None
+    if tensor_layout == "NHD":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    extra = dict(blocks=keep, block_size=block) if sparse else {}
+    out, lse = sage.sageattn(q, k, v, tensor_layout=tensor_layout, is_causal=True, sm_scale=0.1, return_lse=True,
+                             **extra)
+    want, want_lse = blockattn.attention(q, k, v, keep, block if sparse else None, scale=0.1, is_causal=True,
+                                         layout="bhsd" if tensor_layout == "HND" else "bshd", quant="int8",
+                                         return_lse=True)
+    assert out.shape == q.shape and lse.shape == (2, 4, seq)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+def test_sageattn_varlen_is_the_packed_quantized_forward():
+    lengths = [70, 33, 101]
+    cu = torch.tensor([0, 70, 103, 204], dtype=torch.int32, device=DEVICE)
+    q, k, v = (gen_tensor(204, 2, DIM, dtype=torch.float16, seed=s) for s in (5, 6, 7))
+    out = sage.sageattn_varlen(q, k, v, cu, cu, max(lengths), max(lengths), is_causal=True)
+    want = blockattn.attention(q, k, v, layout="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, is_causal=True,
+                               quant="int8")
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(tensor_layout="BHSD"), ValueError, "tensor_layout must be"),
+    (dict(smooth_k=False), ValueError, "smooth_k=False"),
+    (dict(pv_accum_dtype="fp32"), TypeError, "unsupported SageAttention options .'pv_accum_dtype'."),
+])
+def test_sageattn_refuses_what_it_does_not_do(kwargs, error, message):
+    q = gen_tensor(1, 2, 64, DIM, dtype=torch.bfloat16, seed=8)
+    with pytest.raises(error, match=message):
+        sage.sageattn(q, q, q, **kwargs)
+
+
+def test_sageattn_refuses_inputs_that_need_gradients():
+    q = gen_tensor(1, 2, 64, DIM, dtype=torch.bfloat16, seed=9).requires_grad_(True)
+    with pytest.raises(ValueError, match="has no backward"):
+        sage.sageattn(q, q.detach(), q.detach())
