@@ -1,11 +1,11 @@
-"""The quantized forward (quant="int8") against blockattn's bf16 forward and FlexAttention on the same block mask,
+"""The quantized forwards (quant="int8", "int8-fp8") against blockattn's bf16 forward and FlexAttention on the same block mask,
 and its accuracy against exact attention.
 
 1. Speed, B1 H24 S32768 bf16, blocks 128x128, densities 1 / 0.5 / 0.25 / 0.1 at D=128 and 0.25 at D=64: forward ms
-   and effective TFLOP/s (4 * B * H * S^2 * D * density; the int8 time includes quantizing q and k), and the
-   quantization alone (the keys' mean and two quantize_rows passes).
+   and effective TFLOP/s (4 * B * H * S^2 * D * density; the quantized times include quantizing q and k, and v for
+   int8-fp8), and the int8 quantization alone (the keys' mean and two quantize_rows passes).
 2. Accuracy, B1 H8 S4096 D128, density 0.5, keys with a shared offset (as real keys carry): relative error of out
-   against fp64 attention on the unquantized inputs, for bf16 and int8.
+   against fp64 attention on the unquantized inputs, for bf16, int8 and int8-fp8.
 
     python benchmarks/quant.py            # on the GPU
 """
@@ -21,9 +21,9 @@ from blockattn.kernels.quant import quantize_rows
 
 
 def speed(device, densities, dims):
-    print("| D | density | bf16 ms (TFLOP/s) | int8 ms (TFLOP/s) | flex ms (TFLOP/s) | int8 vs bf16 | int8 vs flex |"
-          " quantize ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| D | density | bf16 ms (TFLOP/s) | int8 ms (TFLOP/s) | int8-fp8 ms (TFLOP/s) | flex ms (TFLOP/s) |"
+          " int8 vs bf16 | int8-fp8 vs bf16 | int8 vs flex | int8-fp8 vs flex | quantize ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for dim, density in [(d, p) for d in dims for p in (densities if d == 128 else (0.25,))]:
         case = Case(dim=dim, density=density)
         keep = block_mask(case, device)
@@ -32,7 +32,8 @@ def speed(device, densities, dims):
         q, k, v = _inputs(case, device, requires_grad=False)
         flops = _flops(case, blocks.density())
         times = {"bf16": _time_ms(lambda: attention(q, k, v, blocks)),
-                 "int8": _time_ms(lambda: attention(q, k, v, blocks, quant="int8"))}
+                 "int8": _time_ms(lambda: attention(q, k, v, blocks, quant="int8")),
+                 "int8-fp8": _time_ms(lambda: attention(q, k, v, blocks, quant="int8-fp8"))}
         flex = runners["flex"][0]
         times["flex"] = _time_ms(lambda: flex(q, k, v)) if callable(flex) else float("nan")
 
@@ -41,9 +42,9 @@ def speed(device, densities, dims):
             quantize_rows(k, mean, subtract_mean=True, dot_mean=False)
             quantize_rows(q, mean, subtract_mean=False, dot_mean=True)
         quant_ms = _time_ms(quantize)
-        cells = [f"{times[n]:.3f} ({flops / times[n] / 1e9:.0f})" for n in ("bf16", "int8", "flex")]
-        print(f"| {dim} | {density:g} | {' | '.join(cells)} | {times['bf16'] / times['int8']:.2f}x | "
-              f"{times['flex'] / times['int8']:.2f}x | {quant_ms:.3f} |", flush=True)
+        cells = [f"{times[n]:.3f} ({flops / times[n] / 1e9:.0f})" for n in ("bf16", "int8", "int8-fp8", "flex")]
+        ratios = [f"{times[base] / times[n]:.2f}x" for base in ("bf16", "flex") for n in ("int8", "int8-fp8")]
+        print(f"| {dim} | {density:g} | {' | '.join(cells)} | {' | '.join(ratios)} | {quant_ms:.3f} |", flush=True)
 
 
 def accuracy(device):
@@ -55,7 +56,7 @@ def accuracy(device):
     visible = keep.repeat_interleave(case.block[0], -2).repeat_interleave(case.block[1], -1)
     scores = q.double() @ k.double().transpose(-1, -2) * case.dim ** -0.5
     want = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ v.double()
-    for name, quant in (("bf16", None), ("int8", "int8")):
+    for name, quant in (("bf16", None), ("int8", "int8"), ("int8-fp8", "int8-fp8")):
         out = attention(q, k, v, keep, case.block, quant=quant)
         err = ((out.double() - want).norm() / want.norm()).item()
         print(f"accuracy {case.label} keys offset: {name} relative error {err:.2e}")

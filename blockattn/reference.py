@@ -128,3 +128,13 @@ def quantized_qk(q: torch.Tensor, k: torch.Tensor, scale: float):
     group = q.shape[1] // k.shape[1]
     shift = (q_hat * mean.repeat_interleave(group, 1)).sum(-1) * scale
     return q_hat, k_hat, shift.to(torch.float32)
+
+
+def quantized_v(v: torch.Tensor) -> torch.Tensor:
+    """quant="int8-fp8" on v [B, Hkv, Sk, Dv]: each channel rounded to float8 e4m3 at scale max|v| / 448 over the
+    sequence (an all-zero channel stays zero), returned dequantized in fp32 (fp64 for fp64 inputs). The rule of
+    kernels/quant.py's quantize_columns."""
+    compute = torch.promote_types(v.dtype, torch.float32)
+    amax = v.abs().amax(2, keepdim=True).to(torch.float32)
+    inverse = torch.where(amax > 0, 448 / torch.where(amax > 0, amax, 1.0), 0.0)
+    return ((v.to(torch.float32) * inverse).to(torch.float8_e4m3fn).to(compute) * (amax / 448).to(compute))

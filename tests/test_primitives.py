@@ -8,7 +8,9 @@ import triton
 import triton.language as tl
 
 from conftest import DEVICE
-from blockattn.kernels.primitives import first_entry_at_or_after, int32_to_float, load_tile, untested_steps
+from blockattn.kernels.autotune import is_interpreted
+from blockattn.kernels.primitives import (first_entry_at_or_after, int32_to_float, load_tile, to_float8,
+                                        untested_steps)
 
 
 @triton.jit
@@ -123,3 +125,22 @@ def test_int32_to_float_is_exact_over_the_int8_products_range():
     out = torch.full((1024,), float("nan"), device=DEVICE)
     _to_float_kernel[(1,)](x.to(DEVICE), out)
     assert torch.equal(out.cpu(), x.float())
+
+
+@triton.jit
+def _float8_kernel(X, Out, ROUND_FIRST: tl.constexpr):
+    offs = tl.arange(0, 4096)
+    tl.store(Out + offs, to_float8(tl.load(X + offs), ROUND_FIRST))
+
+
+def test_to_float8_rounds_as_torch_does():
+    """fp32 -> float8 e4m3 over e4m3's normal range, to nearest with ties to even: values that round up to the
+    next power of two (which Triton's interpreter converts wrongly on its own), exact ties, and random ones."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.exp2(torch.rand(4096, generator=gen) * 14.8 - 6) * torch.where(torch.rand(4096, generator=gen) < 0.5,
+                                                                           -1.0, 1.0)
+    x[:8] = torch.tensor([7.9, 124.44, 1.99, 31.5, 100.0, 200.0, 0.0, 448.0])  # carries, ties (96|104, 192|208)
+    out = torch.empty(4096, dtype=torch.float8_e4m3fn, device=DEVICE)
+    _float8_kernel[(1,)](x.to(DEVICE), out, ROUND_FIRST=is_interpreted(_float8_kernel))
+    want = x.to(torch.float8_e4m3fn)
+    assert torch.equal(out.cpu().float(), want.float()), f"{int((out.cpu().float() != want.float()).sum())} differ"

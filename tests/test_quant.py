@@ -1,6 +1,6 @@
-"""The quantized forward (quant="int8"): the quantization kernel against its rule, the attention kernel and the
-PyTorch backend against the fp64 oracle on the values they quantized to, how close both come to exact attention,
-key smoothing, the layouts, and every refusal."""
+"""The quantized forwards (quant="int8", "int8-fp8"): the quantization kernels against their rules, the attention
+kernel and the PyTorch backend against the fp64 oracle on the values they quantized to, how close both come to
+exact attention, key smoothing, the layouts, and every refusal."""
 
 import math
 
@@ -9,7 +9,7 @@ import torch
 
 import blockattn
 from blockattn import reference
-from blockattn.kernels.quant import quantize_rows
+from blockattn.kernels.quant import quantize_columns, quantize_rows
 from conftest import DEVICE, check_against_oracle, expand, make_generator, oracle, qkv, random_keep, rel_error
 
 BACKENDS = ("torch", "triton")
@@ -166,3 +166,63 @@ def test_quantized_forward_refuses_inputs_that_need_gradients(backend):
         blockattn.attention(q, k, k, quant="int8", backend=backend)
     with torch.no_grad():
         assert torch.isfinite(blockattn.attention(q, k, k, quant="int8", backend=backend)).all()
+
+
+# ---------------------------------------------------------------- int8-fp8: V per channel and P in float8 e4m3
+
+def test_quantize_columns_rounds_each_channel_as_torch_does(poisoned):
+    """float8 values equal torch's rounding of v * 448 / max|v| over the sequence (per batch, head and channel),
+    stored [B, H, D, S]; an all-zero channel gives zeros and scale 0; strided [B, S, H, D] input."""
+    gen = make_generator(12)
+    v = (torch.randn(2, 91, 3, 40, generator=gen, device=DEVICE) * 4).to(torch.bfloat16).transpose(1, 2)
+    v[1, 2, :, 7] = 0
+    v8, scale = quantize_columns(v)
+    amax = v.abs().amax(2).float()
+    inverse = torch.where(amax > 0, 448 / amax.clamp_min(1e-30), 0)
+    want = (v.float() * inverse[:, :, None]).to(torch.float8_e4m3fn)
+    assert v8.dtype == torch.float8_e4m3fn and v8.shape == v.shape and v8.transpose(2, 3).is_contiguous()
+    assert torch.equal(v8.float(), want.float()), f"{int((v8.float() != want.float()).sum())} values differ"
+    assert torch.equal(scale, amax / 448) and (v8[1, 2, :, 7].float() == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["ragged", "causal", "gqa_empty_row"])
+def test_fp8_forward_matches_the_oracle_on_its_quantized_values(geometry, poisoned, backend, case):
+    """quant="int8-fp8" against fp64 attention on the backend's q, k and V values: the PyTorch backend within
+    bf16's budget (it rounds V, not P); the kernels round P to float8 as well, so their error is held against
+    that rounding's own, P rounded to float8 in fp64 (a row's final maximum, where the kernels round against a
+    running one). LSE as exact as int8's; empty rows zero."""
+    g = geometry
+    seq_q, seq_kv = g.seqs
+    kv_heads = g.heads // 2 if case == "gqa_empty_row" else g.heads
+    q, k, v = qkv(g.batch, g.heads, seq_q, g.dim, kv_heads=kv_heads, seq_kv=seq_kv, seed=14)
+    keep = random_keep(g.batch, g.heads, seq_q, seq_kv, g.block)
+    if case == "gqa_empty_row":
+        keep[..., 1, :] = False
+    is_causal = case == "causal"
+    out, lse = blockattn.attention(q, k, v, keep, g.block, quant="int8-fp8", backend=backend, return_lse=True,
+                                   is_causal=is_causal)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    q_hat, k_hat, shift = inputs_of(backend, q, k)
+    v_hat = reference.quantized_v(v).double()
+    visible = expand(keep, g.block, seq_q, seq_kv)
+    if backend == "torch":
+        check_against_oracle(out, lse - shift.float(), q_hat.to(q.dtype), k_hat.to(k.dtype), v_hat.to(v.dtype),
+                             visible, is_causal=is_causal)
+        return
+    if is_causal:
+        visible = visible & torch.ones(seq_q, seq_kv, dtype=torch.bool, device=DEVICE).tril()
+    want, want_lse = oracle(q_hat, k_hat, v_hat, visible)
+    rows = visible.expand(*want.shape[:3], seq_kv).any(-1)
+    assert torch.isfinite(out).all() and (out[~rows] == 0).all() and torch.isneginf(lse[~rows]).all()
+    group = q.shape[1] // k.shape[1]
+    scores = q_hat @ k_hat.repeat_interleave(group, 1).transpose(-1, -2) * g.dim ** -0.5
+    scores = scores.masked_fill(~visible, float("-inf"))
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True).nan_to_num(0, 0, 0))
+    rounded = (weights * 448).float().to(torch.float8_e4m3fn).double() / 448
+    emulated = (rounded @ v_hat.repeat_interleave(group, 1)) / weights.sum(-1, keepdim=True).clamp_min(1e-300)
+    budget = rel_error(emulated, want, rows)
+    err = rel_error(out, want, rows)
+    assert err <= 2 * budget + 1e-3, f"error {err:.3e} against float8 P's own {budget:.3e}"
+    lse_err = ((lse - shift.float())[rows].double() - want_lse[rows]).abs().max().item()
+    assert lse_err <= 1e-3 * max(1.0, want_lse[rows].abs().max().item()), f"LSE off by {lse_err:.3e}"

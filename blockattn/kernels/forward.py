@@ -10,11 +10,12 @@ import triton
 import triton.language as tl
 
 from . import autotune, buffers, launch, tma
-from .quant import quantize_rows
-from .primitives import dot, element_keep, int32_to_float, kv_list_start, kv_list_tiles, query_tile_program, untested_steps
+from .quant import quantize_columns, quantize_rows
+from .primitives import dot, element_keep, int32_to_float, to_float8, kv_list_start, kv_list_tiles, query_tile_program, untested_steps
 from .varlen import Varlen
 
 LOG2E = 1.4426950408889634
+LOG2_FP8_MAX: tl.constexpr = tl.constexpr(8.807354922057604)  # log2(448), quant.FP8_MAX
 # The kv-list walks (forward, dQ) and the dK/dV walk run the blocks that need no element test in a loop without
 # tests, when the only tests are the causal diagonal and the sequence's end (SPLIT_WALK; kernels/README.md).
 # Benchmarks and tests set False to run the single tested walk.
@@ -43,11 +44,13 @@ def _forward_walk(lo, hi, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv
                   BLOCK_KV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr,
                   HAS_TOKEN_MASK: tl.constexpr, GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr,
-                  FP32_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr, QUANT_QK: tl.constexpr):
+                  FP32_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr, QUANT_QK: tl.constexpr,
+                  QUANT_PV: tl.constexpr):
     """Steps lo..hi of the walk over a kv list: the online softmax state (m_i, l_i [BM], acc [BM, BDV]) after
     them. The flags say which element tests these steps need (none: a plain loop).
     QUANT_QK: q and K are int8, each key's scale at k_scale_base + n * stride_kss, and scale_log2 is a row
-    vector [BM] (each query's scale times scale * log2(e)) instead of a scalar."""
+    vector [BM] (each query's scale times scale * log2(e)) instead of a scalar. QUANT_PV: V is float8 e4m3 and P
+    is too, scaled by FP8_MAX (l_i and acc carry that factor)."""
     MASKED: tl.constexpr = (not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID
     for it in range(lo, hi):
         offs_n, k, v = kv_list_tiles(it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base,
@@ -77,11 +80,17 @@ def _forward_walk(lo, hi, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
             m_shift = m_new
-        p = tl.math.exp2(qk * score_scale - m_shift[:, None])  # [BM, BN]
+        if QUANT_PV:  # P * FP8_MAX, the factor folded into the shift, so P spans float8's range
+            p = tl.math.exp2(qk * score_scale - (m_shift - LOG2_FP8_MAX)[:, None])  # [BM, BN]
+        else:
+            p = tl.math.exp2(qk * score_scale - m_shift[:, None])  # [BM, BN]
         alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        acc = dot(p.to(v.dtype), v, acc, FP32_PRECISION)  # [BM, BDV]
+        if QUANT_PV:
+            acc = dot(to_float8(p, FP32_PRECISION == "upcast"), v, acc, FP32_PRECISION)  # [BM, BDV]
+        else:
+            acc = dot(p.to(v.dtype), v, acc, FP32_PRECISION)  # [BM, BDV]
         m_i = m_new
     return m_i, l_i, acc
 
@@ -89,7 +98,7 @@ def _forward_walk(lo, hi, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv
 @triton.jit(do_not_specialize=["seq_bucket"])
 def attention_fwd_kernel(
     Q, K, V, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID, CU_SEQLENS_Q, CU_SEQLENS_KV,
-    Q_SCALE, K_SCALE,
+    Q_SCALE, K_SCALE, V_SCALE,
     scale_log2, seq_q, seq_kv, num_heads, group_size, mask_block_q, mask_block_kv, seq_bucket,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -103,12 +112,13 @@ def attention_fwd_kernel(
     stride_vvb,
     stride_qsb, stride_qsh, stride_qss,
     stride_ksb, stride_ksh, stride_kss,
+    stride_vqb, stride_vqh,
     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
     GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr,
     IS_VARLEN: tl.constexpr, TMA_LOADS: tl.constexpr, SPLIT_WALK: tl.constexpr, QUANT_QK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QUANT_PV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: a BLOCK_M query tile of one (batch, head), walking only the key blocks its query block kept.
 
@@ -119,7 +129,8 @@ def attention_fwd_kernel(
     TMA_LOADS: K and V tiles come through K_DESC / V_DESC, host descriptors of K and V (kernels/tma.py).
     SPLIT_WALK: split_walk() on the host: the walk runs the tiles before the tested blocks without tests.
     QUANT_QK: Q and K are int8 (kernels/quant.py) with per-token scales Q_SCALE fp32 [B, H, Sq] and K_SCALE fp32
-    [B, Hkv, Sk]; the scores are their int32 products times both scales."""
+    [B, Hkv, Sk]; the scores are their int32 products times both scales. QUANT_PV: V is float8 e4m3, each
+    channel's scale in V_SCALE fp32 [B, Hkv, Dv] (strides stride_vq*)."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     TILES_PER_BLOCK: tl.constexpr = BLOCK_KV // BLOCK_N
@@ -168,7 +179,7 @@ def attention_fwd_kernel(
             stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk, stride_mb,
             stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, k_scale_base, stride_kss,
             BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, False, False, False, False,
-            FP32_PRECISION, TMA_LOADS, QUANT_QK)
+            FP32_PRECISION, TMA_LOADS, QUANT_QK, QUANT_PV)
     else:
         plain = 0
     m_i, l_i, acc = _forward_walk(
@@ -177,11 +188,17 @@ def attention_fwd_kernel(
         stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk, stride_mb,
         stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, k_scale_base, stride_kss,
         BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK,
-        GATHER_BLOCK_MASK, HAS_KV_VALID, FP32_PRECISION, TMA_LOADS, QUANT_QK)
+        GATHER_BLOCK_MASK, HAS_KV_VALID, FP32_PRECISION, TMA_LOADS, QUANT_QK, QUANT_PV)
 
     seen = l_i > 0
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+    log2_l = tl.math.log2(tl.where(seen, l_i, 1.0))
+    if QUANT_PV:
+        v_scale = tl.load(V_SCALE + off_b.to(tl.int64) * stride_vqb + off_hkv.to(tl.int64) * stride_vqh + offs_dv,
+                          mask=dv_ok, other=0.0)  # [BDV]
+        acc = acc * v_scale[None, :]
+        log2_l = log2_l - LOG2_FP8_MAX
+    lse = tl.where(seen, (m_i + log2_l) / 1.4426950408889634, float("-inf"))
     m_ok = offs_m < seq_q
     rows = (q_start + offs_m).to(tl.int64)
     o_ptrs = (Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
@@ -191,7 +208,7 @@ def attention_fwd_kernel(
 
 
 TUNING_KEY = ("BLOCK_Q", "BLOCK_KV", "HEAD_DIM", "HEAD_DIM_V", "EVEN_Q", "EVEN_KV", "IS_CAUSAL", "HAS_TOKEN_MASK",
-              "GATHER_BLOCK_MASK", "HAS_KV_VALID", "IS_VARLEN", "TMA_LOADS", "SPLIT_WALK", "QUANT_QK", "seq_bucket")
+              "GATHER_BLOCK_MASK", "HAS_KV_VALID", "IS_VARLEN", "TMA_LOADS", "SPLIT_WALK", "QUANT_QK", "QUANT_PV", "seq_bucket")
 
 
 def output_buffers(q: torch.Tensor, head_dim_v: int, packed: bool):
@@ -229,7 +246,7 @@ def stride_args(prefix: str, tensor: Optional[torch.Tensor], suffixes: str) -> d
 
 def fp32_precision(dtype: torch.dtype, kernel_fn):
     """The kernels' FP32_PRECISION flag (see primitives.dot): tf32 only where PyTorch allows it for matmuls."""
-    if dtype == torch.bfloat16 and autotune.is_interpreted(kernel_fn):
+    if dtype in (torch.bfloat16, torch.float8_e4m3fn) and autotune.is_interpreted(kernel_fn):
         return "upcast"
     if dtype != torch.float32:
         return None
@@ -285,18 +302,22 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
     kv_valid: int32 [B|1, nk'] expanded to [B, nk'].
     varlen: a packed batch; q, k, v are then [1, H, T, D] views of "thd" tensors, and out / lse come back as
     [1, H, Tq, Dv] / [1, H, Tq] views of "thd"-ordered [Tq, H, Dv] / [Tq, H] buffers.
-    quant: None, or "int8": q and k are quantized per token first (kernels/quant.py: the keys less their mean over
-    the sequence), the scores come from their int8 product, and the LSE gets the mean's share back."""
+    quant: None, "int8" or "int8-fp8": q and k are quantized per token first (kernels/quant.py: the keys less their
+    mean over the sequence), the scores come from their int8 product, and the LSE gets the mean's share back;
+    "int8-fp8" also rounds V per channel and P to float8 e4m3 for P @ V."""
     packed = varlen is not None
     out, lse = output_buffers(q, v.shape[-1], packed)
-    q_scale = k_scale = row_dot = None
+    q_scale = k_scale = row_dot = v_scale = None
+    if quant == "int8-fp8":
+        v, v_scale = quantize_columns(v)  # [B, Hkv, Sk, Dv] float8 view of [B, Hkv, Dv, Sk], fp32 [B, Hkv, Dv]
     if quant is not None:
         mean = k.mean(2, dtype=torch.float32)  # [B, Hkv, D]: the keys' smoothing (softmax ignores a shared shift)
         k, k_scale, _ = quantize_rows(k, mean, subtract_mean=True, dot_mean=False)
         q, q_scale, row_dot = quantize_rows(q, mean, subtract_mean=False, dot_mean=True)
     tensors = dict(Q=q, K=k, V=v, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index,
                    **optional_tensors(kv_count, token_mask, block_mask, kv_valid, varlen),
-                   Q_SCALE=kv_count if q_scale is None else q_scale, K_SCALE=kv_count if k_scale is None else k_scale)
+                   Q_SCALE=kv_count if q_scale is None else q_scale, K_SCALE=kv_count if k_scale is None else k_scale,
+                   V_SCALE=kv_count if v_scale is None else v_scale)
     site = site_key(block_q, block_kv, scale, is_causal, token_mask, block_mask, mask_block_q, mask_block_kv,
                     kv_valid, varlen, v.dtype) + (autotune.env_key("FWD"), quant)
 
@@ -326,13 +347,13 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
             **stride_args("c", kv_count, "bh"), **stride_args("i", kv_index, "bhq"),
             **stride_args("t", token_mask, "bhqk"), **stride_args("m", block_mask, "bhq"),
             stride_vvb=strides(kv_valid, 1)[0],
-            **stride_args("qs", q_scale, "bhs"), **stride_args("ks", k_scale, "bhs"),
+            **stride_args("qs", q_scale, "bhs"), **stride_args("ks", k_scale, "bhs"), **stride_args("vq", v_scale, "bh"),
             BLOCK_Q=block_q, BLOCK_KV=block_kv, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d,
             BLOCK_DV=block_dv, EVEN_KV=even_kv,
             IS_CAUSAL=bool(is_causal), HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather,
             HAS_KV_VALID=kv_valid is not None, FP32_PRECISION=precision,
             IS_VARLEN=packed, SPLIT_WALK=split_walk(is_causal, even_kv, token_mask, block_mask, kv_valid),
-            QUANT_QK=quant is not None)
+            QUANT_QK=quant is not None, QUANT_PV=v_scale is not None)
         return launch.LaunchSpec(
             grid=lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), *launch.batch_head_axes(batch, heads)),
             configs=configs,

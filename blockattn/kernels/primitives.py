@@ -26,6 +26,19 @@ def int32_to_float(x):
 
 
 @triton.jit
+def to_float8(x, ROUND_FIRST: tl.constexpr):
+    """fp32 x -> float8 e4m3 (finite, |x| <= 448). ROUND_FIRST, for Triton's interpreter, whose conversion drops the
+    carry when a value rounds up to the next power of two (7.9 -> 4, 124.4 -> 64): round the fp32 mantissa to
+    e4m3's 3 bits first (to nearest, ties to even, on the bits, where a carry moves into the exponent), so the
+    conversion has nothing left to round in e4m3's normal range."""
+    if ROUND_FIRST:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
 def element_keep(q_pos, k_pos, seq_q, seq_kv, off_b, off_h,
                  TOKEN_MASK, stride_tb, stride_th, stride_tq, stride_tk,
                  BLOCK_MASK, stride_mb, stride_mh, stride_mq, mask_block_q, mask_block_kv,

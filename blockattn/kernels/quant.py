@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 from . import buffers, launch
-from .primitives import batch_and_head
+from .autotune import is_interpreted
+from .primitives import batch_and_head, to_float8
 
 # Rows one program quantizes; the head dim is whole in every row (BLOCK_D >= D).
 _ROWS = 64
@@ -74,3 +75,44 @@ def quantize_rows(x: torch.Tensor, mean: torch.Tensor, subtract_mean: bool,
         HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=_ROWS, SUBTRACT_MEAN=subtract_mean, DOT_MEAN=dot_mean,
         num_warps=4)
     return x8, scale, row_dot
+
+
+# The largest finite float8 e4m3 value: V's channels and the probabilities P are scaled to it.
+FP8_MAX = 448.0
+
+
+@triton.jit
+def quantize_columns_kernel(X, INVERSE, X8, seq, num_heads, stride_xb, stride_xh, stride_xs, stride_xd,
+                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                            ROUND_FIRST: tl.constexpr):
+    """One program: BLOCK_S rows of one (batch, head) of X [B, H, S, D] (any strides): X8 = float8 e4m3 of
+    x * INVERSE[b, h, :] (fp32 [B, H, D] dense: FP8_MAX / the column's max |x|, 0 for an all-zero column),
+    stored column-major, X8's memory [B, H, D, S]: the layout the GPU's fp8 product takes for P @ V."""
+    pid_s = tl.program_id(0)
+    off_b, off_h = batch_and_head(num_heads)
+    rows = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < seq
+    col_ok = cols < HEAD_DIM
+    ok = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(X + off_b.to(tl.int64) * stride_xb + off_h.to(tl.int64) * stride_xh
+                + rows[:, None].to(tl.int64) * stride_xs + cols[None, :] * stride_xd, mask=ok, other=0.0)
+    base = (off_b * num_heads + off_h).to(tl.int64)
+    inverse = tl.load(INVERSE + base * HEAD_DIM + cols, mask=col_ok, other=0.0)  # [BD]
+    x8 = to_float8(x.to(tl.float32) * inverse[None, :], ROUND_FIRST)
+    tl.store(X8 + base * HEAD_DIM * seq + cols[None, :].to(tl.int64) * seq + rows[:, None], x8, mask=ok)
+
+
+def quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, H, S, D] (any strides) -> (float8 e4m3 [B, H, S, D] view of a [B, H, D, S] buffer, scale fp32
+    [B, H, D] = the column's max |x| / FP8_MAX): V for quant="int8-fp8", per channel over the sequence."""
+    batch, heads, seq, dim = x.shape
+    amax = x.abs().amax(2).to(torch.float32) if seq else x.new_zeros(batch, heads, dim, dtype=torch.float32)
+    inverse = torch.where(amax > 0, FP8_MAX / torch.where(amax > 0, amax, 1.0), 0.0).contiguous()
+    x8 = buffers.empty(batch, heads, dim, seq, dtype=torch.float8_e4m3fn, device=x.device)
+    if x.numel():
+        grid = (triton.cdiv(seq, _ROWS), *launch.batch_head_axes(batch, heads))
+        quantize_columns_kernel[grid](x, inverse, x8, seq, heads, *x.stride(), HEAD_DIM=dim,
+                                      BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_S=_ROWS,
+                                      ROUND_FIRST=is_interpreted(quantize_columns_kernel), num_warps=4)
+    return x8.transpose(2, 3), amax / FP8_MAX
