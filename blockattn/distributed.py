@@ -98,7 +98,7 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     default: every rank holds as many tokens as this one (S = P * S_r). Hq a multiple of P (when Hkv is not, the
     key/value heads are repeated to Hq before the exchange, at Hq / Hkv times their traffic). blocks (a block mask or a
     BlockSparsity), attn_mask and kv_valid describe the whole sequences (Sq, Sk), as attention() takes them; each
-    rank uses its heads' slice. Other keyword arguments (is_causal, scale, kv_valid, backend) go to attention().
+    rank uses its heads' slice. Other keyword arguments (is_causal, scale, kv_valid, backend, quant) go to attention().
     Returns this rank's shard of out (and of lse [B, Hq, Sq_r] if return_lse), exactly attention() on the whole
     sequence. Differentiable. The collectives are eager: compile attention() itself, not this function."""
     if layout not in ("bhsd", "bshd"):

@@ -35,12 +35,14 @@ def inputs(lengths):
     return q, k, v, keep, token_mask, kv_valid, grad_out
 
 
-def whole(lengths, use_sparsity: bool):
-    """attention() on one process: out, lse and the three gradients, in bhsd."""
+def whole(lengths, use_sparsity: bool, quant=None):
+    """attention() on one process: out, lse and the three gradients (none with quant), in bhsd."""
     q, k, v, keep, token_mask, kv_valid, grad_out = inputs(lengths)
-    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out, lse = blockattn.attention(*leaves, keep if use_sparsity else keep[0], BLOCK, attn_mask=token_mask, kv_valid=kv_valid, is_causal=True,
-                                   return_lse=True, backend="torch")
+    leaves = [t.clone().requires_grad_(quant is None) for t in (q, k, v)]
+    out, lse = blockattn.attention(*leaves, keep if use_sparsity else keep[0], BLOCK, attn_mask=token_mask,
+                                   kv_valid=kv_valid, is_causal=True, return_lse=True, backend="torch", quant=quant)
+    if quant is not None:
+        return [out, lse]
     (out * grad_out).sum().backward()
     return [out.detach(), lse.detach()] + [t.grad for t in leaves]
 
@@ -49,20 +51,23 @@ def shard(x: torch.Tensor, rank: int, world: int, dim: int = 2) -> torch.Tensor:
     return x.chunk(world, dim=dim)[rank]
 
 
-def worker(rank: int, world: int, port: int, layout: str, use_sparsity: bool, lengths, results):
+def worker(rank: int, world: int, port: int, layout: str, use_sparsity: bool, lengths, quant, results):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         q, k, v, keep, token_mask, kv_valid, grad_out = inputs(lengths)
         # a BlockSparsity, or the mask tensor as 3-D [H, nq, nk] (batch-shared) to slice on another axis
         blocks = blockattn.BlockSparsity.from_mask(keep, BLOCK, *lengths) if use_sparsity else keep[0]
         whole_lengths = dict(seq_q=lengths[0], seq_kv=lengths[1]) if lengths != EVEN else {}
-        local = [shard(t, rank, world).clone().requires_grad_(True) for t in (q, k, v)]
+        local = [shard(t, rank, world).clone().requires_grad_(quant is None) for t in (q, k, v)]
         args = [t.transpose(1, 2) for t in local] if layout == "bshd" else local
         out, lse = sequence_parallel_attention(*args, blocks, None if use_sparsity else BLOCK, layout=layout,
                                                attn_mask=token_mask, kv_valid=kv_valid, is_causal=True,
-                                               return_lse=True, backend="torch", **whole_lengths)
+                                               return_lse=True, backend="torch", quant=quant, **whole_lengths)
         if layout == "bshd":
             out = out.transpose(1, 2)
+        if quant is not None:  # inference only: the keys' mean is taken over the whole sequence on each rank
+            results[rank] = [out, lse]
+            return
         (out * shard(grad_out, rank, world)).sum().backward()
         results[rank] = [out.detach(), lse.detach()] + [t.grad for t in local]
     except Exception as error:  # reported to the parent, which fails the test with it
@@ -77,19 +82,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("world, layout, use_sparsity, lengths", [(2, "bhsd", False, EVEN), (3, "bshd", True, EVEN),
-                                                                  (3, "bhsd", True, UNEVEN)])
-def test_sequence_parallel_attention_equals_the_whole_sequence(world, layout, use_sparsity, lengths):
+@pytest.mark.parametrize("world, layout, use_sparsity, lengths, quant", [
+    (2, "bhsd", False, EVEN, None), (3, "bshd", True, EVEN, None), (3, "bhsd", True, UNEVEN, None),
+    (3, "bhsd", True, UNEVEN, "int8")])
+def test_sequence_parallel_attention_equals_the_whole_sequence(world, layout, use_sparsity, lengths, quant):
     """Each rank's shard of out, lse, dq, dk and dv equals the single-process result's (GQA, a block mask per
     head, a token mask per head, kv_valid, causal, an empty query block; shards of equal and of unequal length, as
-    torch.chunk splits), to fp32 rounding."""
+    torch.chunk splits), to fp32 rounding; with quant="int8", out and lse (each rank quantizes whole sequences of
+    its heads, so the keys' mean is the single process's)."""
     with mp.Manager() as manager:
         results = manager.dict()
         env = {"OMP_NUM_THREADS": "1"}
         previous = {name: os.environ.get(name) for name in env}
         os.environ.update(env)
         try:
-            mp.spawn(worker, args=(world, free_port(), layout, use_sparsity, lengths, results), nprocs=world)
+            mp.spawn(worker, args=(world, free_port(), layout, use_sparsity, lengths, quant, results), nprocs=world)
         finally:
             for name, value in previous.items():
                 if value is None:
@@ -97,7 +104,7 @@ def test_sequence_parallel_attention_equals_the_whole_sequence(world, layout, us
                 else:
                     os.environ[name] = value
         got = dict(results)
-    want = whole(lengths, use_sparsity)
+    want = whole(lengths, use_sparsity, quant)
     for rank in range(world):
         assert not isinstance(got[rank], str), f"rank {rank} raised {got[rank]}"
         for name, part, full in zip(("out", "lse", "dq", "dk", "dv"), got[rank], want):
