@@ -1,5 +1,5 @@
-"""The quantized forwards (quant="int8", "int8-fp8") against blockattn's bf16 forward and FlexAttention on the same block mask,
-and its accuracy against exact attention.
+"""The quantized forwards (quant="int8", "int8-fp8") against blockattn's bf16 forward and FlexAttention on the same
+block mask, and their accuracy against exact attention.
 
 1. Speed, B1 H24 S32768 bf16, blocks 128x128, densities 1 / 0.5 / 0.25 / 0.1 at D=128 and 0.25 at D=64: forward ms
    and effective TFLOP/s (4 * B * H * S^2 * D * density; the quantized times include quantizing q and k, and v for

@@ -1,6 +1,7 @@
-"""Drop-in entry points: torch_npu's npu_block_sparse_attention (and backward), FastVideo's
-block_sparse_attn_256 and SageAttention's sageattn / sageattn_varlen, against an fp64 oracle, out and gradients. GPU runs use the reference suites' sizes; the
-CPU interpreter runs the same cases with fewer heads and a smaller head dim."""
+"""Drop-in entry points: torch_npu's npu_block_sparse_attention (and backward) and FastVideo's
+block_sparse_attn_256 against an fp64 oracle, out and gradients; SageAttention's sageattn / sageattn_varlen against
+the quantized forward. GPU runs use the reference suites' sizes; the CPU interpreter runs the same cases with fewer
+heads and a smaller head dim."""
 
 import math
 

@@ -11,7 +11,8 @@ import triton.language as tl
 
 from . import autotune, buffers, launch, tma
 from .quant import quantize_columns, quantize_rows
-from .primitives import dot, element_keep, int32_to_float, to_float8, kv_list_start, kv_list_tiles, query_tile_program, untested_steps
+from .primitives import (dot, element_keep, int32_to_float, kv_list_start, kv_list_tiles, query_tile_program, to_float8,
+                         untested_steps)
 from .varlen import Varlen
 
 LOG2E = 1.4426950408889634
