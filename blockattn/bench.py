@@ -97,13 +97,17 @@ def _inputs(case: Case, device, requires_grad: bool):
     return [torch.randn(s, generator=gen, device=device, dtype=dtype).requires_grad_(requires_grad) for s in shapes]
 
 
-def _runners(case: Case, keep: torch.Tensor, device):
-    """name -> (forward fn(q, k, v), density) for every implementation available."""
+def _runners(case: Case, keep: torch.Tensor, device, quant: Optional[str] = None):
+    """name -> (forward fn(q, k, v), density) for every implementation available; with quant also
+    "blockattn-<quant>", blockattn's quantized forward (inference only)."""
     runners = {}
     blocks = BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
     density = blocks.density()
     causal = case.pattern == "causal"
     runners["blockattn"] = (lambda q, k, v: attention(q, k, v, blocks, is_causal=causal), density)
+    if quant is not None:
+        runners[f"blockattn-{quant}"] = (lambda q, k, v: attention(q, k, v, blocks, is_causal=causal, quant=quant),
+                                         density)
     try:
         from torch.nn.attention.flex_attention import BlockMask, flex_attention
         if causal:  # FlexAttention's own split: full blocks skip the mask_mod, the diagonal ones apply it
@@ -141,14 +145,14 @@ def _runners(case: Case, keep: torch.Tensor, device):
 
 
 def bench_case(case: Case, device, *, backward: bool = True, sdpa: bool = True,
-               impls: Optional[tuple] = None) -> list[Row]:
+               impls: Optional[tuple] = None, quant: Optional[str] = None) -> list[Row]:
     """Rows of forward, forward+backward and backward times for every implementation (only those named in impls,
-    if given; SDPA only when sdpa)."""
+    if given; SDPA only when sdpa; with quant also blockattn's quantized forward, which has no backward)."""
     keep = block_mask(case, device)
     rows = []
     q, k, v = _inputs(case, device, requires_grad=backward)
     grad = torch.randn_like(q)
-    for name, (fn, density) in _runners(case, keep, device).items():
+    for name, (fn, density) in _runners(case, keep, device, quant).items():
         if (name.startswith("sdpa") and not sdpa) or (impls is not None and name not in impls):
             continue
         if isinstance(fn, Exception):
@@ -156,7 +160,7 @@ def bench_case(case: Case, device, *, backward: bool = True, sdpa: bool = True,
             continue
         flops = _flops(case, density)
         passes = [("fwd", 1.0, lambda: fn(q, k, v))]
-        if backward:
+        if backward and not name.startswith("blockattn-"):
             passes.append(("fwd+bwd", 3.5, lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad)))
         times = {}
         for mode, work, run_pass in passes:
@@ -175,23 +179,24 @@ def bench_case(case: Case, device, *, backward: bool = True, sdpa: bool = True,
     return rows
 
 
-def ratios(rows: list[Row]) -> dict:
-    """(case, mode) -> FlexAttention's time / blockattn's time (>1: blockattn is faster); none where either
+def ratios(rows: list[Row], impl_name: str = "blockattn") -> dict:
+    """(case, mode) -> FlexAttention's time / impl_name's time (>1: impl_name is faster); none where either
     failed (a NaN time)."""
     table = {(r.case, r.impl, r.mode): r.ms for r in rows if math.isfinite(r.ms)}
     out = {}
     for (case, impl, mode), ms in table.items():
-        if impl == "blockattn" and (case, "flex", mode) in table:
+        if impl == impl_name and (case, "flex", mode) in table:
             out[(case, mode)] = table[(case, "flex", mode)] / ms
     return out
 
 
 def markdown(rows: list[Row]) -> str:
-    ratio = ratios(rows)
+    impls = {r.impl for r in rows if r.impl.startswith("blockattn")}
+    ratio = {impl: ratios(rows, impl) for impl in impls}
     lines = ["| case | impl | pass | kept density | ms | effective TFLOP/s | vs flex | note |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        vs = ratio.get((r.case, r.mode)) if r.impl == "blockattn" else None
+        vs = ratio[r.impl].get((r.case, r.mode)) if r.impl in ratio else None
         lines.append(f"| {r.case} | {r.impl} | {r.mode} | {r.density:.3f} | {r.ms:.3f} | {r.tflops:.0f} | "
                      f"{'' if vs is None else f'{vs:.2f}x'} | {r.note} |")
     return "\n".join(lines)
@@ -238,7 +243,7 @@ def environment() -> dict:
 
 
 def run(cases: list[Case], *, backward: bool = True, out_prefix: Optional[str] = None, progress: bool = True,
-        sdpa_once: bool = True) -> list[Row]:
+        sdpa_once: bool = True, quant: Optional[str] = None) -> list[Row]:
     """Benchmark every case (SDPA once per shape when sdpa_once: it does not depend on the mask), print a table,
     and write <out_prefix>.md, .json and .png."""
     from tqdm import tqdm
@@ -252,7 +257,8 @@ def run(cases: list[Case], *, backward: bool = True, out_prefix: Optional[str] =
     rows, seen_shapes = [], set()
     for case in tqdm(cases, disable=not progress, desc="bench"):
         shape = (case.batch, case.heads, case.kv_heads, case.seq, case.dim, case.dtype, case.pattern == "causal")
-        rows += bench_case(case, device, backward=backward, sdpa=not (sdpa_once and shape in seen_shapes))
+        rows += bench_case(case, device, backward=backward, sdpa=not (sdpa_once and shape in seen_shapes),
+                           quant=quant)
         seen_shapes.add(shape)
     table = markdown(rows)
     print(table)

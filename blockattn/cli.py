@@ -128,7 +128,7 @@ def bench(args) -> int:
     cases = [Case(batch=args.batch, heads=args.heads, kv_heads=args.kv_heads or args.heads, seq=args.seq,
                   dim=args.dim, block=block, density=density, dtype=args.dtype, pattern=args.pattern)
              for block in args.blocks for density in densities]
-    run(cases, backward=not args.forward_only, out_prefix=args.out)
+    run(cases, backward=not args.forward_only, out_prefix=args.out, quant=args.quant)
     return 0
 
 
@@ -192,6 +192,8 @@ def main(argv=None) -> int:
     p.add_argument("--pattern", choices=("random", "skewed", "causal"), default="random",
                    help="causal: the block-causal mask run with is_causal (the densities are then ignored)")
     p.add_argument("--forward-only", action="store_true")
+    p.add_argument("--quant", choices=("int8", "int8-fp8"), default=None,
+                   help="also time blockattn's quantized forward (inference only: forward rows)")
     p.add_argument("--out", default="blockattn-bench", help="prefix of the .md, .json and .png written")
     p.set_defaults(func=bench)
 

@@ -5,6 +5,7 @@ import sys
 
 import torch
 
+import blockattn
 from blockattn.bench import Row, markdown, ratios
 
 
@@ -42,6 +43,25 @@ def test_bench_table_puts_flex_ratio_beside_blockattn():
                      Row("c", "flex", "fwd+bwd", 0.25, float("nan"), float("nan"), "failed: NoValidChoicesError")]
     assert ratios(failed) == {("c", "fwd"): 1.5}, "a failed FlexAttention pass has no ratio"
     assert "nanx" not in markdown(failed)
+    quantized = rows + [Row("c", "blockattn-int8", "fwd", 0.25, 1.5, 500.0)]
+    assert ratios(quantized, "blockattn-int8") == {("c", "fwd"): 2.0} and ratios(quantized) == {("c", "fwd"): 1.5}
+    assert "2.00x" in markdown(quantized) and "1.50x" in markdown(quantized)
+
+
+def test_bench_quantized_runner_is_the_quantized_forward():
+    """`blockattn bench --quant int8` adds a forward-only runner: attention(quant="int8") on the case's mask."""
+    from blockattn.bench import Case, _inputs, _runners, block_mask
+
+    case = Case(heads=2, kv_heads=2, seq=256, dim=32, block=(64, 64), density=0.5, dtype="fp32")
+    device = torch.device("cpu")
+    keep = block_mask(case, device)
+    q, k, v = _inputs(case, device, requires_grad=False)
+    runners = _runners(case, keep, device, quant="int8")
+    fn, density = runners["blockattn-int8"]
+    assert density == runners["blockattn"][1]
+    want = blockattn.attention(q, k, v, keep, case.block, quant="int8")
+    assert torch.equal(fn(q, k, v), want) and not torch.equal(want, runners["blockattn"][0](q, k, v))
+    assert "blockattn-int8" not in _runners(case, keep, device)
 
 
 def test_bench_causal_case_runs_the_same_attention_everywhere():
