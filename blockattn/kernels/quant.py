@@ -18,6 +18,22 @@ _ROWS = 64
 
 
 @triton.jit
+def _row_tile(X, seq, num_heads, stride_xb, stride_xh, stride_xs, stride_xd, HEAD_DIM: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """This program's BLOCK_S rows of one (batch, head) of X [B, H, S, D]: (off_b, off_h, rows [BS], cols [BD],
+    row_ok, col_ok, x [BS, BD] in X's dtype, zero outside)."""
+    off_b, off_h = batch_and_head(num_heads)
+    rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < seq
+    col_ok = cols < HEAD_DIM
+    x = tl.load(X + off_b.to(tl.int64) * stride_xb + off_h.to(tl.int64) * stride_xh
+                + rows[:, None].to(tl.int64) * stride_xs + cols[None, :] * stride_xd,
+                mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    return off_b, off_h, rows, cols, row_ok, col_ok, x
+
+
+@triton.jit
 def quantize_rows_kernel(X, MEAN, X8, SCALE, ROW_DOT, seq, num_heads, group_size,
                          stride_xb, stride_xh, stride_xs, stride_xd, stride_mb, stride_mh,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -29,15 +45,9 @@ def quantize_rows_kernel(X, MEAN, X8, SCALE, ROW_DOT, seq, num_heads, group_size
     all-zero row gives zeros and scale 0. DOT_MEAN (queries): ROW_DOT fp32 [B, H, S] gets the dequantized row's
     dot product with MEAN's row of its kv head (h // group_size), the LSE's share of the subtracted mean.
     MEAN: fp32 [B, H / group_size, D] with strides (stride_mb, stride_mh, 1)."""
-    pid_s = tl.program_id(0)
-    off_b, off_h = batch_and_head(num_heads)
-    rows = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
-    cols = tl.arange(0, BLOCK_D)
-    row_ok = rows < seq
-    col_ok = cols < HEAD_DIM
+    off_b, off_h, rows, cols, row_ok, col_ok, x = _row_tile(X, seq, num_heads, stride_xb, stride_xh, stride_xs,
+                                                            stride_xd, HEAD_DIM, BLOCK_D, BLOCK_S)
     ok = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(X + off_b.to(tl.int64) * stride_xb + off_h.to(tl.int64) * stride_xh
-                + rows[:, None].to(tl.int64) * stride_xs + cols[None, :] * stride_xd, mask=ok, other=0.0)
     x = x.to(tl.float32)  # [BS, BD]
     mean_row = MEAN + off_b.to(tl.int64) * stride_mb + (off_h // group_size).to(tl.int64) * stride_mh
     if SUBTRACT_MEAN:
@@ -88,15 +98,9 @@ def quantize_columns_kernel(X, INVERSE, X8, seq, num_heads, stride_xb, stride_xh
     """One program: BLOCK_S rows of one (batch, head) of X [B, H, S, D] (any strides): X8 = float8 e4m3 of
     x * INVERSE[b, h, :] (fp32 [B, H, D] dense: FP8_MAX / the column's max |x|, 0 for an all-zero column),
     stored column-major, X8's memory [B, H, D, S]: the layout the GPU's fp8 product takes for P @ V."""
-    pid_s = tl.program_id(0)
-    off_b, off_h = batch_and_head(num_heads)
-    rows = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
-    cols = tl.arange(0, BLOCK_D)
-    row_ok = rows < seq
-    col_ok = cols < HEAD_DIM
+    off_b, off_h, rows, cols, row_ok, col_ok, x = _row_tile(X, seq, num_heads, stride_xb, stride_xh, stride_xs,
+                                                            stride_xd, HEAD_DIM, BLOCK_D, BLOCK_S)
     ok = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(X + off_b.to(tl.int64) * stride_xb + off_h.to(tl.int64) * stride_xh
-                + rows[:, None].to(tl.int64) * stride_xs + cols[None, :] * stride_xd, mask=ok, other=0.0)
     base = (off_b * num_heads + off_h).to(tl.int64)
     inverse = tl.load(INVERSE + base * HEAD_DIM + cols, mask=col_ok, other=0.0)  # [BD]
     x8 = to_float8(x.to(tl.float32) * inverse[None, :], ROUND_FIRST)
