@@ -226,3 +226,27 @@ def test_fp8_forward_matches_the_oracle_on_its_quantized_values(geometry, poison
     assert err <= 2 * budget + 1e-3, f"error {err:.3e} against float8 P's own {budget:.3e}"
     lse_err = ((lse - shift.float())[rows].double() - want_lse[rows]).abs().max().item()
     assert lse_err <= 1e-3 * max(1.0, want_lse[rows].abs().max().item()), f"LSE off by {lse_err:.3e}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["token_mask", "odd_blocks", "fp16", "fp32", "dims_16_40"])
+def test_quantized_forward_on_the_other_kernel_variants(geometry, poisoned, backend, case):
+    """quant="int8" with what the first oracle test leaves out: a token mask, a block shape no tile nests in (the
+    gathered block mask), fp16 and fp32 inputs (P @ V in their precision), a head dim of 16 (the int8 product's
+    columns padded to 32) with Dv = 40. Against the fp64 oracle on the quantized values."""
+    g = geometry
+    seq_q, seq_kv = g.seqs
+    dtype = {"fp16": torch.float16, "fp32": torch.float32}.get(case, torch.bfloat16)
+    dim, dim_v = (16, 40) if case == "dims_16_40" else (g.dim, g.dim)
+    block = (100, 100) if case == "odd_blocks" else g.block
+    q, k, v = qkv(g.batch, g.heads, seq_q, dim, seq_kv=seq_kv, dim_v=dim_v, dtype=dtype, seed=21)
+    keep = random_keep(g.batch, g.heads, seq_q, seq_kv, block)
+    visible = expand(keep, block, seq_q, seq_kv)
+    kwargs = {}
+    if case == "token_mask":
+        kwargs["attn_mask"] = torch.rand(seq_q, seq_kv, generator=make_generator(22), device=DEVICE) < 0.7
+        visible = visible & kwargs["attn_mask"]
+    out, lse = blockattn.attention(q, k, v, keep, block, quant="int8", backend=backend, return_lse=True, **kwargs)
+    assert out.dtype == dtype and out.shape == (*q.shape[:3], dim_v)
+    q_hat, k_hat, shift = inputs_of(backend, q, k)
+    check_against_oracle(out, lse - shift.float(), q_hat.to(dtype), k_hat.to(dtype), v, visible)
