@@ -35,12 +35,12 @@ def _host_lengths(name: str, lengths: Lengths) -> torch.Tensor:
     return lengths
 
 
-def _offsets(name: str, lengths: Lengths, layout: str, device) -> Optional[torch.Tensor]:
+def _offsets(name: str, lengths: Optional[torch.Tensor], layout: str, device) -> Optional[torch.Tensor]:
+    """int32 offsets [N + 1] on device from host lengths (_host_lengths), or None without lengths."""
     if lengths is None:
         if layout == "thd":
             raise RuntimeError(f"{name} must be specified when q_input_layout is TND")
         return None
-    lengths = _host_lengths(name, lengths)
     return torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(device=device, dtype=torch.int32)
 
 
@@ -69,17 +69,19 @@ def _common(query, key, value, block_sparse_mask, block_shape, q_input_layout, k
             scale_value, actual_seq_lengths, actual_seq_lengths_kv):
     layout = _layout(q_input_layout, kv_input_layout)
     _check(query, key, value, num_key_value_heads, layout)
-    cu_q = _offsets("actual_seq_lengths", actual_seq_lengths, layout, query.device)
-    cu_kv = _offsets("actual_seq_lengths_kv", actual_seq_lengths_kv, layout, query.device)
+    # each read to the host once (a device tensor of lengths costs a synchronization)
+    host_q, host_kv = (None if lengths is None else _host_lengths(name, lengths)
+                       for name, lengths in (("actual_seq_lengths", actual_seq_lengths),
+                                             ("actual_seq_lengths_kv", actual_seq_lengths_kv)))
+    cu_q = _offsets("actual_seq_lengths", host_q, layout, query.device)
+    cu_kv = _offsets("actual_seq_lengths_kv", host_kv, layout, query.device)
     kwargs = dict(layout=layout, scale=None if not scale_value else float(scale_value))
     if layout == "thd":
         kwargs.update(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
         # the lengths are on the host already: check their totals here and hand the longest ones over, so that
         # attention() need not read the offsets back from the device
         longest = []
-        for name, lengths, tensor in (("actual_seq_lengths", actual_seq_lengths, query),
-                                      ("actual_seq_lengths_kv", actual_seq_lengths_kv, key)):
-            host = _host_lengths(name, lengths)
+        for name, host, tensor in (("actual_seq_lengths", host_q, query), ("actual_seq_lengths_kv", host_kv, key)):
             if int(host.sum()) != tensor.shape[0]:
                 raise ValueError(f"{name} must sum to the packed token count {tensor.shape[0]}, got "
                                  f"{int(host.sum())}")
