@@ -1,5 +1,6 @@
-"""Per-token int8 quantization of q and k for the quantized forward (quant="int8"): kernel and launcher.
-What it computes and why: kernels/README.md, "Quantized forward"."""
+"""The quantized forwards' input passes: per-token int8 quantization of q and k (quant="int8", "int8-fp8") and
+per-channel float8 of V ("int8-fp8"); kernels and launchers. What they compute and why: kernels/README.md,
+"Quantized forward"."""
 
 from __future__ import annotations
 
