@@ -87,10 +87,11 @@ def _tile_tokens(tile_size) -> int:
     return tile_size
 
 
-def _valid_counts(name: str, valid, batch: int, tiles: int, tile_tokens: int, device) -> torch.Tensor:
-    """int32 [B|1, tiles]: the given real-token counts per tile, or every tile full."""
+def _valid_counts(name: str, valid, batch: int, tiles: int, tile_tokens: int,
+                  device) -> Optional[torch.Tensor]:
+    """int32 [B|1, tiles]: the given real-token counts per tile; None when not given (every tile full)."""
     if valid is None:
-        return torch.full((1, tiles), tile_tokens, dtype=torch.int32, device=device)
+        return None
     if not isinstance(valid, torch.Tensor) or valid.dtype.is_floating_point or valid.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor [{tiles}] or [B, {tiles}], got "
                         f"{getattr(valid, 'dtype', type(valid).__name__)}")
@@ -148,13 +149,13 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, to
     scale = dim ** -0.5 if scale is None else scale
 
     group = heads // kv_heads
-    pooled_q = block_means(qh, tile, None if q_valid is None else q_counts)                # [B, Hq, nq, D]
-    kv_given = None if kv_valid is None else kv_counts
-    pooled_k = block_means(kh, tile, kv_given).repeat_interleave(group, 1)                 # [B, Hq, nk, D]
-    pooled_v = block_means(vh, tile, kv_given).repeat_interleave(group, 1)                 # [B, Hq, nk, Dv]
+    pooled_q = block_means(qh, tile, q_counts)                                             # [B, Hq, nq, D]
+    pooled_k = block_means(kh, tile, kv_counts).repeat_interleave(group, 1)                # [B, Hq, nk, D]
+    pooled_v = block_means(vh, tile, kv_counts).repeat_interleave(group, 1)                # [B, Hq, nk, Dv]
     scores = pooled_q @ pooled_k.transpose(-1, -2) * scale                                 # [B, Hq, nq, nk]
-    empty = (kv_counts == 0)[:, None, None, :]                                             # no key in the tile
-    scores = scores.masked_fill(empty, float("-inf"))
+    if kv_counts is not None:
+        empty = (kv_counts == 0)[:, None, None, :]                                          # no key in the tile
+        scores = scores.masked_fill(empty, float("-inf"))
     weights = torch.nan_to_num(torch.softmax(scores, -1), nan=0.0)       # a row with only empty tiles: zeros
     coarse = (weights @ pooled_v).to(q.dtype)                                              # [B, Hq, nq, Dv]
 
@@ -162,6 +163,7 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, to
         keep = torch.zeros(scores.shape, dtype=torch.bool, device=q.device)
         keep.scatter_(-1, scores.topk(topk, dim=-1).indices, True)
     blocks = BlockSparsity.from_mask(keep, (tile, tile), seq_q, seq_kv)
+    # kv_valid only when given: full tiles need no per-element test (the kernels' plain loop)
     fine = attention(q, k, v, blocks, layout=layout, scale=scale, kv_valid=kv_counts, backend=backend)
     # each query tile's coarse row broadcast over its tokens, never materialized at full length
     dim_v = coarse.shape[-1]
