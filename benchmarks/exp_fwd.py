@@ -10,12 +10,15 @@ LAZY measured slower on the H200 (BENCHMARKS.md). --warp-specialize: the plain l
 specialization (tl.range(warp_specialize=True)); with Triton 3.6 on the H200 it fails to compile with 4 warps and
 changes nothing with 8. --layout: the plain loop on a persistent grid (tile loop flattened or not), with the walk
 rotated, Q through a descriptor, or a register cap; none beat one program per tile (BENCHMARKS.md, sixth session).
+--row-sums: the row sums of P from a product with a block of ones on the tensor cores instead of adds and shuffles
+(the package's forward measured slower with it, twelfth session).
 
     python benchmarks/exp_fwd.py --dim 128 --density 0.25             # exponential / lazy-rescale grid
     python benchmarks/exp_fwd.py --dim 128 --pipeline                 # loads x hand-pipelined QK^T grid
     python benchmarks/exp_fwd.py --dim 64 --plain --configs 64,128,4,2 128,64,8,3   # tiles of the plain loop
     python benchmarks/exp_fwd.py --dim 128 --warp-specialize --configs 128,64,4,2 128,128,8,2
     python benchmarks/exp_fwd.py --dim 128 --layout --persistent 2 3 --maxnreg 168 --configs 128,64,4,2
+    python benchmarks/exp_fwd.py --dim 64 --layout --row-sums --configs 64,128,4,2 128,128,8,2
 """
 
 import argparse
@@ -86,8 +89,18 @@ def _exp2_mixed(x, POLY_QUARTERS: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2, POLY_QUARTERS: tl.constexpr = 0, LAZY: tl.constexpr = False):
+def _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2, POLY_QUARTERS: tl.constexpr = 0, LAZY: tl.constexpr = False,
+                         ROW_SUMS_MMA: tl.constexpr = False):
+    """One tile of the online softmax. ROW_SUMS_MMA: l_i is [BM, 16] and the row sums come from P (rounded as for
+    P V) times a [BN, 16] block of ones on the tensor cores, with no adds or shuffles."""
     m_cand = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+    if ROW_SUMS_MMA:
+        p = tl.math.exp2(qk * scale_log2 - m_cand[:, None]).to(v.dtype)
+        alpha = tl.math.exp2(m_i - m_cand)
+        ones = tl.full([qk.shape[1], 16], 1.0, tl.float32).to(v.dtype)
+        l_i = tl.dot(p, ones, l_i * alpha[:, None])
+        acc = tl.dot(p, v, acc * alpha[:, None])
+        return m_cand, l_i, acc
     if LAZY:
         # Rescale only when some row's max grew by more than 2^8 (FlashAttention-4): otherwise keep the stale max,
         # p stays below 256, and the [BM, D] accumulator skips its multiply. Exact: the final division uses the
@@ -171,14 +184,19 @@ def fwd_variant(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list,
 @triton.jit
 def _plain_tile(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list, pid_m, bh,
                 HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROTATE: tl.constexpr, Q_TMA: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROTATE: tl.constexpr, Q_TMA: tl.constexpr,
+                ROW_SUMS_MMA: tl.constexpr):
     """The plain loop (descriptor loads) for one query tile; ROTATE starts the walk at entry q_block % count;
-    Q_TMA: Q comes through a descriptor too (Q is one then), so it can stay in shared memory."""
+    Q_TMA: Q comes through a descriptor too (Q is one then), so it can stay in shared memory; ROW_SUMS_MMA: see
+    _online_softmax_step."""
     TILES: tl.constexpr = BLOCK_KV // BLOCK_N
     start_m, offs_m, offs_d, base, q, count, index_row, q_block = _query_tile(
         Q, KV_COUNT, KV_INDEX, seq, n_list, pid_m, bh, HEAD_DIM, BLOCK_Q, BLOCK_M, Q_TMA)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if ROW_SUMS_MMA:
+        l_i = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     total = count * TILES
     shift = (q_block % tl.maximum(count, 1)) * TILES if ROTATE else 0
@@ -191,7 +209,9 @@ def _plain_tile(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list, pid_m
         k = K.load([base + start_n, 0])
         v = V.load([base + start_n, 0])
         qk = tl.dot(q, tl.trans(k))
-        m_i, l_i, acc = _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2)
+        m_i, l_i, acc = _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2, ROW_SUMS_MMA=ROW_SUMS_MMA)
+    if ROW_SUMS_MMA:
+        l_i = tl.max(l_i, 1)
     acc = acc / l_i[:, None]
     tl.store(Out + (base + offs_m[:, None]).to(tl.int64) * HEAD_DIM + offs_d[None, :], acc.to(Out.dtype.element_ty))
 
@@ -200,20 +220,22 @@ def _plain_tile(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list, pid_m
 def fwd_persistent(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list, num_tiles,
                    HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
-                   ROTATE: tl.constexpr, Q_TMA: tl.constexpr):
+                   ROTATE: tl.constexpr, Q_TMA: tl.constexpr, ROW_SUMS_MMA: tl.constexpr = False):
     """PERSISTENT: a grid of a few programs per SM, each walking query tiles pid, pid + grid, ... (FLATTEN asks
     Triton to fuse the tile loop with the key loop, so the pipeline runs across tiles); else one tile each."""
     if PERSISTENT:
         tiles_per_head = seq // BLOCK_M
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
             _plain_tile(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list, tile % tiles_per_head,
-                        tile // tiles_per_head, HEAD_DIM, BLOCK_Q, BLOCK_KV, BLOCK_M, BLOCK_N, ROTATE, Q_TMA)
+                        tile // tiles_per_head, HEAD_DIM, BLOCK_Q, BLOCK_KV, BLOCK_M, BLOCK_N, ROTATE, Q_TMA,
+                        ROW_SUMS_MMA)
     else:
         _plain_tile(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list, tl.program_id(0), tl.program_id(1),
-                    HEAD_DIM, BLOCK_Q, BLOCK_KV, BLOCK_M, BLOCK_N, ROTATE, Q_TMA)
+                    HEAD_DIM, BLOCK_Q, BLOCK_KV, BLOCK_M, BLOCK_N, ROTATE, Q_TMA, ROW_SUMS_MMA)
 
 
-def run_plain(q, k, v, blocks, config, persistent=0, flatten=False, rotate=False, maxnreg=None, q_tma=False):
+def run_plain(q, k, v, blocks, config, persistent=0, flatten=False, rotate=False, maxnreg=None, q_tma=False,
+              row_sums_mma=False):
     """The plain loop with descriptor loads; persistent = programs per SM (0: one program per tile)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     block_m, block_n, warps, stages = config
@@ -234,7 +256,7 @@ def run_plain(q, k, v, blocks, config, persistent=0, flatten=False, rotate=False
                                       seq, blocks.kv_index.shape[-1], num_tiles, HEAD_DIM=dim, BLOCK_Q=block_q,
                                       BLOCK_KV=block_kv, BLOCK_M=block_m, BLOCK_N=block_n,
                                       PERSISTENT=bool(persistent), FLATTEN=flatten, ROTATE=rotate, Q_TMA=q_tma,
-                                      num_warps=warps, num_stages=stages, **extra)
+                                      ROW_SUMS_MMA=row_sums_mma, num_warps=warps, num_stages=stages, **extra)
         if not compiled:
             compiled.append(kernel)
         return out
@@ -280,6 +302,8 @@ def main():
                         "(--persistent, tile loop flattened or not)")
     parser.add_argument("--maxnreg", type=int, nargs="*", default=[], help="register caps for --layout")
     parser.add_argument("--persistent", type=int, nargs="*", default=[], help="programs per SM for --layout")
+    parser.add_argument("--row-sums", action="store_true", help="--layout also runs the loop with its row sums on "
+                        "the tensor cores (P times a block of ones)")
     parser.add_argument("--pipeline", action="store_true", help="the loads x hand-pipelined QK^T grid instead of the "
                         "exponential / lazy-rescale grid")
     args = parser.parse_args()
@@ -304,15 +328,19 @@ def main():
         variants = [(tma, False, 0, False, ws) for ws in (False, True) for tma in (True, False)]
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else CONFIGS
     if args.layout:
-        layouts = ([(0, False, False, None, False), (0, False, False, None, True), (0, False, True, None, True)]
-                   + [(0, False, False, cap, True) for cap in args.maxnreg]
-                   + [(n, flat, False, None, True) for n in args.persistent for flat in (False, True)])
+        layouts = ([(0, False, False, None, False, False), (0, False, False, None, True, False),
+                    (0, False, True, None, True, False)]
+                   + [(0, False, False, cap, True, False) for cap in args.maxnreg]
+                   + [(n, flat, False, None, True, False) for n in args.persistent for flat in (False, True)]
+                   + [(0, False, False, None, q_tma, True) for q_tma in (False, True) if args.row_sums])
         for config in configs:
-            for persistent, flatten, rotate, cap, q_tma in layouts:
+            for persistent, flatten, rotate, cap, q_tma, row_sums in layouts:
                 label = (f"persistent={persistent} flatten={int(flatten)} rotate={int(rotate)} maxnreg={cap} "
-                         f"q_tma={int(q_tma)} {config[0]}x{config[1]} w{config[2]} s{config[3]}")
+                         f"q_tma={int(q_tma)} row_sums_mma={int(row_sums)} {config[0]}x{config[1]} w{config[2]} "
+                         f"s{config[3]}")
                 try:
-                    call, compiled = run_plain(q, k, v, blocks, config, persistent, flatten, rotate, cap, q_tma)
+                    call, compiled = run_plain(q, k, v, blocks, config, persistent, flatten, rotate, cap, q_tma,
+                                               row_sums)
                     err = (call().float() - expected.float()).abs().max().item()
                     ms = triton.testing.do_bench(call, warmup=50, rep=200, return_mode="median")
                     print(f"{label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s) max err {err:.1e} "

@@ -29,7 +29,8 @@ def _stub_torch():
 
         def __call__(self, *args, **kwargs):
             return Anything("call")
-    for name in ("torch", "torch.library", "torch.nn", "torch.nn.functional", "torch.autograd", "torch.compiler"):
+    for name in ("torch", "torch.library", "torch.nn", "torch.nn.functional", "torch.autograd", "torch.compiler",
+                 "torch.distributed"):
         sys.modules[name] = Anything(name)
 
 
@@ -48,19 +49,23 @@ from blockattn.kernels import backward, forward  # noqa: E402
 KERNELS = {"fwd": forward.attention_fwd_kernel, "dq": backward.attention_bwd_dq_kernel,
            "dkdv": backward.attention_bwd_dkdv_kernel}
 FLOAT_POINTERS = {"Q", "K", "V", "DO", "DK", "DV", "DQ", "Out"}
-FP32_POINTERS = {"Lse", "Lse2", "Delta", "DQ_ACC"}
+FP32_POINTERS = {"Lse", "Lse2", "Delta", "DQ_ACC", "Q_SCALE", "K_SCALE", "V_SCALE"}
 UNHINTED = {"num_heads", "kv_heads", "mask_block_q", "mask_block_kv", "stride_vvb", "seq_bucket"}
 SHOWN = ("HGMMA", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "F2FP", "IMAD", "IADD3", "LDGSTS", "UTMALDG", "REDG",
          "LDS", "STS", "BAR", "SHFL", "LDL", "STL")
 
 
-def compile_kernel(kernel, tile, dim, tma, dq_mode):
+def compile_kernel(kernel, tile, dim, tma, dq_mode, quant=None):
     """triton.compile of kernel for sm_90 on a contiguous bf16 [B, H, S, dim] case with whole 128x128 blocks."""
     block_m, block_n, warps, stages = tile
     values = dict(BLOCK_Q=128, BLOCK_KV=128, HEAD_DIM=dim, HEAD_DIM_V=dim, BLOCK_D=dim, BLOCK_DV=dim, EVEN_Q=True,
                   EVEN_KV=True, IS_CAUSAL=False, HAS_TOKEN_MASK=False, GATHER_BLOCK_MASK=False, HAS_KV_VALID=False,
                   FP32_PRECISION=None, IS_VARLEN=False, DQ_MODE=dq_mode, TMA_LOADS=tma, BLOCK_M=block_m,
-                  BLOCK_N=block_n, group_size=1, SPLIT_WALK=False)
+                  BLOCK_N=block_n, group_size=1, SPLIT_WALK=False, QUANT_QK=quant is not None,
+                  QUANT_PV=forward.PV_FORMATS.get(quant))
+    pointer_types = dict.fromkeys(FLOAT_POINTERS, "*bf16")
+    if quant is not None:  # the forward's q and k in int8, V in the scheme's P @ V format
+        pointer_types.update(Q="*i8", K="*i8", V={"fp8": "*fp8e4nv", "int8": "*i8"}.get(values["QUANT_PV"], "*bf16"))
     boxes = {"K_DESC": block_n, "V_DESC": block_n, "Q_DESC": block_m, "DO_DESC": block_m}
     signature, constants = {}, {}
     for param in kernel.params:
@@ -72,7 +77,7 @@ def compile_kernel(kernel, tile, dim, tma, dq_mode):
         elif name == "DQ_DESC" or name in FP32_POINTERS:
             signature[name] = "*fp32"
         elif name in FLOAT_POINTERS:
-            signature[name] = "*bf16"
+            signature[name] = pointer_types[name]
         elif name.isupper() or name[0].isupper():
             signature[name] = "*i32"
         elif name in ("scale", "scale_log2"):
@@ -114,9 +119,13 @@ def main():
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--tma", action="store_true", help="tiles through tensor descriptors")
     parser.add_argument("--dq-mode", default="kernel", choices=backward.DQ_MODES)
+    parser.add_argument("--quant", choices=tuple(forward.PV_FORMATS) + ("int8",), default=None,
+                        help="the forward's quantized variant (K and V by pointers: give no --tma for int8-fp8 and "
+                             "int8-int8)")
+    parser.add_argument("--all-ops", action="store_true", help="also list every opcode in the loop, most frequent first")
     args = parser.parse_args()
     tile = tuple(int(x) for x in args.tile.split(","))
-    compiled = compile_kernel(KERNELS[args.kernel], tile, args.dim, args.tma, args.dq_mode)
+    compiled = compile_kernel(KERNELS[args.kernel], tile, args.dim, args.tma, args.dq_mode, args.quant)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "kernel.cubin")
         with open(cubin, "wb") as f:
@@ -126,9 +135,12 @@ def main():
     ops = collections.Counter(m.group(1) for m in (re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
                                                    for line in loop) if m)
     print(f"triton {triton.__version__}, {args.kernel} tile {args.tile} D={args.dim} tma={args.tma}"
-          f"{' dq_mode=' + args.dq_mode if args.kernel == 'dkdv' else ''}: registers {usage.group(1)}, "
+          f"{' dq_mode=' + args.dq_mode if args.kernel == 'dkdv' else ''}"
+          f"{' quant=' + args.quant if args.quant else ''}: registers {usage.group(1)}, "
           f"stack {usage.group(2)} bytes; innermost loop {sum(ops.values())} instructions per iteration per warp:")
     print("  " + ", ".join(f"{name} {ops[name]}" for name in SHOWN if ops[name]))
+    if args.all_ops:
+        print("  all: " + ", ".join(f"{name} {n}" for name, n in ops.most_common()))
 
 
 if __name__ == "__main__":

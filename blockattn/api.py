@@ -19,8 +19,7 @@ _LAYOUTS = ("bhsd", "bshd", "thd")
 _BACKENDS = ("auto", "triton", "torch")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MIN_HEAD_DIM, _MAX_HEAD_DIM = 16, 256
-_QUANTS = ("int8", "int8-fp8")
-_QUANTS_PLANNED = ("int8-int8",)  # in DESIGN.md's API, not built
+_QUANTS = ("int8", "int8-fp8", "int8-int8")
 
 
 def _interpret_requested() -> bool:
@@ -199,8 +198,6 @@ def _check_quant(quant, q, k, v) -> None:
     """quant is None or a built scheme, and then no input needs a gradient (the quantized forward has no backward)."""
     if quant is None:
         return
-    if quant in _QUANTS_PLANNED:
-        raise NotImplementedError(f"quant={quant!r} is not implemented yet; built: {_QUANTS}")
     if quant not in _QUANTS:
         raise ValueError(f"quant must be None or one of {_QUANTS}, got {quant!r}")
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
@@ -372,7 +369,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     GPU; softmax ignores the mean's share, which is added back to the LSE. P @ V stays in the inputs' dtype. Every
     backend computes this; the PyTorch backend as exact attention on the dequantized values. quant="int8-fp8"
     also rounds V per channel (scale max|v| / 448 over the sequence) and the kernels' P (times 448) to float8
-    e4m3 for P @ V (the PyTorch backend rounds V, not P).
+    e4m3 for P @ V (the PyTorch backend rounds V, not P); quant="int8-int8" rounds them to int8 instead (scale
+    max|v| / 127; P times 127 to integers), an int8 product on the GPU.
     """
     max_seqlens = _check_max_seqlens(max_seqlen_q, max_seqlen_kv, layout)
     q, k, v, autocast_off = _under_autocast(q, k, v)
@@ -498,13 +496,13 @@ def _triton_attention(p: _Prepared, is_causal: bool):
 
 
 def _quantized(p: _Prepared, is_causal: bool, quant: str, need_lse: bool):
-    """The quantized forward (quant="int8" or "int8-fp8") on either backend: the PyTorch one runs the exact
-    attention of the dequantized q and smoothed k that the kernels multiply in int8 (reference.quantized_qk), and for
-    "int8-fp8" of V rounded per channel to float8 (P stays exact there: the kernels round it tile by tile against a
-    running maximum, which no whole-row computation reproduces)."""
+    """The quantized forward (quant="int8", "int8-fp8" or "int8-int8") on either backend: the PyTorch one runs the
+    exact attention of the dequantized q and smoothed k that the kernels multiply in int8 (reference.quantized_qk),
+    and for "int8-fp8" / "int8-int8" of V rounded per channel to float8 / int8 (P stays exact there: the kernels
+    round it tile by tile against a running maximum, which no whole-row computation reproduces)."""
     if p.backend == "torch":
         q_hat, k_hat, shift = reference.quantized_qk(p.q, p.k, p.scale)
-        v_hat = reference.quantized_v(p.v) if quant == "int8-fp8" else p.v
+        v_hat = p.v if quant == "int8" else reference.quantized_v(p.v, quant.split("-")[1])
         out, lse = _reference(p, is_causal, q_hat, k_hat, v_hat, need_lse=need_lse)
         return out.to(p.q.dtype), (lse + shift if need_lse else None)
     ops = _kernel_ops()

@@ -130,11 +130,15 @@ def quantized_qk(q: torch.Tensor, k: torch.Tensor, scale: float):
     return q_hat, k_hat, shift.to(torch.float32)
 
 
-def quantized_v(v: torch.Tensor) -> torch.Tensor:
-    """quant="int8-fp8" on v [B, Hkv, Sk, Dv]: each channel rounded to float8 e4m3 at scale max|v| / 448 over the
-    sequence (an all-zero channel stays zero), returned dequantized in fp32 (fp64 for fp64 inputs). The rule of
-    kernels/quant.py's quantize_columns."""
+def quantized_v(v: torch.Tensor, fmt: str = "fp8") -> torch.Tensor:
+    """V as quant="int8-fp8" (fmt "fp8") or "int8-int8" (fmt "int8") rounds it, v [B, Hkv, Sk, Dv]: each channel
+    at scale max|v| / 448 over the sequence to float8 e4m3 (to nearest even), or at max|v| / 127 to int8 (halves
+    away from zero); an all-zero channel stays zero. Returned dequantized in fp32 (fp64 for fp64 inputs). The rule
+    of kernels/quant.py's quantize_columns."""
     compute = torch.promote_types(v.dtype, torch.float32)
+    largest = {"fp8": 448.0, "int8": 127.0}[fmt]
     amax = v.abs().amax(2, keepdim=True).to(torch.float32)
-    inverse = torch.where(amax > 0, 448 / torch.where(amax > 0, amax, 1.0), 0.0)
-    return ((v.to(torch.float32) * inverse).to(torch.float8_e4m3fn).to(compute) * (amax / 448).to(compute))
+    y = v.to(torch.float32) * torch.where(amax > 0, largest / torch.where(amax > 0, amax, 1.0), 0.0)
+    rounded = y.to(torch.float8_e4m3fn).to(torch.float32) if fmt == "fp8" else torch.where(y >= 0, y + 0.5,
+                                                                                            y - 0.5).trunc()
+    return rounded.to(compute) * (amax / largest).to(compute)

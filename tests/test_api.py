@@ -55,7 +55,6 @@ CASES = [
      "kv_valid"),
     ("nan scale", dict(scale=float("nan")), TypeError, "scale"),
     ("non-bool is_causal", dict(is_causal=1), TypeError, "is_causal"),
-    ("quant not built yet", dict(quant="int8-int8"), NotImplementedError, "quant=.int8-int8. is not implemented"),
     ("quant unknown", dict(quant="int4"), ValueError, "quant must be None or one of"),
     ("quant not a string", dict(quant=8), ValueError, "quant must be None or one of"),
     ("fp64 on the kernels", dict(q=t(2, 4, 100, 32, dtype=torch.float64), k=t(2, 2, 100, 32, dtype=torch.float64),

@@ -9,8 +9,8 @@ import triton.language as tl
 
 from conftest import DEVICE
 from blockattn.kernels.autotune import is_interpreted
-from blockattn.kernels.primitives import (first_entry_at_or_after, int32_to_float, load_tile, to_float8,
-                                        untested_steps)
+from blockattn.kernels.primitives import (first_entry_at_or_after, int32_to_float, load_tile, round_to_int8,
+                                        to_float8, untested_steps)
 
 
 @triton.jit
@@ -125,6 +125,23 @@ def test_int32_to_float_is_exact_over_the_int8_products_range():
     out = torch.full((1024,), float("nan"), device=DEVICE)
     _to_float_kernel[(1,)](x.to(DEVICE), out)
     assert torch.equal(out.cpu(), x.float())
+
+
+@triton.jit
+def _round_int8_kernel(X, Out):
+    offs = tl.arange(0, 1024)
+    tl.store(Out + offs, round_to_int8(tl.load(X + offs)))
+
+
+def test_round_to_int8_rounds_to_nearest_even_over_0_to_127():
+    """P times 127 for int8-int8: every value of [0, 127] to the nearest integer, exact halves to even (as
+    torch.round), the ends and values a hair off a half."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.rand(1024, generator=gen) * 127
+    x[:8] = torch.tensor([0.0, 127.0, 0.5, 1.5, 126.5, 2.4999998, 2.5000002, 0.49999997])
+    out = torch.full((1024,), -1, dtype=torch.int8, device=DEVICE)
+    _round_int8_kernel[(1,)](x.to(DEVICE), out)
+    assert torch.equal(out.cpu(), torch.round(x).to(torch.int8))
 
 
 @triton.jit

@@ -11,12 +11,15 @@ import triton.language as tl
 
 from . import autotune, buffers, launch, tma
 from .quant import quantize_columns, quantize_rows
-from .primitives import (dot, element_keep, int32_to_float, kv_list_start, kv_list_tiles, query_tile_program, to_float8,
-                         untested_steps)
+from .primitives import (dot, element_keep, int32_to_float, kv_list_start, kv_list_tiles, query_tile_program,
+                         round_to_int8, to_float8, untested_steps)
 from .varlen import Varlen
 
 LOG2E = 1.4426950408889634
 LOG2_FP8_MAX: tl.constexpr = tl.constexpr(8.807354922057604)  # log2(448), quant.FP8_MAX
+LOG2_INT8_MAX: tl.constexpr = tl.constexpr(6.988684686772166)  # log2(127), quant.INT8_MAX
+# The kernels' QUANT_PV flag for each quant scheme that rounds P @ V too.
+PV_FORMATS = {"int8-fp8": "fp8", "int8-int8": "int8"}
 # The kv-list walks (forward, dQ) and the dK/dV walk run the blocks that need no element test in a loop without
 # tests, when the only tests are the causal diagonal and the sequence's end (SPLIT_WALK; kernels/README.md).
 # Benchmarks and tests set False to run the single tested walk.
@@ -50,8 +53,9 @@ def _forward_walk(lo, hi, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv
     """Steps lo..hi of the walk over a kv list: the online softmax state (m_i, l_i [BM], acc [BM, BDV]) after
     them. The flags say which element tests these steps need (none: a plain loop).
     QUANT_QK: q and K are int8, each key's scale at k_scale_base + n * stride_kss, and scale_log2 is a row
-    vector [BM] (each query's scale times scale * log2(e)) instead of a scalar. QUANT_PV: V is float8 e4m3 and P
-    is too, scaled by FP8_MAX (l_i and acc carry that factor)."""
+    vector [BM] (each query's scale times scale * log2(e)) instead of a scalar. QUANT_PV "fp8": V is float8 e4m3
+    and P is too, scaled by FP8_MAX; "int8": V is int8 and P is too, scaled by INT8_MAX and rounded to an integer
+    (l_i and acc carry that factor)."""
     MASKED: tl.constexpr = (not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID
     for it in range(lo, hi):
         offs_n, k, v = kv_list_tiles(it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base,
@@ -81,15 +85,20 @@ def _forward_walk(lo, hi, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
             m_shift = m_new
-        if QUANT_PV:  # P * FP8_MAX, the factor folded into the shift, so P spans float8's range
+        if QUANT_PV == "fp8":  # P * FP8_MAX, the factor folded into the shift, so P spans float8's range
             p = tl.math.exp2(qk * score_scale - (m_shift - LOG2_FP8_MAX)[:, None])  # [BM, BN]
+        elif QUANT_PV == "int8":  # P * INT8_MAX, in [0, 127]
+            p = tl.math.exp2(qk * score_scale - (m_shift - LOG2_INT8_MAX)[:, None])  # [BM, BN]
         else:
             p = tl.math.exp2(qk * score_scale - m_shift[:, None])  # [BM, BN]
         alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if QUANT_PV:
+        if QUANT_PV == "fp8":
             acc = dot(to_float8(p, FP32_PRECISION == "upcast"), v, acc, FP32_PRECISION)  # [BM, BDV]
+        elif QUANT_PV == "int8":
+            # exact in int32 and through int32_to_float: 127 * 127 * BLOCK_N < 2^22 for BLOCK_N <= 256
+            acc += int32_to_float(tl.dot(round_to_int8(p), v, out_dtype=tl.int32))  # [BM, BDV]
         else:
             acc = dot(p.to(v.dtype), v, acc, FP32_PRECISION)  # [BM, BDV]
         m_i = m_new
@@ -130,10 +139,11 @@ def attention_fwd_kernel(
     TMA_LOADS: K and V tiles come through K_DESC / V_DESC, host descriptors of K and V (kernels/tma.py).
     SPLIT_WALK: split_walk() on the host: the walk runs the tiles before the tested blocks without tests.
     QUANT_QK: Q and K are int8 (kernels/quant.py) with per-token scales Q_SCALE fp32 [B, H, Sq] and K_SCALE fp32
-    [B, Hkv, Sk]; the scores are their int32 products times both scales. QUANT_PV: V is float8 e4m3, each
-    channel's scale in V_SCALE fp32 [B, Hkv, Dv] (strides stride_vq*)."""
+    [B, Hkv, Sk]; the scores are their int32 products times both scales. QUANT_PV: None, or V's format ("fp8":
+    float8 e4m3, "int8"), each channel's scale in V_SCALE fp32 [B, Hkv, Dv] (strides stride_vq*)."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
+    tl.static_assert(QUANT_PV != "int8" or BLOCK_N <= 256, "int8 P @ V is exact in int32 up to 256 keys a tile")
     TILES_PER_BLOCK: tl.constexpr = BLOCK_KV // BLOCK_N
 
     off_b, off_h, off_hkv, start_m, q_block, q_start, seq_q, kv_start, seq_kv = query_tile_program(
@@ -194,11 +204,14 @@ def attention_fwd_kernel(
     seen = l_i > 0
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
     log2_l = tl.math.log2(tl.where(seen, l_i, 1.0))
-    if QUANT_PV:
+    if QUANT_PV is not None:
         v_scale = tl.load(V_SCALE + off_b.to(tl.int64) * stride_vqb + off_hkv.to(tl.int64) * stride_vqh + offs_dv,
                           mask=dv_ok, other=0.0)  # [BDV]
         acc = acc * v_scale[None, :]
-        log2_l = log2_l - LOG2_FP8_MAX
+        if QUANT_PV == "fp8":
+            log2_l = log2_l - LOG2_FP8_MAX
+        else:
+            log2_l = log2_l - LOG2_INT8_MAX
     lse = tl.where(seen, (m_i + log2_l) / 1.4426950408889634, float("-inf"))
     m_ok = offs_m < seq_q
     rows = (q_start + offs_m).to(tl.int64)
@@ -209,7 +222,8 @@ def attention_fwd_kernel(
 
 
 TUNING_KEY = ("BLOCK_Q", "BLOCK_KV", "HEAD_DIM", "HEAD_DIM_V", "EVEN_Q", "EVEN_KV", "IS_CAUSAL", "HAS_TOKEN_MASK",
-              "GATHER_BLOCK_MASK", "HAS_KV_VALID", "IS_VARLEN", "TMA_LOADS", "SPLIT_WALK", "QUANT_QK", "QUANT_PV", "seq_bucket")
+              "GATHER_BLOCK_MASK", "HAS_KV_VALID", "IS_VARLEN", "TMA_LOADS", "SPLIT_WALK", "QUANT_QK", "QUANT_PV",
+              "seq_bucket")
 
 
 def output_buffers(q: torch.Tensor, head_dim_v: int, packed: bool):
@@ -303,14 +317,15 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
     kv_valid: int32 [B|1, nk'] expanded to [B, nk'].
     varlen: a packed batch; q, k, v are then [1, H, T, D] views of "thd" tensors, and out / lse come back as
     [1, H, Tq, Dv] / [1, H, Tq] views of "thd"-ordered [Tq, H, Dv] / [Tq, H] buffers.
-    quant: None, "int8" or "int8-fp8": q and k are quantized per token first (kernels/quant.py: the keys less their
-    mean over the sequence), the scores come from their int8 product, and the LSE gets the mean's share back;
-    "int8-fp8" also rounds V per channel and P to float8 e4m3 for P @ V."""
+    quant: None, "int8", "int8-fp8" or "int8-int8": q and k are quantized per token first (kernels/quant.py: the
+    keys less their mean over the sequence), the scores come from their int8 product, and the LSE gets the mean's
+    share back; "int8-fp8" / "int8-int8" also round V per channel and P to float8 e4m3 / int8 for P @ V."""
     packed = varlen is not None
     out, lse = output_buffers(q, v.shape[-1], packed)
     q_scale = k_scale = row_dot = v_scale = None
-    if quant == "int8-fp8":
-        v, v_scale = quantize_columns(v)  # [B, Hkv, Sk, Dv] float8 view of [B, Hkv, Dv, Sk], fp32 [B, Hkv, Dv]
+    pv_format = PV_FORMATS.get(quant)
+    if pv_format is not None:
+        v, v_scale = quantize_columns(v, pv_format)  # [B, Hkv, Sk, Dv] 8-bit view of [B, Hkv, Dv, Sk], fp32 [B, Hkv, Dv]
     if quant is not None:
         mean = k.mean(2, dtype=torch.float32)  # [B, Hkv, D]: the keys' smoothing (softmax ignores a shared shift)
         k, k_scale, _ = quantize_rows(k, mean, subtract_mean=True, dot_mean=False)
@@ -354,7 +369,7 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
             IS_CAUSAL=bool(is_causal), HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather,
             HAS_KV_VALID=kv_valid is not None, FP32_PRECISION=precision,
             IS_VARLEN=packed, SPLIT_WALK=split_walk(is_causal, even_kv, token_mask, block_mask, kv_valid),
-            QUANT_QK=quant is not None, QUANT_PV=v_scale is not None)
+            QUANT_QK=quant is not None, QUANT_PV=pv_format)
         return launch.LaunchSpec(
             grid=lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), *launch.batch_head_axes(batch, heads)),
             configs=configs,

@@ -28,7 +28,7 @@ def forward_quantized(q: Tensor, k: Tensor, v: Tensor, kv_count: Tensor, kv_inde
                       cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor], scale: float, block_q: int,
                       block_kv: int, mask_block_q: int, mask_block_kv: int, is_causal: bool, max_seqlen_q: int,
                       max_seqlen_kv: int, quant: Optional[str]) -> tuple[Tensor, Tensor]:
-    """The forward with quant None (forward_eager's), "int8" or "int8-fp8": (out [B, H, Sq, Dv], lse fp32
+    """The forward with quant None (forward_eager's), "int8", "int8-fp8" or "int8-int8": (out [B, H, Sq, Dv], lse fp32
     [B, H, Sq]). As its own op (quantized_attention_fwd) it has no backward."""
     return attention_forward(q, k, v, kv_count, kv_index, block_q, block_kv, scale, token_mask=token_mask,
                              is_causal=is_causal, block_mask=block_mask, mask_block_q=mask_block_q,

@@ -26,6 +26,14 @@ def int32_to_float(x):
 
 
 @triton.jit
+def round_to_int8(x):
+    """fp32 x in [0, 127] -> int8, rounded to nearest (ties to even) through the float's bits, as int32_to_float
+    converts back: 1.5 * 2**23 + x has ulp 1, so its low bits are the rounded x (two full-rate instructions where a
+    conversion runs at a sixteenth of the rate)."""
+    return ((x + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000).to(tl.int8)
+
+
+@triton.jit
 def to_float8(x, ROUND_FIRST: tl.constexpr):
     """fp32 x -> float8 e4m3 (finite, |x| <= 448). ROUND_FIRST, for Triton's interpreter, whose conversion drops the
     carry when a value rounds up to the next power of two (7.9 -> 4, 124.4 -> 64): round the fp32 mantissa to

@@ -1,6 +1,6 @@
-"""The quantized forwards' input passes: per-token int8 quantization of q and k (quant="int8", "int8-fp8") and
-per-channel float8 of V ("int8-fp8"); kernels and launchers. What they compute and why: kernels/README.md,
-"Quantized forward"."""
+"""The quantized forwards' input passes: per-token int8 quantization of q and k (every quant scheme) and
+per-channel float8 or int8 of V ("int8-fp8", "int8-int8"); kernels and launchers. What they compute and why:
+kernels/README.md, "Quantized forward"."""
 
 from __future__ import annotations
 
@@ -88,36 +88,48 @@ def quantize_rows(x: torch.Tensor, mean: torch.Tensor, subtract_mean: bool,
     return x8, scale, row_dot
 
 
-# The largest finite float8 e4m3 value: V's channels and the probabilities P are scaled to it.
+# The largest finite float8 e4m3 value and int8's largest: V's channels and the probabilities P are scaled to the
+# format's.
 FP8_MAX = 448.0
+INT8_MAX = 127.0
+_COLUMN_FORMATS = {"fp8": (torch.float8_e4m3fn, FP8_MAX), "int8": (torch.int8, INT8_MAX)}
 
 
 @triton.jit
 def quantize_columns_kernel(X, INVERSE, X8, seq, num_heads, stride_xb, stride_xh, stride_xs, stride_xd,
                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                            ROUND_FIRST: tl.constexpr):
-    """One program: BLOCK_S rows of one (batch, head) of X [B, H, S, D] (any strides): X8 = float8 e4m3 of
-    x * INVERSE[b, h, :] (fp32 [B, H, D] dense: FP8_MAX / the column's max |x|, 0 for an all-zero column),
-    stored column-major, X8's memory [B, H, D, S]: the layout the GPU's fp8 product takes for P @ V."""
+                            FORMAT: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """One program: BLOCK_S rows of one (batch, head) of X [B, H, S, D] (any strides): X8 = x * INVERSE[b, h, :]
+    (fp32 [B, H, D] dense: the format's largest value / the column's max |x|, 0 for an all-zero column) in FORMAT
+    ("fp8": float8 e4m3, rounded to nearest even; "int8": halves away from zero, as quantize_rows_kernel),
+    stored column-major, X8's memory [B, H, D, S]: the layout the GPU's 8-bit products take for P @ V."""
     off_b, off_h, rows, cols, row_ok, col_ok, x = _row_tile(X, seq, num_heads, stride_xb, stride_xh, stride_xs,
                                                             stride_xd, HEAD_DIM, BLOCK_D, BLOCK_S)
     ok = row_ok[:, None] & col_ok[None, :]
     base = (off_b * num_heads + off_h).to(tl.int64)
     inverse = tl.load(INVERSE + base * HEAD_DIM + cols, mask=col_ok, other=0.0)  # [BD]
-    x8 = to_float8(x.to(tl.float32) * inverse[None, :], ROUND_FIRST)
+    y = x.to(tl.float32) * inverse[None, :]
+    if FORMAT == "fp8":
+        x8 = to_float8(y, ROUND_FIRST)
+    else:
+        x8 = tl.where(y >= 0, y + 0.5, y - 0.5).to(tl.int8)
     tl.store(X8 + base * HEAD_DIM * seq + cols[None, :].to(tl.int64) * seq + rows[:, None], x8, mask=ok)
 
 
-def quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [B, H, S, D] (any strides) -> (float8 e4m3 [B, H, S, D] view of a [B, H, D, S] buffer, scale fp32
-    [B, H, D] = the column's max |x| / FP8_MAX): V for quant="int8-fp8", per channel over the sequence."""
+def quantize_columns(x: torch.Tensor, fmt: str = "fp8") -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, H, S, D] (any strides) -> (fmt's [B, H, S, D] view of a [B, H, D, S] buffer, scale fp32 [B, H, D] =
+    the column's max |x| / the format's largest value): V for quant="int8-fp8" (fmt "fp8", float8 e4m3, largest
+    FP8_MAX) or "int8-int8" (fmt "int8", INT8_MAX), per channel over the sequence."""
+    if fmt not in _COLUMN_FORMATS:
+        raise ValueError(f"fmt must be one of {tuple(_COLUMN_FORMATS)}, got {fmt!r}")
+    dtype, largest = _COLUMN_FORMATS[fmt]
     batch, heads, seq, dim = x.shape
     amax = x.abs().amax(2).to(torch.float32) if seq else x.new_zeros(batch, heads, dim, dtype=torch.float32)
-    inverse = torch.where(amax > 0, FP8_MAX / torch.where(amax > 0, amax, 1.0), 0.0).contiguous()
-    x8 = buffers.empty(batch, heads, dim, seq, dtype=torch.float8_e4m3fn, device=x.device)
+    inverse = torch.where(amax > 0, largest / torch.where(amax > 0, amax, 1.0), 0.0).contiguous()
+    x8 = buffers.empty(batch, heads, dim, seq, dtype=dtype, device=x.device)
     if x.numel():
         grid = (triton.cdiv(seq, _ROWS), *launch.batch_head_axes(batch, heads))
         quantize_columns_kernel[grid](x, inverse, x8, seq, heads, *x.stride(), HEAD_DIM=dim,
-                                      BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_S=_ROWS,
+                                      BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_S=_ROWS, FORMAT=fmt,
                                       ROUND_FIRST=is_interpreted(quantize_columns_kernel), num_warps=4)
-    return x8.transpose(2, 3), amax / FP8_MAX
+    return x8.transpose(2, 3), amax / largest
