@@ -95,13 +95,13 @@ def _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2, POLY_QUARTERS: tl.con
     P V) times a [BN, 16] block of ones on the tensor cores, with no adds or shuffles."""
     m_cand = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
     if ROW_SUMS_MMA:
-        p = tl.math.exp2(qk * scale_log2 - m_cand[:, None]).to(v.dtype)
-        alpha = tl.math.exp2(m_i - m_cand)
-        ones = tl.full([qk.shape[1], 16], 1.0, tl.float32).to(v.dtype)
-        l_i = tl.dot(p, ones, l_i * alpha[:, None])
-        acc = tl.dot(p, v, acc * alpha[:, None])
-        return m_cand, l_i, acc
-    if LAZY:
+        m_new = m_cand
+        p16 = tl.math.exp2(qk * scale_log2 - m_new[:, None]).to(v.dtype)
+        alpha = tl.math.exp2(m_i - m_new)
+        ones = tl.full([v.shape[0], 16], 1.0, tl.float32).to(v.dtype)
+        l_i = tl.dot(p16, ones, l_i * alpha[:, None])
+        acc = tl.dot(p16, v, acc * alpha[:, None])
+    elif LAZY:
         # Rescale only when some row's max grew by more than 2^8 (FlashAttention-4): otherwise keep the stale max,
         # p stays below 256, and the [BM, D] accumulator skips its multiply. Exact: the final division uses the
         # same max as the sums.
@@ -119,7 +119,8 @@ def _online_softmax_step(qk, m_i, l_i, acc, v, scale_log2, POLY_QUARTERS: tl.con
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
+    if not ROW_SUMS_MMA:
+        acc = tl.dot(p.to(v.dtype), v, acc)
     return m_new, l_i, acc
 
 

@@ -49,7 +49,7 @@ from blockattn.kernels import backward, forward  # noqa: E402
 KERNELS = {"fwd": forward.attention_fwd_kernel, "dq": backward.attention_bwd_dq_kernel,
            "dkdv": backward.attention_bwd_dkdv_kernel}
 FLOAT_POINTERS = {"Q", "K", "V", "DO", "DK", "DV", "DQ", "Out"}
-FP32_POINTERS = {"Lse", "Lse2", "Delta", "DQ_ACC", "Q_SCALE", "K_SCALE", "V_SCALE"}
+FP32_POINTERS = {"Lse", "Lse2", "Delta", "DQ_ACC", "Q_SCALE", "Q_ROW_DOT", "K_SCALE", "V_SCALE"}
 UNHINTED = {"num_heads", "kv_heads", "mask_block_q", "mask_block_kv", "stride_vvb", "seq_bucket"}
 SHOWN = ("HGMMA", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "F2FP", "IMAD", "IADD3", "LDGSTS", "UTMALDG", "REDG",
          "LDS", "STS", "BAR", "SHFL", "LDL", "STL")
@@ -73,7 +73,8 @@ def compile_kernel(kernel, tile, dim, tma, dq_mode, quant=None):
         if name in values:
             signature[name], constants[name] = "constexpr", values[name]
         elif name in boxes:
-            signature[name] = f"tensordesc<bf16[1,1,{boxes[name]},{dim}]>" if tma else "*fp32"
+            element = "i8" if quant is not None and name == "K_DESC" else "bf16"
+            signature[name] = f"tensordesc<{element}[1,1,{boxes[name]},{dim}]>" if tma else "*fp32"
         elif name == "DQ_DESC" or name in FP32_POINTERS:
             signature[name] = "*fp32"
         elif name in FLOAT_POINTERS:

@@ -9,8 +9,10 @@ import torch
 
 import blockattn
 from blockattn import reference
-from blockattn.kernels.quant import quantize_columns, quantize_rows
-from conftest import DEVICE, check_against_oracle, expand, make_generator, oracle, qkv, random_keep, rel_error
+from blockattn.kernels import forward, launch
+from blockattn.kernels.quant import quantize_columns, quantize_columns_kernel, quantize_rows, quantize_rows_kernel
+from conftest import (DEVICE, ON_GPU, check_against_oracle, expand, make_generator, oracle, qkv, random_keep,
+                      rel_error)
 
 BACKENDS = ("torch", "triton")
 
@@ -156,6 +158,31 @@ def test_compiled_quantized_forward_matches_eager(geometry):
     want = call(q, k, v, keep)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_repeated_quantized_calls_relaunch_and_stay_exact(geometry, poisoned, monkeypatch):
+    """The same shapes three times with new data, each scheme: out and LSE against the oracle on the quantized values
+    every time; on a GPU the quantize kernels and the forward relaunch from launch plans (none under the
+    interpreter)."""
+    monkeypatch.setattr(launch, "_PLANS", {})
+    g = geometry
+    seq = g.seqs[0]
+    keep = random_keep(1, g.heads, seq, seq, g.block)
+    visible = expand(keep, g.block, seq, seq)
+    for seed in range(3):
+        q, k, v = qkv(1, g.heads, seq, g.dim, seed=30 + seed)
+        for quant in ("int8", "int8-int8"):
+            out, lse = blockattn.attention(q, k, v, keep, g.block, quant=quant, backend="triton", return_lse=True)
+            if quant == "int8":
+                q_hat, k_hat, shift = dequantized(q, k)
+                check_against_oracle(out, lse - shift.float(), q_hat.to(q.dtype), k_hat.to(k.dtype), v, visible)
+            else:  # a fresh V quantized each time: the relaunch reads it, not the first call's
+                v_hat = reference.quantized_v(v, "int8")
+                want = oracle(*dequantized(q, k)[:2], v_hat, visible)[0]
+                assert rel_error(out, want) < 0.05, f"seed {seed}: {rel_error(out, want):.3e}"
+    kernels = {key[0] for key in launch.plans()}
+    expected = {forward.attention_fwd_kernel, quantize_rows_kernel, quantize_columns_kernel}
+    assert kernels == (expected if ON_GPU else set())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

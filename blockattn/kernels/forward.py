@@ -108,7 +108,7 @@ def _forward_walk(lo, hi, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv
 @triton.jit(do_not_specialize=["seq_bucket"])
 def attention_fwd_kernel(
     Q, K, V, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID, CU_SEQLENS_Q, CU_SEQLENS_KV,
-    Q_SCALE, K_SCALE, V_SCALE,
+    Q_SCALE, Q_ROW_DOT, K_SCALE, V_SCALE,
     scale_log2, seq_q, seq_kv, num_heads, group_size, mask_block_q, mask_block_kv, seq_bucket,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -139,7 +139,8 @@ def attention_fwd_kernel(
     TMA_LOADS: K and V tiles come through K_DESC / V_DESC, host descriptors of K and V (kernels/tma.py).
     SPLIT_WALK: split_walk() on the host: the walk runs the tiles before the tested blocks without tests.
     QUANT_QK: Q and K are int8 (kernels/quant.py) with per-token scales Q_SCALE fp32 [B, H, Sq] and K_SCALE fp32
-    [B, Hkv, Sk]; the scores are their int32 products times both scales. QUANT_PV: None, or V's format ("fp8":
+    [B, Hkv, Sk]; the scores are their int32 products times both scales, and the LSE gets Q_ROW_DOT fp32 [B, H, Sq]
+    (strides as Q_SCALE's: each query's dot product with the keys' mean) times scale back. QUANT_PV: None, or V's format ("fp8":
     float8 e4m3, "int8"), each channel's scale in V_SCALE fp32 [B, Hkv, Dv] (strides stride_vq*)."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
@@ -212,6 +213,10 @@ def attention_fwd_kernel(
             log2_l = log2_l - LOG2_FP8_MAX
         else:
             log2_l = log2_l - LOG2_INT8_MAX
+    if QUANT_QK:  # the scores' share of the keys' mean, q . mean * scale, which the smoothed keys left out
+        row_dot = tl.load(Q_ROW_DOT + off_b.to(tl.int64) * stride_qsb + off_h.to(tl.int64) * stride_qsh
+                          + (q_start + offs_m).to(tl.int64) * stride_qss, mask=offs_m < seq_q, other=0.0)  # [BM]
+        log2_l = log2_l + row_dot * scale_log2
     lse = tl.where(seen, (m_i + log2_l) / 1.4426950408889634, float("-inf"))
     m_ok = offs_m < seq_q
     rows = (q_start + offs_m).to(tl.int64)
@@ -332,7 +337,8 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
         q, q_scale, row_dot = quantize_rows(q, mean, subtract_mean=False, dot_mean=True)
     tensors = dict(Q=q, K=k, V=v, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index,
                    **optional_tensors(kv_count, token_mask, block_mask, kv_valid, varlen),
-                   Q_SCALE=kv_count if q_scale is None else q_scale, K_SCALE=kv_count if k_scale is None else k_scale,
+                   Q_SCALE=kv_count if q_scale is None else q_scale, Q_ROW_DOT=kv_count if row_dot is None else row_dot,
+                   K_SCALE=kv_count if k_scale is None else k_scale,
                    V_SCALE=kv_count if v_scale is None else v_scale)
     site = site_key(block_q, block_kv, scale, is_causal, token_mask, block_mask, mask_block_q, mask_block_kv,
                     kv_valid, varlen, v.dtype) + (autotune.env_key("FWD"), quant)
@@ -376,7 +382,5 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
             tuning_key=TUNING_KEY, static=static, pre_hook=tma.set_boxes if kv_tiles["TMA_LOADS"] else None)
 
     launch.run(attention_fwd_kernel, site, tensors, build, fresh=("Out", "Lse"))
-    if row_dot is not None:
-        lse.add_(row_dot, alpha=scale)  # the scores' share of the keys' mean, q . mean * scale; -inf stays -inf
     return out, lse
 

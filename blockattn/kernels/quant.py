@@ -16,6 +16,25 @@ from .primitives import batch_and_head, to_float8
 
 # Rows one program quantizes; the head dim is whole in every row (BLOCK_D >= D).
 _ROWS = 64
+# The quantize kernels' one config (they are memory-bound passes, nothing to tune).
+_CONFIGS = [triton.Config({}, num_warps=4)]
+
+
+def _launch(kernel_fn, tensors: dict, x: torch.Tensor, **static) -> None:
+    """Launch a quantize kernel over x [B, H, S, D]'s rows through a launch plan (kernels/launch.py: a relaunch
+    skips Triton's argument binding, most of an eager call's host time at short sequences). static: the kernel's
+    other non-tensor arguments (the plan's site key; X's shape and strides, from which the rest follow, are in the
+    plan's key as a tensor's)."""
+    batch, heads, seq, dim = x.shape
+    site = tuple(sorted(static.items()))
+
+    def build() -> launch.LaunchSpec:
+        return launch.LaunchSpec(
+            grid=lambda meta: (triton.cdiv(seq, _ROWS), *launch.batch_head_axes(batch, heads)), configs=_CONFIGS,
+            tuning_key=(), static=dict(static, seq=seq, num_heads=heads, stride_xb=x.stride(0),
+                                       stride_xh=x.stride(1), stride_xs=x.stride(2), stride_xd=x.stride(3),
+                                       HEAD_DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_S=_ROWS))
+    launch.run(kernel_fn, site, tensors, build, fresh=tuple(name for name in tensors if name != "X"))
 
 
 @triton.jit
@@ -78,13 +97,9 @@ def quantize_rows(x: torch.Tensor, mean: torch.Tensor, subtract_mean: bool,
     row_dot = buffers.empty(batch, heads, seq, dtype=torch.float32, device=x.device) if dot_mean else None
     if x.numel() == 0:
         return x8, scale, row_dot
-    block_d = max(16, triton.next_power_of_2(dim))
-    grid = (triton.cdiv(seq, _ROWS), *launch.batch_head_axes(batch, heads))
-    quantize_rows_kernel[grid](
-        x, mean, x8, scale, scale if row_dot is None else row_dot, seq, heads, heads // mean.shape[1],
-        *x.stride(), mean.stride(0), mean.stride(1),
-        HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=_ROWS, SUBTRACT_MEAN=subtract_mean, DOT_MEAN=dot_mean,
-        num_warps=4)
+    _launch(quantize_rows_kernel, dict(X=x, MEAN=mean, X8=x8, SCALE=scale, ROW_DOT=scale if row_dot is None else row_dot),
+            x, group_size=heads // mean.shape[1], stride_mb=mean.stride(0), stride_mh=mean.stride(1),
+            SUBTRACT_MEAN=subtract_mean, DOT_MEAN=dot_mean)
     return x8, scale, row_dot
 
 
@@ -128,8 +143,6 @@ def quantize_columns(x: torch.Tensor, fmt: str = "fp8") -> tuple[torch.Tensor, t
     inverse = torch.where(amax > 0, largest / torch.where(amax > 0, amax, 1.0), 0.0).contiguous()
     x8 = buffers.empty(batch, heads, dim, seq, dtype=dtype, device=x.device)
     if x.numel():
-        grid = (triton.cdiv(seq, _ROWS), *launch.batch_head_axes(batch, heads))
-        quantize_columns_kernel[grid](x, inverse, x8, seq, heads, *x.stride(), HEAD_DIM=dim,
-                                      BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_S=_ROWS, FORMAT=fmt,
-                                      ROUND_FIRST=is_interpreted(quantize_columns_kernel), num_warps=4)
+        _launch(quantize_columns_kernel, dict(X=x, INVERSE=inverse, X8=x8), x, FORMAT=fmt,
+                ROUND_FIRST=is_interpreted(quantize_columns_kernel))
     return x8.transpose(2, 3), amax / largest
