@@ -1,5 +1,6 @@
-"""blockattn.distributed: sequence-parallel attention on 2 and 3 CPU ranks (gloo) equals attention() on the whole
-sequence, forward and backward."""
+"""blockattn.distributed: sequence-parallel attention on 2 and 3 ranks equals attention() on the whole sequence,
+forward and backward. The ranks run on CPUs over gloo with the PyTorch backend, or, where the machine has a GPU for
+each rank, on the GPUs over NCCL with the Triton kernels."""
 
 import os
 import socket
@@ -51,10 +52,20 @@ def shard(x: torch.Tensor, rank: int, world: int, dim: int = 2) -> torch.Tensor:
     return x.chunk(world, dim=dim)[rank]
 
 
+def on_gpus(world: int) -> bool:
+    """Whether the ranks run on GPUs (one each, NCCL, the Triton kernels) rather than on CPUs (gloo, PyTorch)."""
+    return torch.cuda.device_count() >= world
+
+
 def worker(rank: int, world: int, port: int, layout: str, use_sparsity: bool, lengths, quant, results):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    gpus = on_gpus(world)
+    if gpus:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if gpus else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
     try:
-        q, k, v, keep, token_mask, kv_valid, grad_out = inputs(lengths)
+        device = torch.device("cuda", rank) if gpus else torch.device("cpu")
+        q, k, v, keep, token_mask, kv_valid, grad_out = (t.to(device) for t in inputs(lengths))
         # a BlockSparsity, or the mask tensor as 3-D [H, nq, nk] (batch-shared) to slice on another axis
         blocks = blockattn.BlockSparsity.from_mask(keep, BLOCK, *lengths) if use_sparsity else keep[0]
         whole_lengths = dict(seq_q=lengths[0], seq_kv=lengths[1]) if lengths != EVEN else {}
@@ -62,14 +73,15 @@ def worker(rank: int, world: int, port: int, layout: str, use_sparsity: bool, le
         args = [t.transpose(1, 2) for t in local] if layout == "bshd" else local
         out, lse = sequence_parallel_attention(*args, blocks, None if use_sparsity else BLOCK, layout=layout,
                                                attn_mask=token_mask, kv_valid=kv_valid, is_causal=True,
-                                               return_lse=True, backend="torch", quant=quant, **whole_lengths)
+                                               return_lse=True, backend="triton" if gpus else "torch", quant=quant,
+                                               **whole_lengths)
         if layout == "bshd":
             out = out.transpose(1, 2)
         if quant is not None:  # inference only: the keys' mean is taken over the whole sequence on each rank
-            results[rank] = [out, lse]
+            results[rank] = [out.cpu(), lse.cpu()]
             return
         (out * shard(grad_out, rank, world)).sum().backward()
-        results[rank] = [out.detach(), lse.detach()] + [t.grad for t in local]
+        results[rank] = [t.cpu() for t in [out.detach(), lse.detach()] + [t.grad for t in local]]
     except Exception as error:  # reported to the parent, which fails the test with it
         results[rank] = repr(error)
     finally:
@@ -88,8 +100,8 @@ def free_port() -> int:
 def test_sequence_parallel_attention_equals_the_whole_sequence(world, layout, use_sparsity, lengths, quant):
     """Each rank's shard of out, lse, dq, dk and dv equals the single-process result's (GQA, a block mask per
     head, a token mask per head, kv_valid, causal, an empty query block; shards of equal and of unequal length, as
-    torch.chunk splits), to fp32 rounding; with quant="int8", out and lse (each rank quantizes whole sequences of
-    its heads, so the keys' mean is the single process's)."""
+    torch.chunk splits), to fp32 rounding (the IEEE fp32 kernels' on GPUs); with quant="int8", out and lse (each
+    rank quantizes whole sequences of its heads, so the keys' mean is the single process's)."""
     with mp.Manager() as manager:
         results = manager.dict()
         env = {"OMP_NUM_THREADS": "1"}
@@ -105,12 +117,13 @@ def test_sequence_parallel_attention_equals_the_whole_sequence(world, layout, us
                     os.environ[name] = value
         got = dict(results)
     want = whole(lengths, use_sparsity, quant)
+    tolerance = 1e-4 if on_gpus(world) else 1e-5
     for rank in range(world):
         assert not isinstance(got[rank], str), f"rank {rank} raised {got[rank]}"
         for name, part, full in zip(("out", "lse", "dq", "dk", "dv"), got[rank], want):
             expected = shard(full, rank, world)
             assert torch.isfinite(part[expected.isfinite()]).all() and torch.equal(part.isinf(), expected.isinf())
-            torch.testing.assert_close(part, expected, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name}")
+            torch.testing.assert_close(part, expected, rtol=tolerance, atol=tolerance, msg=f"rank {rank} {name}")
 
 
 def test_without_an_initialized_group_the_error_says_so():
