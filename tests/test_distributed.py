@@ -1,4 +1,4 @@
-"""blockattn.distributed: sequence-parallel attention on 2 and 3 ranks equals attention() on the whole sequence,
+"""blockattn.distributed: sequence-parallel attention on 1, 2 and 3 ranks equals attention() on the whole sequence,
 forward and backward. The ranks run on CPUs over gloo with the PyTorch backend, or, where the machine has a GPU for
 each rank, on the GPUs over NCCL with the Triton kernels."""
 
@@ -95,8 +95,8 @@ def free_port() -> int:
 
 
 @pytest.mark.parametrize("world, layout, use_sparsity, lengths, quant", [
-    (2, "bhsd", False, EVEN, None), (3, "bshd", True, EVEN, None), (3, "bhsd", True, UNEVEN, None),
-    (3, "bhsd", True, UNEVEN, "int8")])
+    (1, "bshd", True, UNEVEN, None), (2, "bhsd", False, EVEN, None), (3, "bshd", True, EVEN, None),
+    (3, "bhsd", True, UNEVEN, None), (3, "bhsd", True, UNEVEN, "int8")])
 def test_sequence_parallel_attention_equals_the_whole_sequence(world, layout, use_sparsity, lengths, quant):
     """Each rank's shard of out, lse, dq, dk and dv equals the single-process result's (GQA, a block mask per
     head, a token mask per head, kv_valid, causal, an empty query block; shards of equal and of unequal length, as
