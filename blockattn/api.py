@@ -454,24 +454,25 @@ def _op_args(p: _Prepared, is_causal: bool, need_q_lists: bool) -> tuple:
             p.scale, *lists.block_size, *p.sparsity.block_size, is_causal, *max_seqlens)
 
 
-def _kernel_tensors(p: _Prepared, is_causal: bool) -> tuple:
+def _kernel_tensors(p: _Prepared, is_causal: bool, min_tile_kv: int = 16) -> tuple:
     """(lists, gathered block mask, uint8 token mask, (cu_seqlens_q, cu_seqlens_kv), (max_seqlen_q, max_seqlen_kv))
-    as the kernel ops take them (None, None and 0, 0 unless "thd")."""
-    lists, gather_mask = _kernel_inputs(p.sparsity, is_causal)
+    as the kernel ops take them (None, None and 0, 0 unless "thd"). min_tile_kv: see _kernel_inputs."""
+    lists, gather_mask = _kernel_inputs(p.sparsity, is_causal, min_tile_kv)
     token_mask = p.token_mask.view(torch.uint8) if p.token_mask is not None else None
     cu_seqlens, max_seqlens = ((p.varlen.cu_q, p.varlen.cu_kv), (p.varlen.max_q, p.varlen.max_kv)) if p.varlen else (
         (None, None), (0, 0))
     return lists, gather_mask, token_mask, cu_seqlens, max_seqlens
 
 
-def _kernel_inputs(sparsity: BlockSparsity, is_causal: bool):
-    """The lists the kernels walk and, for block shapes no tile nests in, the block mask to test per element."""
+def _kernel_inputs(sparsity: BlockSparsity, is_causal: bool, min_tile_kv: int = 16):
+    """The lists the kernels walk and, for block shapes no tile nests in, the block mask to test per element.
+    min_tile_kv: the narrowest key tile the kernel takes (16, or 32 for the 8-bit P @ V products)."""
     if is_causal:
         sparsity = sparsity.causal()
     block_q, block_kv = sparsity.block_size
-    if block_q % 16 == 0 and block_kv % 16 == 0:
+    if block_q % 16 == 0 and block_kv % min_tile_kv == 0:
         return sparsity, None
-    tile_q, tile_kv = (min(64, _tile_side(sparsity.seq_q)), min(64, _tile_side(sparsity.seq_kv)))
+    tile_q, tile_kv = (min(64, _tile_side(sparsity.seq_q)), max(min_tile_kv, min(64, _tile_side(sparsity.seq_kv))))
     mask = sparsity.mask.to(torch.uint8)
     return sparsity.tiled(tile_q, tile_kv), mask
 
@@ -507,7 +508,10 @@ def _quantized(p: _Prepared, is_causal: bool, quant: str, need_lse: bool):
         return out.to(p.q.dtype), (lse + shift if need_lse else None)
     ops = _kernel_ops()
     op = ops.quantized_attention_fwd if torch.compiler.is_compiling() else ops.forward_quantized
-    lists, gather_mask, token_mask, cu_seqlens, max_seqlens = _kernel_tensors(p, is_causal)
+    # P @ V in 8 bits reduces over at least 32 keys a tile: key blocks that no such tile nests in run as the block
+    # shapes no tile nests in do, on a tile view with the block mask tested per element
+    min_tile_kv = ops.PV_MIN_TILE_KV if quant in ops.PV_FORMATS else 16
+    lists, gather_mask, token_mask, cu_seqlens, max_seqlens = _kernel_tensors(p, is_causal, min_tile_kv)
     with _on_device(p.q.device):
         return op(p.q, p.k, p.v, lists.kv_count, lists.kv_index, token_mask, gather_mask, p.kv_valid, *cu_seqlens,
                   p.scale, *lists.block_size, *p.sparsity.block_size, is_causal, *max_seqlens, quant)

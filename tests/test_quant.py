@@ -274,6 +274,28 @@ def test_pv_quantized_forward_matches_the_oracle_on_its_quantized_values(geometr
     assert lse_err <= 1e-3 * max(1.0, want_lse[rows].abs().max().item()), f"LSE off by {lse_err:.3e}"
 
 
+@pytest.mark.parametrize("quant", ["int8-fp8", "int8-int8"])
+@pytest.mark.parametrize("block, causal", [((48, 48), False), ((32, 16), True)])
+def test_pv_quantized_forward_takes_key_tiles_of_32_at_least(poisoned, tuner_launches, quant, block, causal):
+    """The GPU's 8-bit products reduce over 32 keys at a time, so P @ V in 8 bits runs on key tiles of 32 or more:
+    key blocks that no such tile nests in (48, 16) run on a tile view with the block mask tested per element.
+    Against the oracle on the quantized values (P's rounding allowed for), every forward launch 32 keys wide."""
+    seq_q, seq_kv, heads, dim = 150, 131, 2, 32
+    q, k, v = qkv(1, heads, seq_q, dim, seq_kv=seq_kv, seed=41)
+    keep = random_keep(1, heads, seq_q, seq_kv, block)
+    out = blockattn.attention(q, k, v, keep, block, quant=quant, backend="triton", is_causal=causal)
+    widths = [config.kwargs["BLOCK_N"] for fn, _, config in tuner_launches if fn.__name__ == "attention_fwd_kernel"]
+    assert widths and min(widths) >= 32, widths
+    visible = expand(keep, block, seq_q, seq_kv)
+    if causal:
+        visible = visible & torch.ones(seq_q, seq_kv, dtype=torch.bool, device=DEVICE).tril()
+    q_hat, k_hat, _ = dequantized(q, k)
+    want = oracle(q_hat, k_hat, reference.quantized_v(v, quant.split("-")[1]).double(), visible)[0]
+    rows = visible.expand(1, heads, seq_q, seq_kv).any(-1)
+    assert torch.isfinite(out).all() and (out[~rows] == 0).all()
+    assert rel_error(out, want, rows) < 0.06, f"{rel_error(out, want, rows):.3e}"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["token_mask", "odd_blocks", "fp16", "fp32", "dims_16_40"])
 def test_quantized_forward_on_the_other_kernel_variants(geometry, poisoned, backend, case):

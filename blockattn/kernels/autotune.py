@@ -96,25 +96,28 @@ _NESTING_CACHE: dict = {}
 
 
 def nesting(kernel: str, block_m_of: int, block_n_of: int, smem_per_stage, fixed_smem,
-            cache_key: Optional[tuple] = None, fp32_precision: Optional[str] = None) -> list[triton.Config]:
+            cache_key: Optional[tuple] = None, fp32_precision: Optional[str] = None,
+            min_block_n: int = 16) -> list[triton.Config]:
     """Candidates whose tile nests in the block (BLOCK_M | block_m_of, BLOCK_N | block_n_of) and fits shared memory,
     the first _MAX_TUNED[kernel] of them to be benchmarked (all of them when the environment overrides the list).
 
     smem_per_stage(BLOCK_M, BLOCK_N) and fixed_smem(BLOCK_M, BLOCK_N) estimate the bytes a config plans for.
     fp32_precision: the kernel's FP32_PRECISION; "ieee" products run on the FMA units, unpipelined, where Triton
-    keeps two buffers per loop load whatever num_stages says. cache_key: whatever else the two estimates
+    keeps two buffers per loop load whatever num_stages says. min_block_n: the narrowest tile width the kernel
+    compiles with (16; 32 where the tile's keys are the reduction of an 8-bit product). cache_key: whatever else the two estimates
     depend on; given it, the list is memoized (with the environment variables' current values in the key, so
     changing them still takes effect), sparing short calls the work."""
     if cache_key is not None:
-        key = (kernel, block_m_of, block_n_of, cache_key, fp32_precision, env_key(kernel), _MAX_TUNED[kernel])
+        key = (kernel, block_m_of, block_n_of, cache_key, fp32_precision, min_block_n, env_key(kernel),
+               _MAX_TUNED[kernel])
         if key not in _NESTING_CACHE:
             _NESTING_CACHE[key] = nesting(kernel, block_m_of, block_n_of, smem_per_stage, fixed_smem,
-                                          fp32_precision=fp32_precision)
+                                          fp32_precision=fp32_precision, min_block_n=min_block_n)
         return _NESTING_CACHE[key]
     kept = Candidates(kernel)
     overridden = any(name in os.environ for name in env_names(kernel))
     for block_m, block_n, warps, stages in candidates(kernel):
-        if block_m_of % block_m or block_n_of % block_n or block_m < 16 or block_n < 16:
+        if block_m_of % block_m or block_n_of % block_n or block_m < 16 or block_n < min_block_n:
             continue
         # Triton's pipeliner allocates stages - 1 buffers per loop load (the stripped forward with 128x64 tiles,
         # 3 stages and D=256 runs, which 3 buffers would not fit). Unpipelined FMA products hold two (Triton 3.6's
@@ -127,7 +130,8 @@ def nesting(kernel: str, block_m_of: int, block_n_of: int, smem_per_stage, fixed
     if not kept:
         raise ValueError(
             f"no {kernel} tile candidate nests in the block {block_m_of}x{block_n_of} (tile sides must divide the "
-            f"block sides and be at least 16) within shared memory; candidates {candidates(kernel)}; adjust "
+            f"block sides, the height be at least 16 and the width at least {min_block_n}) within shared memory; "
+            f"candidates {candidates(kernel)}; adjust "
             f"{', '.join(env_names(kernel))}")
     kept.tuned = len(kept) if overridden else min(len(kept), _MAX_TUNED[kernel])
     return kept

@@ -18,8 +18,10 @@ from .varlen import Varlen
 LOG2E = 1.4426950408889634
 LOG2_FP8_MAX: tl.constexpr = tl.constexpr(8.807354922057604)  # log2(448), quant.FP8_MAX
 LOG2_INT8_MAX: tl.constexpr = tl.constexpr(6.988684686772166)  # log2(127), quant.INT8_MAX
-# The kernels' QUANT_PV flag for each quant scheme that rounds P @ V too.
+# The kernels' QUANT_PV flag for each quant scheme that rounds P @ V too, and the narrowest key tile those take: the
+# GPU's 8-bit products reduce over 32 at a time (P @ V reduces over the tile's keys).
 PV_FORMATS = {"int8-fp8": "fp8", "int8-int8": "int8"}
+PV_MIN_TILE_KV = 32
 # The kv-list walks (forward, dQ) and the dK/dV walk run the blocks that need no element test in a loop without
 # tests, when the only tests are the causal diagonal and the sequence's end (SPLIT_WALK; kernels/README.md).
 # Benchmarks and tests set False to run the single tested walk.
@@ -357,7 +359,7 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
             "FWD", block_q, block_kv,
             smem_per_stage=lambda bm, bn: bn * (block_d * elt + block_dv * elt_v),
             fixed_smem=lambda bm, bn: bm * block_d * elt, cache_key=(block_d, block_dv, elt, elt_v),
-            fp32_precision=precision)
+            fp32_precision=precision, min_block_n=PV_MIN_TILE_KV if pv_format else 16)
         kv_tiles = tma.tile_args(attention_fwd_kernel, packed, batch * heads * seq_q * seq_kv * head_dim,
                                  K_DESC=k, V_DESC=v)
         static = dict(
