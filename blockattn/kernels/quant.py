@@ -69,9 +69,10 @@ def quantize_rows_kernel(X, MEAN, X8, SCALE, ROW_DOT, seq, num_heads, group_size
                                                             stride_xd, HEAD_DIM, BLOCK_D, BLOCK_S)
     ok = row_ok[:, None] & col_ok[None, :]
     x = x.to(tl.float32)  # [BS, BD]
-    mean_row = MEAN + off_b.to(tl.int64) * stride_mb + (off_h // group_size).to(tl.int64) * stride_mh
+    if SUBTRACT_MEAN or DOT_MEAN:  # the mean's row of this head's kv head (h // group_size)
+        mean = tl.load(MEAN + off_b.to(tl.int64) * stride_mb + (off_h // group_size).to(tl.int64) * stride_mh + cols,
+                       mask=col_ok, other=0.0)  # [BD]
     if SUBTRACT_MEAN:
-        mean = tl.load(mean_row + cols, mask=col_ok, other=0.0)  # [BD]
         x = tl.where(ok, x - mean[None, :], 0.0)
     amax = tl.max(tl.abs(x), 1)  # [BS]
     inverse = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
@@ -83,7 +84,6 @@ def quantize_rows_kernel(X, MEAN, X8, SCALE, ROW_DOT, seq, num_heads, group_size
     tl.store(X8 + out_rows[:, None] * HEAD_DIM + cols[None, :], x8, mask=ok)
     tl.store(SCALE + out_rows, scale, mask=row_ok)
     if DOT_MEAN:
-        mean = tl.load(mean_row + cols, mask=col_ok, other=0.0)
         tl.store(ROW_DOT + out_rows, tl.sum(x8.to(tl.float32) * mean[None, :], 1) * scale, mask=row_ok)
 
 
