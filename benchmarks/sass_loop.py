@@ -123,7 +123,8 @@ def main():
     parser.add_argument("--quant", choices=tuple(forward.PV_FORMATS) + ("int8",), default=None,
                         help="the forward's quantized variant (K and V by pointers: give no --tma for int8-fp8 and "
                              "int8-int8)")
-    parser.add_argument("--all-ops", action="store_true", help="also list every opcode in the loop, most frequent first")
+    parser.add_argument("--all-ops", action="store_true",
+                        help="also list every opcode in the loop, most frequent first")
     args = parser.parse_args()
     tile = tuple(int(x) for x in args.tile.split(","))
     compiled = compile_kernel(KERNELS[args.kernel], tile, args.dim, args.tma, args.dq_mode, args.quant)

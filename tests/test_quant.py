@@ -1,6 +1,6 @@
-"""The quantized forwards (quant="int8", "int8-fp8", "int8-int8"): the quantization kernels against their rules, the attention
-kernel and the PyTorch backend against the fp64 oracle on the values they quantized to, how close both come to
-exact attention, key smoothing, the layouts, and every refusal."""
+"""The quantized forwards (quant="int8", "int8-fp8", "int8-int8"): the quantization kernels against their rules, the
+attention kernel and the PyTorch backend against the fp64 oracle on the values they quantized to, how close both
+come to exact attention, key smoothing, the layouts, and every refusal."""
 
 import math
 

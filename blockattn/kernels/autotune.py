@@ -104,9 +104,9 @@ def nesting(kernel: str, block_m_of: int, block_n_of: int, smem_per_stage, fixed
     smem_per_stage(BLOCK_M, BLOCK_N) and fixed_smem(BLOCK_M, BLOCK_N) estimate the bytes a config plans for.
     fp32_precision: the kernel's FP32_PRECISION; "ieee" products run on the FMA units, unpipelined, where Triton
     keeps two buffers per loop load whatever num_stages says. min_block_n: the narrowest tile width the kernel
-    compiles with (16; 32 where the tile's keys are the reduction of an 8-bit product). cache_key: whatever else the two estimates
-    depend on; given it, the list is memoized (with the environment variables' current values in the key, so
-    changing them still takes effect), sparing short calls the work."""
+    compiles with (16; 32 where the tile's keys are the reduction of an 8-bit product). cache_key: whatever else
+    the two estimates depend on; given it, the list is memoized (with the environment variables' current values
+    in the key, so changing them still takes effect), sparing short calls the work."""
     if cache_key is not None:
         key = (kernel, block_m_of, block_n_of, cache_key, fp32_precision, min_block_n, env_key(kernel),
                _MAX_TUNED[kernel])

@@ -142,8 +142,8 @@ def attention_fwd_kernel(
     SPLIT_WALK: split_walk() on the host: the walk runs the tiles before the tested blocks without tests.
     QUANT_QK: Q and K are int8 (kernels/quant.py) with per-token scales Q_SCALE fp32 [B, H, Sq] and K_SCALE fp32
     [B, Hkv, Sk]; the scores are their int32 products times both scales, and the LSE gets Q_ROW_DOT fp32 [B, H, Sq]
-    (strides as Q_SCALE's: each query's dot product with the keys' mean) times scale back. QUANT_PV: None, or V's format ("fp8":
-    float8 e4m3, "int8"), each channel's scale in V_SCALE fp32 [B, Hkv, Dv] (strides stride_vq*)."""
+    (strides as Q_SCALE's: each query's dot product with the keys' mean) times scale back. QUANT_PV: None, or V's
+    format ("fp8": float8 e4m3, "int8"), each channel's scale in V_SCALE fp32 [B, Hkv, Dv] (strides stride_vq*)."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     tl.static_assert(QUANT_PV != "int8" or BLOCK_N <= 256, "int8 P @ V is exact in int32 up to 256 keys a tile")
@@ -332,7 +332,8 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
     q_scale = k_scale = row_dot = v_scale = None
     pv_format = PV_FORMATS.get(quant)
     if pv_format is not None:
-        v, v_scale = quantize_columns(v, pv_format)  # [B, Hkv, Sk, Dv] 8-bit view of [B, Hkv, Dv, Sk], fp32 [B, Hkv, Dv]
+        # [B, Hkv, Sk, Dv] 8-bit view of a [B, Hkv, Dv, Sk] buffer, fp32 [B, Hkv, Dv]
+        v, v_scale = quantize_columns(v, pv_format)
     if quant is not None:
         mean = k.mean(2, dtype=torch.float32)  # [B, Hkv, D]: the keys' smoothing (softmax ignores a shared shift)
         k, k_scale, _ = quantize_rows(k, mean, subtract_mean=True, dot_mean=False)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .backward import attention_backward
-from .forward import PV_FORMATS, PV_MIN_TILE_KV, attention_forward, output_buffers  # noqa: F401 (api reads the first two)
+from .forward import PV_FORMATS, PV_MIN_TILE_KV, attention_forward, output_buffers  # noqa: F401 (api reads 1, 2)
 from .varlen import Varlen
 
 

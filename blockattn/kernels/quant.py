@@ -97,9 +97,9 @@ def quantize_rows(x: torch.Tensor, mean: torch.Tensor, subtract_mean: bool,
     row_dot = buffers.empty(batch, heads, seq, dtype=torch.float32, device=x.device) if dot_mean else None
     if x.numel() == 0:
         return x8, scale, row_dot
-    _launch(quantize_rows_kernel, dict(X=x, MEAN=mean, X8=x8, SCALE=scale, ROW_DOT=scale if row_dot is None else row_dot),
-            x, group_size=heads // mean.shape[1], stride_mb=mean.stride(0), stride_mh=mean.stride(1),
-            SUBTRACT_MEAN=subtract_mean, DOT_MEAN=dot_mean)
+    tensors = dict(X=x, MEAN=mean, X8=x8, SCALE=scale, ROW_DOT=scale if row_dot is None else row_dot)
+    _launch(quantize_rows_kernel, tensors, x, group_size=heads // mean.shape[1], stride_mb=mean.stride(0),
+            stride_mh=mean.stride(1), SUBTRACT_MEAN=subtract_mean, DOT_MEAN=dot_mean)
     return x8, scale, row_dot
 
 
