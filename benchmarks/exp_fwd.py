@@ -186,10 +186,11 @@ def fwd_variant(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list,
 def _plain_tile(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list, pid_m, bh,
                 HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROTATE: tl.constexpr, Q_TMA: tl.constexpr,
-                ROW_SUMS_MMA: tl.constexpr):
+                ROW_SUMS_MMA: tl.constexpr, UNROLL: tl.constexpr = 1, ONE_ACC_BUFFER: tl.constexpr = False):
     """The plain loop (descriptor loads) for one query tile; ROTATE starts the walk at entry q_block % count;
     Q_TMA: Q comes through a descriptor too (Q is one then), so it can stay in shared memory; ROW_SUMS_MMA: see
-    _online_softmax_step."""
+    _online_softmax_step; UNROLL: Triton's loop unroll factor for the walk (an unrolled body lets the scheduler
+    overlap one tile's softmax with the next tile's products); ONE_ACC_BUFFER: tl.range's disallow_acc_multi_buffer."""
     TILES: tl.constexpr = BLOCK_KV // BLOCK_N
     start_m, offs_m, offs_d, base, q, count, index_row, q_block = _query_tile(
         Q, KV_COUNT, KV_INDEX, seq, n_list, pid_m, bh, HEAD_DIM, BLOCK_Q, BLOCK_M, Q_TMA)
@@ -201,7 +202,7 @@ def _plain_tile(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list, pid_m
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     total = count * TILES
     shift = (q_block % tl.maximum(count, 1)) * TILES if ROTATE else 0
-    for it in range(0, total):
+    for it in tl.range(0, total, loop_unroll_factor=UNROLL, disallow_acc_multi_buffer=ONE_ACC_BUFFER):
         rot = it
         if ROTATE:
             rot = it + shift
@@ -221,7 +222,8 @@ def _plain_tile(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list, pid_m
 def fwd_persistent(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list, num_tiles,
                    HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
-                   ROTATE: tl.constexpr, Q_TMA: tl.constexpr, ROW_SUMS_MMA: tl.constexpr = False):
+                   ROTATE: tl.constexpr, Q_TMA: tl.constexpr, ROW_SUMS_MMA: tl.constexpr = False,
+                   UNROLL: tl.constexpr = 1, ONE_ACC_BUFFER: tl.constexpr = False):
     """PERSISTENT: a grid of a few programs per SM, each walking query tiles pid, pid + grid, ... (FLATTEN asks
     Triton to fuse the tile loop with the key loop, so the pipeline runs across tiles); else one tile each."""
     if PERSISTENT:
@@ -229,14 +231,14 @@ def fwd_persistent(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list, nu
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
             _plain_tile(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list, tile % tiles_per_head,
                         tile // tiles_per_head, HEAD_DIM, BLOCK_Q, BLOCK_KV, BLOCK_M, BLOCK_N, ROTATE, Q_TMA,
-                        ROW_SUMS_MMA)
+                        ROW_SUMS_MMA, UNROLL, ONE_ACC_BUFFER)
     else:
         _plain_tile(Q, K, V, Out, KV_COUNT, KV_INDEX, scale_log2, seq, n_list, tl.program_id(0), tl.program_id(1),
-                    HEAD_DIM, BLOCK_Q, BLOCK_KV, BLOCK_M, BLOCK_N, ROTATE, Q_TMA, ROW_SUMS_MMA)
+                    HEAD_DIM, BLOCK_Q, BLOCK_KV, BLOCK_M, BLOCK_N, ROTATE, Q_TMA, ROW_SUMS_MMA, UNROLL, ONE_ACC_BUFFER)
 
 
 def run_plain(q, k, v, blocks, config, persistent=0, flatten=False, rotate=False, maxnreg=None, q_tma=False,
-              row_sums_mma=False):
+              row_sums_mma=False, unroll=1, one_acc_buffer=False):
     """The plain loop with descriptor loads; persistent = programs per SM (0: one program per tile)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     block_m, block_n, warps, stages = config
@@ -257,7 +259,8 @@ def run_plain(q, k, v, blocks, config, persistent=0, flatten=False, rotate=False
                                       seq, blocks.kv_index.shape[-1], num_tiles, HEAD_DIM=dim, BLOCK_Q=block_q,
                                       BLOCK_KV=block_kv, BLOCK_M=block_m, BLOCK_N=block_n,
                                       PERSISTENT=bool(persistent), FLATTEN=flatten, ROTATE=rotate, Q_TMA=q_tma,
-                                      ROW_SUMS_MMA=row_sums_mma, num_warps=warps, num_stages=stages, **extra)
+                                      ROW_SUMS_MMA=row_sums_mma, UNROLL=unroll, ONE_ACC_BUFFER=one_acc_buffer,
+                                      num_warps=warps, num_stages=stages, **extra)
         if not compiled:
             compiled.append(kernel)
         return out
@@ -305,6 +308,8 @@ def main():
     parser.add_argument("--persistent", type=int, nargs="*", default=[], help="programs per SM for --layout")
     parser.add_argument("--row-sums", action="store_true", help="--layout also runs the loop with its row sums on "
                         "the tensor cores (P times a block of ones)")
+    parser.add_argument("--unroll", type=int, nargs="*", default=[], help="--layout also runs the loop unrolled by "
+                        "these factors (tl.range's loop_unroll_factor), and with one accumulator buffer")
     parser.add_argument("--pipeline", action="store_true", help="the loads x hand-pipelined QK^T grid instead of the "
                         "exponential / lazy-rescale grid")
     args = parser.parse_args()
@@ -334,14 +339,17 @@ def main():
                    + [(0, False, False, cap, True, False) for cap in args.maxnreg]
                    + [(n, flat, False, None, True, False) for n in args.persistent for flat in (False, True)]
                    + [(0, False, False, None, q_tma, True) for q_tma in (False, True) if args.row_sums])
+        layouts = [layout + (1, False) for layout in layouts] + [
+            (0, False, False, None, True, False, factor, False) for factor in args.unroll] + [
+            (0, False, False, None, True, False, 1, True)] * bool(args.unroll)
         for config in configs:
-            for persistent, flatten, rotate, cap, q_tma, row_sums in layouts:
+            for persistent, flatten, rotate, cap, q_tma, row_sums, unroll, one_acc in layouts:
                 label = (f"persistent={persistent} flatten={int(flatten)} rotate={int(rotate)} maxnreg={cap} "
-                         f"q_tma={int(q_tma)} row_sums_mma={int(row_sums)} {config[0]}x{config[1]} w{config[2]} "
-                         f"s{config[3]}")
+                         f"q_tma={int(q_tma)} row_sums_mma={int(row_sums)} unroll={unroll} one_acc={int(one_acc)} "
+                         f"{config[0]}x{config[1]} w{config[2]} s{config[3]}")
                 try:
                     call, compiled = run_plain(q, k, v, blocks, config, persistent, flatten, rotate, cap, q_tma,
-                                               row_sums)
+                                               row_sums, unroll, one_acc)
                     err = (call().float() - expected.float()).abs().max().item()
                     ms = triton.testing.do_bench(call, warmup=50, rep=200, return_mode="median")
                     print(f"{label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s) max err {err:.1e} "
