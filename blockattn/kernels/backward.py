@@ -13,7 +13,7 @@ from . import autotune, buffers, forward, launch, tma
 from .forward import (LOG2E, TUNING_KEY, fp32_precision, head_dims, optional_tensors, site_key, stride_args,
                       strides)
 from .varlen import Varlen
-from .primitives import (batch_and_head, dot, element_keep, first_entry_at_or_after, kv_list_start,
+from .primitives import (batch_and_head, dot, element_keep, first_entry_at_or_after, gather_mode, kv_list_start,
                          kv_list_tiles, load_tile_or_box, query_tile_program, sequence_span, untested_steps)
 
 # How the backward produces dQ:
@@ -90,7 +90,7 @@ def _row_stats(Lse2, Delta, row_ptr, rows_ok, EVEN_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _dq_walk(lo, hi, dq, q, do, lse2, delta, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv,
+def _dq_walk(lo, hi, dq, q, do, lse2, delta, start_m, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv,
              K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q, mask_block_kv,
              stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk,
              stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok,
@@ -100,16 +100,17 @@ def _dq_walk(lo, hi, dq, q, do, lse2, delta, offs_m, index_row, seq_q, seq_kv, k
              FP32_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr):
     """Steps lo..hi of the dQ kernel's walk over a kv list: dq [BM, BD] (unscaled) after them; the flags say which
     element tests these steps need."""
-    MASKED: tl.constexpr = (not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID
+    MASKED: tl.constexpr = ((not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK != 0
+                            or HAS_KV_VALID)
     for it in range(lo, hi):
-        offs_n, k, v = kv_list_tiles(it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base,
-                                     stride_ks, stride_kd, stride_vs, stride_vd, offs_n0, offs_d, offs_dv, d_ok, dv_ok,
-                                     BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV,
-                                     TMA_LOADS)  # [BN], [BN, BD], [BN, BDV]
+        start_n, offs_n, k, v = kv_list_tiles(
+            it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base, stride_ks, stride_kd,
+            stride_vs, stride_vd, offs_n0, offs_d, offs_dv, d_ok, dv_ok, BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM,
+            HEAD_DIM_V, EVEN_KV, TMA_LOADS)  # [BN], [BN, BD], [BN, BDV]
         qk = dot(q, tl.trans(k), None, FP32_PRECISION)  # [BM, BN]
         p = tl.math.exp2(qk * scale_log2 - lse2[:, None])
         if MASKED:
-            keep = element_keep(offs_m[:, None], offs_n[None, :], seq_q, seq_kv, off_b, off_h,
+            keep = element_keep(offs_m[:, None], offs_n[None, :], start_m, start_n, seq_q, seq_kv, off_b, off_h,
                                 TOKEN_MASK, stride_tb, stride_th, stride_tq, stride_tk,
                                 BLOCK_MASK, stride_mb, stride_mh, stride_mq, mask_block_q, mask_block_kv,
                                 KV_VALID, stride_vvb,
@@ -188,16 +189,16 @@ def attention_bwd_dq_kernel(
     total = count * TILES_PER_BLOCK
     if SPLIT_WALK:  # as in the forward: the tiles before the blocks that need a test run without one
         plain = untested_steps(index_row, count, start_m, seq_kv, BLOCK_KV, TILES_PER_BLOCK, EVEN_KV, IS_CAUSAL)
-        dq = _dq_walk(0, plain, dq, q, do, lse2, delta, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h,
-                      off_hkv, K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID,
+        dq = _dq_walk(0, plain, dq, q, do, lse2, delta, start_m, offs_m, index_row, seq_q, seq_kv, kv_start, off_b,
+                      off_h, off_hkv, K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID,
                       mask_block_q, mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th,
                       stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv,
                       d_ok, dv_ok, BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, False, False,
                       False, False, FP32_PRECISION, TMA_LOADS)
     else:
         plain = 0
-    dq = _dq_walk(plain, total, dq, q, do, lse2, delta, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h,
-                  off_hkv, K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID,
+    dq = _dq_walk(plain, total, dq, q, do, lse2, delta, start_m, offs_m, index_row, seq_q, seq_kv, kv_start, off_b,
+                  off_h, off_hkv, K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID,
                   mask_block_q, mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th,
                   stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv,
                   d_ok, dv_ok, BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL,
@@ -208,11 +209,11 @@ def attention_bwd_dq_kernel(
 
 
 @triton.jit
-def _dkdv_walk(lo, hi, first, total, dk, dv, k, v, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile, q_base,
-               do_base, row_base, dq_base, index_row, seq_q, seq_kv, q_start, off_b, off_h, kv_heads, group_size,
-               scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q,
-               mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_tb, stride_th,
-               stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb,
+def _dkdv_walk(lo, hi, first, total, dk, dv, k, v, start_n, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
+               q_base, do_base, row_base, dq_base, index_row, seq_q, seq_kv, q_start, off_b, off_h, kv_heads,
+               group_size, scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK, KV_VALID,
+               mask_block_q, mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_tb,
+               stride_th, stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb,
                BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_KV: tl.constexpr,
                IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, GATHER_BLOCK_MASK: tl.constexpr,
@@ -222,7 +223,8 @@ def _dkdv_walk(lo, hi, first, total, dk, dv, k, v, offs_n, offs_m0, offs_d, offs
     and wrapping): dk [BN, BD] and dv [BN, BDV] after them (and, outside DQ_MODE "kernel", their dQ shares added
     to DQ_ACC); the flags say which element tests these steps need."""
     TILES_PER_BLOCK: tl.constexpr = BLOCK_Q // BLOCK_M
-    MASKED: tl.constexpr = (not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID
+    MASKED: tl.constexpr = ((not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK != 0
+                            or HAS_KV_VALID)
     for step in range(lo, hi):
         it = step + first
         it = tl.where(it >= total, it - total, it)
@@ -241,7 +243,7 @@ def _dkdv_walk(lo, hi, first, total, dk, dv, k, v, offs_n, offs_m0, offs_d, offs
         kq = dot(k, tl.trans(q), None, FP32_PRECISION)  # [BN, BM]
         p_t = tl.math.exp2(kq * scale_log2 - lse2[None, :])
         if MASKED:
-            keep = element_keep(offs_m[None, :], offs_n[:, None], seq_q, seq_kv, off_b, off_h,
+            keep = element_keep(offs_m[None, :], offs_n[:, None], start_m, start_n, seq_q, seq_kv, off_b, off_h,
                                 TOKEN_MASK, stride_tb, stride_th, stride_tq, stride_tk,
                                 BLOCK_MASK, stride_mb, stride_mh, stride_mq, mask_block_q, mask_block_kv,
                                 KV_VALID, stride_vvb,
@@ -350,15 +352,15 @@ def attention_bwd_dkdv_kernel(
             tested = first_entry_at_or_after(
                 index_row, count, (start_n + BLOCK_N - 1 + BLOCK_Q - 1) // BLOCK_Q) * TILES_PER_BLOCK
             dk, dv = _dkdv_walk(
-                0, tested, 0, total, dk, dv, k, v, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile, q_base,
-                do_base, row_base, dq_base, index_row, seq_q, seq_kv, q_start, off_b, off_h, kv_heads, group_size,
-                scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q,
-                mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_tb, stride_th,
-                stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, BLOCK_Q, BLOCK_M, BLOCK_D,
-                BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_Q, EVEN_KV, True, False, False, False, FP32_PRECISION,
-                IS_VARLEN, DQ_MODE, TMA_LOADS)
+                0, tested, 0, total, dk, dv, k, v, start_n, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
+                q_base, do_base, row_base, dq_base, index_row, seq_q, seq_kv, q_start, off_b, off_h, kv_heads,
+                group_size, scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK, KV_VALID,
+                mask_block_q, mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_tb,
+                stride_th, stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, BLOCK_Q, BLOCK_M, BLOCK_D,
+                BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_Q, EVEN_KV, True, False, False, False, FP32_PRECISION, IS_VARLEN,
+                DQ_MODE, TMA_LOADS)
             dk, dv = _dkdv_walk(
-                tested, total, 0, total, dk, dv, k, v, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
+                tested, total, 0, total, dk, dv, k, v, start_n, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
                 q_base, do_base, row_base, dq_base, index_row, seq_q, seq_kv, q_start, off_b, off_h, kv_heads,
                 group_size, scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK, KV_VALID,
                 mask_block_q, mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_tb,
@@ -369,11 +371,11 @@ def attention_bwd_dkdv_kernel(
             # Start at the query block on this key block's diagonal and wrap around (a fixed order: deterministic).
             first = first_entry_at_or_after(index_row, count, (kv_block * BLOCK_KV) // BLOCK_Q) * TILES_PER_BLOCK
             dk, dv = _dkdv_walk(
-                0, total, first, total, dk, dv, k, v, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile, q_base,
-                do_base, row_base, dq_base, index_row, seq_q, seq_kv, q_start, off_b, off_h, kv_heads, group_size,
-                scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q,
-                mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_tb, stride_th,
-                stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, BLOCK_Q, BLOCK_M, BLOCK_D,
+                0, total, first, total, dk, dv, k, v, start_n, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
+                q_base, do_base, row_base, dq_base, index_row, seq_q, seq_kv, q_start, off_b, off_h, kv_heads,
+                group_size, scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK, KV_VALID,
+                mask_block_q, mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_tb,
+                stride_th, stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, BLOCK_Q, BLOCK_M, BLOCK_D,
                 BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_Q, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK,
                 HAS_KV_VALID, FP32_PRECISION, IS_VARLEN, DQ_MODE, TMA_LOADS)
     dk = dk * scale
@@ -440,7 +442,7 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
     def common() -> dict:
         """The keyword arguments both kernels take beside their tensors (built on a plan miss only)."""
         head_dim, head_dim_v, block_d, block_dv = head_dims(q, v)
-        gather = block_mask is not None
+        gather = gather_mode(block_mask, block_q, block_kv, mask_block_q, mask_block_kv)
         even_kv = forward.whole_blocks(seq_kv, block_kv, packed)
         return dict(
             scale_log2=scale * LOG2E, scale=scale, seq_q=seq_q, seq_kv=seq_kv, group_size=heads // kv_heads,

@@ -11,8 +11,8 @@ import triton.language as tl
 
 from . import autotune, buffers, launch, tma
 from .quant import quantize_columns, quantize_rows
-from .primitives import (dot, element_keep, int32_to_float, kv_list_start, kv_list_tiles, query_tile_program,
-                         round_to_int8, to_float8, untested_steps)
+from .primitives import (dot, element_keep, gather_mode, int32_to_float, kv_list_start, kv_list_tiles,
+                         query_tile_program, round_to_int8, to_float8, untested_steps)
 from .varlen import Varlen
 
 LOG2E = 1.4426950408889634
@@ -42,7 +42,7 @@ def split_walk(is_causal: bool, even_kv: bool, token_mask, block_mask, kv_valid)
 
 
 @triton.jit
-def _forward_walk(lo, hi, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv,
+def _forward_walk(lo, hi, m_i, l_i, acc, q, start_m, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv,
                   K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q,
                   mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk,
                   stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok,
@@ -58,12 +58,13 @@ def _forward_walk(lo, hi, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv
     vector [BM] (each query's scale times scale * log2(e)) instead of a scalar. QUANT_PV "fp8": V is float8 e4m3
     and P is too, scaled by FP8_MAX; "int8": V is int8 and P is too, scaled by INT8_MAX and rounded to an integer
     (l_i and acc carry that factor)."""
-    MASKED: tl.constexpr = (not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK or HAS_KV_VALID
+    MASKED: tl.constexpr = ((not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK != 0
+                            or HAS_KV_VALID)
     for it in range(lo, hi):
-        offs_n, k, v = kv_list_tiles(it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base,
-                                     stride_ks, stride_kd, stride_vs, stride_vd, offs_n0, offs_d, offs_dv, d_ok, dv_ok,
-                                     BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV,
-                                     TMA_LOADS)  # [BN], [BN, BD], [BN, BDV]
+        start_n, offs_n, k, v = kv_list_tiles(
+            it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base, stride_ks, stride_kd,
+            stride_vs, stride_vd, offs_n0, offs_d, offs_dv, d_ok, dv_ok, BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM,
+            HEAD_DIM_V, EVEN_KV, TMA_LOADS)  # [BN], [BN, BD], [BN, BDV]
         if QUANT_QK:
             if EVEN_KV:
                 k_scale = tl.load(k_scale_base + offs_n * stride_kss)  # [BN]
@@ -75,7 +76,7 @@ def _forward_walk(lo, hi, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv
             qk = dot(q, tl.trans(k), None, FP32_PRECISION)  # [BM, BN]
             score_scale = scale_log2
         if MASKED:
-            keep = element_keep(offs_m[:, None], offs_n[None, :], seq_q, seq_kv, off_b, off_h,
+            keep = element_keep(offs_m[:, None], offs_n[None, :], start_m, start_n, seq_q, seq_kv, off_b, off_h,
                                 TOKEN_MASK, stride_tb, stride_th, stride_tq, stride_tk,
                                 BLOCK_MASK, stride_mb, stride_mh, stride_mq, mask_block_q, mask_block_kv,
                                 KV_VALID, stride_vvb,
@@ -188,8 +189,8 @@ def attention_fwd_kernel(
     if SPLIT_WALK:
         plain = untested_steps(index_row, count, start_m, seq_kv, BLOCK_KV, TILES_PER_BLOCK, EVEN_KV, IS_CAUSAL)
         m_i, l_i, acc = _forward_walk(
-            0, plain, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv, K_DESC,
-            V_DESC, k_base, v_base, walk_scale, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q, mask_block_kv,
+            0, plain, m_i, l_i, acc, q, start_m, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv,
+            K_DESC, V_DESC, k_base, v_base, walk_scale, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q, mask_block_kv,
             stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk, stride_mb,
             stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, k_scale_base, stride_kss,
             BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, False, False, False, False,
@@ -197,8 +198,8 @@ def attention_fwd_kernel(
     else:
         plain = 0
     m_i, l_i, acc = _forward_walk(
-        plain, total, m_i, l_i, acc, q, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv, K_DESC,
-        V_DESC, k_base, v_base, walk_scale, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q, mask_block_kv,
+        plain, total, m_i, l_i, acc, q, start_m, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv,
+        K_DESC, V_DESC, k_base, v_base, walk_scale, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q, mask_block_kv,
         stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk, stride_mb,
         stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, k_scale_base, stride_kss,
         BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK,
@@ -353,7 +354,7 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
         head_dim, head_dim_v, block_d, block_dv = head_dims(q, v)
         if quant is not None:
             block_d = max(32, block_d)  # the GPU's int8 products take 32 columns at a time
-        gather = block_mask is not None
+        gather = gather_mode(block_mask, block_q, block_kv, mask_block_q, mask_block_kv)
         even_kv = whole_blocks(seq_kv, block_kv, packed)
         elt, elt_v, precision = q.element_size(), v.element_size(), fp32_precision(v.dtype, attention_fwd_kernel)
         configs = autotune.nesting(

@@ -46,19 +46,41 @@ def to_float8(x, ROUND_FIRST: tl.constexpr):
     return x.to(tl.float8e4nv)
 
 
+# The kernels' GATHER_BLOCK_MASK: how the original block mask is read for block shapes no tile nests in (0: it is
+# not; the lists are the mask). Where a key tile lies inside one key block (8x128 blocks on 64-wide tiles), each
+# query row has one flag for the whole tile, and where a query tile lies inside one query block, each key has one.
+GATHER_ELEMENTS: tl.constexpr = tl.constexpr(1)
+GATHER_ROWS: tl.constexpr = tl.constexpr(2)
+GATHER_COLUMNS: tl.constexpr = tl.constexpr(3)
+
+
+def gather_mode(block_mask, block_q: int, block_kv: int, mask_block_q: int, mask_block_kv: int) -> int:
+    """The kernels' GATHER_BLOCK_MASK for lists at block_q x block_kv (a tile view, aligned to the sequence's start)
+    over a block mask at mask_block_q x mask_block_kv (None: no gathered mask)."""
+    if block_mask is None:
+        return 0
+    if mask_block_kv % block_kv == 0:
+        return GATHER_ROWS.value
+    if mask_block_q % block_q == 0:
+        return GATHER_COLUMNS.value
+    return GATHER_ELEMENTS.value
+
+
 @triton.jit
-def element_keep(q_pos, k_pos, seq_q, seq_kv, off_b, off_h,
+def element_keep(q_pos, k_pos, q_first, k_first, seq_q, seq_kv, off_b, off_h,
                  TOKEN_MASK, stride_tb, stride_th, stride_tq, stride_tk,
                  BLOCK_MASK, stride_mb, stride_mh, stride_mq, mask_block_q, mask_block_kv,
                  KV_VALID, stride_vb,
                  EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
                  GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr):
     """Per-element visibility of a tile: q_pos and k_pos are broadcastable index tensors ([BM, 1] with [1, BN],
-    or transposed); the result has their broadcast shape. Only the tests the constexpr flags ask for are emitted.
+    or transposed), q_first and k_first the tile's first query and key; the result has the positions' broadcast
+    shape. Only the tests the constexpr flags ask for are emitted.
 
     The block mask itself is applied by the lists; this handles what lies inside a kept block: keys past the
     sequence end, the causal diagonal, a token mask, kv_valid and, for block shapes no tile nests in, the
-    original block mask gathered per element."""
+    original block mask (GATHER_BLOCK_MASK: per element, or one flag per query row / per key, read at the
+    tile's key / query block)."""
     keep = (q_pos >= 0) & (k_pos >= 0)
     in_kv = k_pos < seq_kv
     if not EVEN_KV:
@@ -70,10 +92,18 @@ def element_keep(q_pos, k_pos, seq_q, seq_kv, off_b, off_h,
         token_ptr = (TOKEN_MASK + off_b.to(tl.int64) * stride_tb + off_h.to(tl.int64) * stride_th
                      + q_pos.to(tl.int64) * stride_tq + k_pos.to(tl.int64) * stride_tk)
         keep = keep & (tl.load(token_ptr, mask=in_bounds, other=0) != 0)
-    if GATHER_BLOCK_MASK:
-        block_ptr = (BLOCK_MASK + off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh
-                     + (q_pos // mask_block_q) * stride_mq + k_pos // mask_block_kv)
-        keep = keep & (tl.load(block_ptr, mask=in_bounds, other=0) != 0)
+    if GATHER_BLOCK_MASK != 0:
+        mask_base = BLOCK_MASK + off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh
+        if GATHER_BLOCK_MASK == GATHER_ROWS:  # [BM, 1] (or [1, BM]) loads
+            flags = tl.load(mask_base + (q_pos // mask_block_q) * stride_mq + k_first // mask_block_kv,
+                            mask=q_pos < seq_q, other=0)
+        elif GATHER_BLOCK_MASK == GATHER_COLUMNS:  # [1, BN] (or [BN, 1]) loads
+            flags = tl.load(mask_base + (q_first // mask_block_q) * stride_mq + k_pos // mask_block_kv,
+                            mask=in_kv, other=0)
+        else:
+            flags = tl.load(mask_base + (q_pos // mask_block_q) * stride_mq + k_pos // mask_block_kv,
+                            mask=in_bounds, other=0)
+        keep = keep & (flags != 0)
     if HAS_KV_VALID:
         valid = tl.load(KV_VALID + off_b.to(tl.int64) * stride_vb + k_pos // mask_block_kv, mask=in_kv, other=0)
         keep = keep & ((k_pos % mask_block_kv) < valid)
@@ -173,9 +203,9 @@ def kv_list_tiles(it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DES
                   stride_ks, stride_kd, stride_vs, stride_vd, offs_n0, offs_d, offs_dv, d_ok, dv_ok,
                   BLOCK_KV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_KV: tl.constexpr, TMA_LOADS: tl.constexpr):
-    """Step it of a walk over a kv list (the forward's and the dQ kernel's loop): the key tile's positions
-    offs_n [BN] and its K [BN, BD] and V [BN, BDV] tiles. index_row points at the query block's list; k_base /
-    v_base at this (batch, kv head, sequence)'s first key; K_DESC / V_DESC as in load_tile_or_box."""
+    """Step it of a walk over a kv list (the forward's and the dQ kernel's loop): the key tile's first key start_n,
+    its positions offs_n [BN] and its K [BN, BD] and V [BN, BDV] tiles. index_row points at the query block's list;
+    k_base / v_base at this (batch, kv head, sequence)'s first key; K_DESC / V_DESC as in load_tile_or_box."""
     TILES_PER_BLOCK: tl.constexpr = BLOCK_KV // BLOCK_N
     kv_block = tl.load(index_row + it // TILES_PER_BLOCK)
     start_n = kv_block * BLOCK_KV + (it % TILES_PER_BLOCK) * BLOCK_N
@@ -187,7 +217,7 @@ def kv_list_tiles(it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DES
     v = load_tile_or_box(V_DESC, off_b, off_hkv, kv_start + start_n,
                          v_base + offs_n[:, None].to(tl.int64) * stride_vs + offs_dv[None, :] * stride_vd,
                          n_ok, dv_ok, EVEN_KV, HEAD_DIM_V == BLOCK_DV, TMA_LOADS, BLOCK_N, BLOCK_DV)
-    return offs_n, k, v
+    return start_n, offs_n, k, v
 
 
 @triton.jit
