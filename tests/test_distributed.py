@@ -3,7 +3,6 @@ forward and backward. The ranks run on CPUs over gloo with the PyTorch backend, 
 each rank, on the GPUs over NCCL with the Triton kernels."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -57,11 +56,11 @@ def on_gpus(world: int) -> bool:
     return torch.cuda.device_count() >= world
 
 
-def worker(rank: int, world: int, port: int, layout: str, use_sparsity: bool, lengths, quant, results):
+def worker(rank: int, world: int, store: str, layout: str, use_sparsity: bool, lengths, quant, results):
     gpus = on_gpus(world)
     if gpus:
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if gpus else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("nccl" if gpus else "gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world)
     try:
         device = torch.device("cuda", rank) if gpus else torch.device("cpu")
@@ -88,16 +87,10 @@ def worker(rank: int, world: int, port: int, layout: str, use_sparsity: bool, le
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world, layout, use_sparsity, lengths, quant", [
     (1, "bshd", True, UNEVEN, None), (2, "bhsd", False, EVEN, None), (3, "bshd", True, EVEN, None),
     (3, "bhsd", True, UNEVEN, None), (3, "bhsd", True, UNEVEN, "int8")])
-def test_sequence_parallel_attention_equals_the_whole_sequence(world, layout, use_sparsity, lengths, quant):
+def test_sequence_parallel_attention_equals_the_whole_sequence(tmp_path, world, layout, use_sparsity, lengths, quant):
     """Each rank's shard of out, lse, dq, dk and dv equals the single-process result's (GQA, a block mask per
     head, a token mask per head, kv_valid, causal, an empty query block; shards of equal and of unequal length, as
     torch.chunk splits), to fp32 rounding (the IEEE fp32 kernels' on GPUs); with quant="int8", out and lse (each
@@ -108,7 +101,9 @@ def test_sequence_parallel_attention_equals_the_whole_sequence(world, layout, us
         previous = {name: os.environ.get(name) for name in env}
         os.environ.update(env)
         try:
-            mp.spawn(worker, args=(world, free_port(), layout, use_sparsity, lengths, quant, results), nprocs=world)
+            # the ranks meet through a file of this test's own (a free TCP port could be taken before rank 0 binds it)
+            mp.spawn(worker, args=(world, str(tmp_path / "store"), layout, use_sparsity, lengths, quant, results),
+                     nprocs=world)
         finally:
             for name, value in previous.items():
                 if value is None:
