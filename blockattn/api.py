@@ -444,24 +444,18 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return tuple(_to_layout(g, None, layout)[0].to(dtype) for g, dtype in zip(grads, dtypes))
 
 
-def _op_args(p: _Prepared, is_causal: bool, need_q_lists: bool) -> tuple:
+def _op_args(p: _Prepared, is_causal: bool, need_q_lists: bool, min_tile_kv: int = 16) -> tuple:
     """The kernel ops' arguments after q, k, v (forward) or after out, lse (backward): kv lists, q lists (None,
     None unless need_q_lists), token mask, gathered block mask, kv_valid, cu_seqlens_q / _kv, scale, list block
-    sizes, mask block sizes, is_causal, max_seqlen_q / _kv."""
-    lists, gather_mask, token_mask, cu_seqlens, max_seqlens = _kernel_tensors(p, is_causal)
-    q_count, q_index = lists.q_lists() if need_q_lists else (None, None)
-    return (lists.kv_count, lists.kv_index, q_count, q_index, token_mask, gather_mask, p.kv_valid, *cu_seqlens,
-            p.scale, *lists.block_size, *p.sparsity.block_size, is_causal, *max_seqlens)
-
-
-def _kernel_tensors(p: _Prepared, is_causal: bool, min_tile_kv: int = 16) -> tuple:
-    """(lists, gathered block mask, uint8 token mask, (cu_seqlens_q, cu_seqlens_kv), (max_seqlen_q, max_seqlen_kv))
-    as the kernel ops take them (None, None and 0, 0 unless "thd"). min_tile_kv: see _kernel_inputs."""
+    sizes, mask block sizes, is_causal, max_seqlen_q / _kv (None, None and 0, 0 unless "thd"). min_tile_kv: see
+    _kernel_inputs."""
     lists, gather_mask = _kernel_inputs(p.sparsity, is_causal, min_tile_kv)
+    q_count, q_index = lists.q_lists() if need_q_lists else (None, None)
     token_mask = p.token_mask.view(torch.uint8) if p.token_mask is not None else None
     cu_seqlens, max_seqlens = ((p.varlen.cu_q, p.varlen.cu_kv), (p.varlen.max_q, p.varlen.max_kv)) if p.varlen else (
         (None, None), (0, 0))
-    return lists, gather_mask, token_mask, cu_seqlens, max_seqlens
+    return (lists.kv_count, lists.kv_index, q_count, q_index, token_mask, gather_mask, p.kv_valid, *cu_seqlens,
+            p.scale, *lists.block_size, *p.sparsity.block_size, is_causal, *max_seqlens)
 
 
 def _kernel_inputs(sparsity: BlockSparsity, is_causal: bool, min_tile_kv: int = 16):
@@ -511,10 +505,8 @@ def _quantized(p: _Prepared, is_causal: bool, quant: str, need_lse: bool):
     # P @ V in 8 bits reduces over at least 32 keys a tile: key blocks that no such tile nests in run as the block
     # shapes no tile nests in do, on a tile view with the block mask tested per element
     min_tile_kv = ops.PV_MIN_TILE_KV if quant in ops.PV_FORMATS else 16
-    lists, gather_mask, token_mask, cu_seqlens, max_seqlens = _kernel_tensors(p, is_causal, min_tile_kv)
     with _on_device(p.q.device):
-        return op(p.q, p.k, p.v, lists.kv_count, lists.kv_index, token_mask, gather_mask, p.kv_valid, *cu_seqlens,
-                  p.scale, *lists.block_size, *p.sparsity.block_size, is_causal, *max_seqlens, quant)
+        return op(p.q, p.k, p.v, *_op_args(p, is_causal, need_q_lists=False, min_tile_kv=min_tile_kv), quant)
 
 
 def _on_device(device: torch.device):

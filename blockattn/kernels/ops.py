@@ -24,12 +24,13 @@ def _varlen(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv) -> Optiona
 
 
 def forward_quantized(q: Tensor, k: Tensor, v: Tensor, kv_count: Tensor, kv_index: Tensor,
-                      token_mask: Optional[Tensor], block_mask: Optional[Tensor], kv_valid: Optional[Tensor],
-                      cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor], scale: float, block_q: int,
-                      block_kv: int, mask_block_q: int, mask_block_kv: int, is_causal: bool, max_seqlen_q: int,
-                      max_seqlen_kv: int, quant: Optional[str]) -> tuple[Tensor, Tensor]:
-    """The forward with quant None (forward_eager's), "int8", "int8-fp8" or "int8-int8": (out [B, H, Sq, Dv], lse fp32
-    [B, H, Sq]). As its own op (quantized_attention_fwd) it has no backward."""
+                      q_count: Optional[Tensor], q_index: Optional[Tensor], token_mask: Optional[Tensor],
+                      block_mask: Optional[Tensor], kv_valid: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
+                      cu_seqlens_kv: Optional[Tensor], scale: float, block_q: int, block_kv: int,
+                      mask_block_q: int, mask_block_kv: int, is_causal: bool, max_seqlen_q: int,
+                      max_seqlen_kv: int, quant: Optional[str] = None) -> tuple[Tensor, Tensor]:
+    """(out [B, H, Sq, Dv], lse fp32 [B, H, Sq]): the forward with quant None, "int8", "int8-fp8" or "int8-int8".
+    q_count/q_index are the q lists, carried for the backward (None for the quantized forward, which has none)."""
     return attention_forward(q, k, v, kv_count, kv_index, block_q, block_kv, scale, token_mask=token_mask,
                              is_causal=is_causal, block_mask=block_mask, mask_block_q=mask_block_q,
                              mask_block_kv=mask_block_kv, kv_valid=kv_valid,
@@ -42,10 +43,10 @@ def forward_eager(q: Tensor, k: Tensor, v: Tensor, kv_count: Tensor, kv_index: T
                   cu_seqlens_kv: Optional[Tensor], scale: float, block_q: int, block_kv: int,
                   mask_block_q: int, mask_block_kv: int, is_causal: bool, max_seqlen_q: int,
                   max_seqlen_kv: int) -> tuple[Tensor, Tensor]:
-    """(out [B, H, Sq, Dv], lse fp32 [B, H, Sq]). q_count/q_index are the q lists, carried for the backward."""
-    return forward_quantized(q, k, v, kv_count, kv_index, token_mask, block_mask, kv_valid, cu_seqlens_q,
-                             cu_seqlens_kv, scale, block_q, block_kv, mask_block_q, mask_block_kv, is_causal,
-                             max_seqlen_q, max_seqlen_kv, quant=None)
+    """forward_quantized with quant None: the differentiable op's forward (its schema has no quant)."""
+    return forward_quantized(q, k, v, kv_count, kv_index, q_count, q_index, token_mask, block_mask, kv_valid,
+                             cu_seqlens_q, cu_seqlens_kv, scale, block_q, block_kv, mask_block_q, mask_block_kv,
+                             is_causal, max_seqlen_q, max_seqlen_kv)
 
 
 # The op torch.compile sees. In eager mode blockattn.api calls forward_eager itself (no gradient needed) or
@@ -53,19 +54,14 @@ def forward_eager(q: Tensor, k: Tensor, v: Tensor, kv_count: Tensor, kv_index: T
 sparse_attention_fwd = torch.library.custom_op("blockattn::sparse_attention_fwd", mutates_args=())(forward_eager)
 
 
-@sparse_attention_fwd.register_fake
-def _(q, k, v, kv_count, kv_index, q_count, q_index, token_mask, block_mask, kv_valid, cu_seqlens_q, cu_seqlens_kv,
-      scale, block_q, block_kv, mask_block_q, mask_block_kv, is_causal, max_seqlen_q, max_seqlen_kv):
-    return output_buffers(q, v.shape[-1], cu_seqlens_q is not None)
-
-
 quantized_attention_fwd = torch.library.custom_op("blockattn::quantized_attention_fwd",
                                                   mutates_args=())(forward_quantized)
 
 
+@sparse_attention_fwd.register_fake
 @quantized_attention_fwd.register_fake
-def _(q, k, v, kv_count, kv_index, token_mask, block_mask, kv_valid, cu_seqlens_q, cu_seqlens_kv, scale, block_q,
-      block_kv, mask_block_q, mask_block_kv, is_causal, max_seqlen_q, max_seqlen_kv, quant):
+def _(q, k, v, kv_count, kv_index, q_count, q_index, token_mask, block_mask, kv_valid, cu_seqlens_q, cu_seqlens_kv,
+      scale, block_q, block_kv, mask_block_q, mask_block_kv, is_causal, max_seqlen_q, max_seqlen_kv, quant=None):
     return output_buffers(q, v.shape[-1], cu_seqlens_q is not None)
 
 
