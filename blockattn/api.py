@@ -19,7 +19,7 @@ _LAYOUTS = ("bhsd", "bshd", "thd")
 _BACKENDS = ("auto", "triton", "torch")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MIN_HEAD_DIM, _MAX_HEAD_DIM = 16, 256
-_QUANTS = ("int8", "int8-fp8", "int8-int8")
+QUANTS = ("int8", "int8-fp8", "int8-int8")  # the quant schemes attention() takes (the CLI offers them too)
 
 
 def _interpret_requested() -> bool:
@@ -198,8 +198,8 @@ def _check_quant(quant, q, k, v) -> None:
     """quant is None or a built scheme, and then no input needs a gradient (the quantized forward has no backward)."""
     if quant is None:
         return
-    if quant not in _QUANTS:
-        raise ValueError(f"quant must be None or one of {_QUANTS}, got {quant!r}")
+    if quant not in QUANTS:
+        raise ValueError(f"quant must be None or one of {QUANTS}, got {quant!r}")
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
         raise ValueError(f"quant={quant!r} is a forward for inference and has no backward: call it under "
                          "torch.no_grad() / torch.inference_mode(), or with inputs that do not require grad")

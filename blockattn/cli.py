@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from .api import QUANTS
+
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -192,7 +194,7 @@ def main(argv=None) -> int:
     p.add_argument("--pattern", choices=("random", "skewed", "causal"), default="random",
                    help="causal: the block-causal mask run with is_causal (the densities are then ignored)")
     p.add_argument("--forward-only", action="store_true")
-    p.add_argument("--quant", choices=("int8", "int8-fp8", "int8-int8"), default=None,
+    p.add_argument("--quant", choices=QUANTS, default=None,
                    help="also time blockattn's quantized forward (inference only: forward rows)")
     p.add_argument("--out", default="blockattn-bench", help="prefix of the .md, .json and .png written")
     p.set_defaults(func=bench)
