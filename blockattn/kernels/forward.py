@@ -205,6 +205,8 @@ def attention_fwd_kernel(
         BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK,
         GATHER_BLOCK_MASK, HAS_KV_VALID, FP32_PRECISION, TMA_LOADS, QUANT_QK, QUANT_PV)
 
+    m_ok = offs_m < seq_q
+    rows = (q_start + offs_m).to(tl.int64)
     seen = l_i > 0
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
     log2_l = tl.math.log2(tl.where(seen, l_i, 1.0))
@@ -218,11 +220,9 @@ def attention_fwd_kernel(
             log2_l = log2_l - LOG2_INT8_MAX
     if QUANT_QK:  # the scores' share of the keys' mean, q . mean * scale, which the smoothed keys left out
         row_dot = tl.load(Q_ROW_DOT + off_b.to(tl.int64) * stride_qsb + off_h.to(tl.int64) * stride_qsh
-                          + (q_start + offs_m).to(tl.int64) * stride_qss, mask=offs_m < seq_q, other=0.0)  # [BM]
+                          + rows * stride_qss, mask=m_ok, other=0.0)  # [BM]
         log2_l = log2_l + row_dot * scale_log2
     lse = tl.where(seen, (m_i + log2_l) / 1.4426950408889634, float("-inf"))
-    m_ok = offs_m < seq_q
-    rows = (q_start + offs_m).to(tl.int64)
     o_ptrs = (Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
               + rows[:, None] * stride_os + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])

@@ -34,6 +34,13 @@ def round_to_int8(x):
 
 
 @triton.jit
+def round_half_away_to_int8(x):
+    """fp32 x in [-127, 127] -> int8 rounded to nearest, halves away from zero (the quantize kernels' rounding,
+    which reference.quantize_rows matches): the conversion truncates toward zero, so a signed half is added first."""
+    return tl.where(x >= 0, x + 0.5, x - 0.5).to(tl.int8)
+
+
+@triton.jit
 def to_float8(x, ROUND_FIRST: tl.constexpr):
     """fp32 x -> float8 e4m3 (finite, |x| <= 448). ROUND_FIRST, for Triton's interpreter, whose conversion drops the
     carry when a value rounds up to the next power of two (7.9 -> 4, 124.4 -> 64): round the fp32 mantissa to

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from . import buffers, launch
 from .autotune import is_interpreted
-from .primitives import batch_and_head, to_float8
+from .primitives import batch_and_head, round_half_away_to_int8, to_float8
 
 # Rows one program quantizes; the head dim is whole in every row (BLOCK_D >= D).
 _ROWS = 64
@@ -77,8 +77,7 @@ def quantize_rows_kernel(X, MEAN, X8, SCALE, ROW_DOT, seq, num_heads, group_size
     amax = tl.max(tl.abs(x), 1)  # [BS]
     inverse = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
     y = x * inverse[:, None]
-    # the conversion truncates toward zero, so adding a signed half rounds halves away from zero
-    x8 = tl.where(y >= 0, y + 0.5, y - 0.5).to(tl.int8)
+    x8 = round_half_away_to_int8(y)
     scale = amax / 127.0
     out_rows = (off_b * num_heads + off_h).to(tl.int64) * seq + rows
     tl.store(X8 + out_rows[:, None] * HEAD_DIM + cols[None, :], x8, mask=ok)
@@ -127,7 +126,7 @@ def quantize_columns_kernel(X, INVERSE, X8, seq, num_heads, stride_xb, stride_xh
     if FORMAT == "fp8":
         x8 = to_float8(y, ROUND_FIRST)
     else:
-        x8 = tl.where(y >= 0, y + 0.5, y - 0.5).to(tl.int8)
+        x8 = round_half_away_to_int8(y)
     tl.store(X8 + base * HEAD_DIM * seq + cols[None, :].to(tl.int64) * seq + rows[:, None], x8, mask=ok)
 
 
