@@ -2,12 +2,16 @@
 and which tile view run them fastest, and what the element tests cost.
 
 Variants, each timed forward and forward+backward against FlexAttention where it compiles:
-  default   the package as it is;
-  tiles:... the autotuner's candidates replaced through the BLOCKATTN_* variables (kernels/autotune.py);
-  view:QxK  the kernels walk a QxK tile view of the mask and test the block mask per element (as blocks no tile
-            nests in do), forced for any block shape by replacing api._kernel_inputs.
+  default          the package as it is;
+  tiles:...        the autotuner's candidates replaced through the BLOCKATTN_* variables (kernels/autotune.py);
+  view:QxK         the kernels walk a QxK tile view of the mask and test the block mask (as blocks no tile nests
+                   in do), forced for any block shape by replacing api._kernel_inputs;
+  gather:elements  blocks no tile nests in tested per element instead of by the mode gather_mode picks.
 
     python benchmarks/odd_blocks.py [--seq 16384] [--heads 16] [--density 0.25] [--only 32x128,100x100]
+
+The 13th session's first run (BENCHMARKS.md) also timed 64x64 and 64x128 views for 8x128 and 100x100 blocks and a
+32x64 view for 8x128; none beat the package's 64x64 view.
 """
 
 from __future__ import annotations
@@ -51,6 +55,25 @@ def tile_view(tile_q: int, tile_kv: int):
         api._kernel_inputs = original
 
 
+@contextlib.contextmanager
+def per_element_tests():
+    """The kernels test every element against the block mask (GATHER_ELEMENTS), whatever gather_mode would pick;
+    launch plans are dropped on the way in and out, since their keys do not hold the mode."""
+    from blockattn.kernels import backward, forward, launch, primitives
+    saved = forward.gather_mode, backward.gather_mode
+
+    def elements(block_mask, *sizes):
+        return 0 if block_mask is None else primitives.GATHER_ELEMENTS.value
+
+    launch._PLANS.clear()
+    forward.gather_mode = backward.gather_mode = elements
+    try:
+        yield
+    finally:
+        forward.gather_mode, backward.gather_mode = saved
+        launch._PLANS.clear()
+
+
 def tiles(fwd: str, dq: str, dkdv: str) -> dict:
     """BLOCKATTN_* variables from 'M,..;N,..;W,..;S,..' strings per kernel."""
     values = {}
@@ -67,11 +90,9 @@ def variants(block: tuple) -> list:
     if bq == 32:
         out.append(("tiles:32-wide", lambda: environment(tiles("32;64,128;4;2,3", "32;64,128;4;2,3",
                                                                 "32;64,128;4,8;2,3"))))
-    if bq < 64 or bq % 16:
-        out.append(("view:64x64", lambda: tile_view(64, 64)))
         out.append(("view:64x128", lambda: tile_view(64, 128)))
-    if bq == 8:
-        out.append(("view:32x64", lambda: tile_view(32, 64)))
+    if bq >= 64 and bk >= 64 and (bq % 16 or bk % 16):
+        out.append(("gather:elements", per_element_tests))
     return out
 
 
@@ -87,7 +108,7 @@ def main():
     rows = []
     for spec in args.only.split(","):
         block = tuple(int(x) for x in spec.split("x"))
-        seq = args.seq - args.seq % block[0] if block[0] % 8 else args.seq  # 100x100: S=16000
+        seq = args.seq - args.seq % block[0] if block[0] % 16 else args.seq  # whole blocks: 100x100 S=16300
         for density in args.density:
             case = bench.Case(heads=args.heads, kv_heads=args.heads, seq=seq, block=block, density=density)
             if block[0] % 32 == 0 and block[1] % 32 == 0:  # FlexAttention's 8x128 and 100x100: BENCHMARKS.md

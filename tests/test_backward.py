@@ -288,7 +288,8 @@ FEATURES = {
     "causal_token_mask": dict(is_causal=True, token=True),
     "cross_dv": dict(cross=True),
     "kv_valid": dict(kv_valid=True),
-    "odd_block": dict(block=(8, 40) if not ON_GPU else (100, 100)),  # the block mask tested per element
+    "odd_block": dict(block=(8, 40) if not ON_GPU else (40, 24)),  # the block mask tested per element
+    "odd_block_spans": dict(block=(72, 88) if not ON_GPU else (100, 100)),  # four flags per tile
     "odd_block_rows": dict(block=(24, 64) if not ON_GPU else (8, 128)),  # one flag per query row
     "odd_block_columns": dict(block=(64, 24) if not ON_GPU else (128, 8)),  # one flag per key
     "gqa_broadcast": dict(gqa=True),

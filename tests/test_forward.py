@@ -160,10 +160,11 @@ def test_head_dims(poisoned, head_dim):
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq, seq))
 
 
-# Tested per element (100x100, 8x40, 50x30), one flag per query row (8x128, 24x64: key tiles inside a key block),
-# one flag per key (128x8, 64x24: query tiles inside a query block), or nested (32x128, 48x80)
-ODD_BLOCKS = ([(8, 128), (128, 8), (100, 100), (32, 128), (48, 80)] if ON_GPU
-              else [(8, 40), (50, 30), (24, 64), (64, 24)])
+# Tested per element (40x24, 8x40, 50x30), with four flags per tile (100x100, 72x88: blocks larger than the tiles),
+# one flag per query row (8x128, 24x64: key tiles inside a key block), one flag per key (128x8, 64x24: query tiles
+# inside a query block), or nested (32x128, 48x80)
+ODD_BLOCKS = ([(8, 128), (128, 8), (100, 100), (40, 24), (32, 128), (48, 80)] if ON_GPU
+              else [(8, 40), (50, 30), (72, 88), (24, 64), (64, 24)])
 
 
 @pytest.mark.parametrize("block", ODD_BLOCKS)

@@ -9,7 +9,8 @@ import triton.language as tl
 
 from conftest import DEVICE
 from blockattn.kernels.autotune import is_interpreted
-from blockattn.kernels.primitives import (GATHER_COLUMNS, GATHER_ELEMENTS, GATHER_ROWS, first_entry_at_or_after,
+from blockattn.kernels.primitives import (GATHER_COLUMNS, GATHER_ELEMENTS, GATHER_ROWS, GATHER_SPANS,
+                                        first_entry_at_or_after,
                                         gather_mode, int32_to_float, load_tile, round_to_int8, to_float8,
                                         untested_steps)
 
@@ -165,11 +166,14 @@ def test_to_float8_rounds_as_torch_does():
 
 
 @pytest.mark.parametrize("lists, mask_block, mode", [
-    ((64, 64), (8, 128), GATHER_ROWS), ((64, 32), (100, 96), GATHER_ROWS), ((64, 64), (128, 8), GATHER_COLUMNS),
-    ((32, 64), (96, 100), GATHER_COLUMNS), ((64, 64), (100, 100), GATHER_ELEMENTS), ((64, 64), (8, 40), GATHER_ELEMENTS)])
-def test_gather_mode_reads_one_flag_per_row_or_key_only_where_a_tile_side_nests(lists, mask_block, mode):
-    """One flag per query row where the lists' key tiles lie inside one mask key block (their width divides the
-    block's), one per key where the query tiles do, else per element; no gathered mask, no gathering."""
+    ((64, 64), (100, 100), GATHER_SPANS), ((64, 32), (100, 96), GATHER_SPANS), ((64, 64), (1560, 64), GATHER_SPANS),
+    ((64, 64), (8, 128), GATHER_ROWS), ((64, 32), (24, 96), GATHER_ROWS), ((64, 64), (128, 8), GATHER_COLUMNS),
+    ((32, 64), (96, 40), GATHER_COLUMNS), ((64, 64), (100, 40), GATHER_ELEMENTS), ((64, 64), (8, 40), GATHER_ELEMENTS)])
+def test_gather_mode_reads_the_fewest_flags_the_block_shape_allows(lists, mask_block, mode):
+    """Four flags per tile where the mask's blocks are at least the lists' blocks on both sides (a tile then spans
+    at most two blocks each way); else one flag per query row where the lists' key tiles lie inside one mask key
+    block (their width divides the block's), one per key where the query tiles do, else per element; no gathered
+    mask, no gathering."""
     mask = torch.ones(1, dtype=torch.bool)
     assert gather_mode(mask, *lists, *mask_block) == mode.value
     assert gather_mode(None, *lists, *mask_block) == 0

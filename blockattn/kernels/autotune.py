@@ -36,12 +36,15 @@ from triton.runtime.errors import OutOfResources
 # are benchmarked (the interpreter takes the first); the small tiles at the end serve small or odd blocks.
 _DEFAULTS = {
     "FWD": [(128, 64, 4, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 2), (64, 64, 4, 3),
-            (128, 128, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (32, 32, 4, 2), (32, 16, 4, 2), (16, 16, 4, 2)],
-    "BWD_DQ": [(128, 128, 8, 2), (128, 32, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2),
-               (32, 16, 4, 2), (16, 16, 4, 2)],
+            (128, 128, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (32, 128, 4, 3), (32, 128, 4, 2), (32, 64, 4, 3),
+            (32, 64, 4, 2), (32, 32, 4, 2), (32, 16, 4, 2), (16, 16, 4, 2)],
+    "BWD_DQ": [(128, 128, 8, 2), (128, 32, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2), (32, 128, 4, 2),
+               (32, 64, 4, 2), (32, 128, 4, 3), (32, 64, 4, 3), (32, 32, 4, 2), (32, 16, 4, 2), (16, 16, 4, 2)],
     "BWD_DKDV": [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3), (32, 128, 4, 3),
                  (32, 32, 4, 2), (16, 32, 4, 2), (16, 16, 4, 2)],
 }
+# 32-row blocks (torch_npu's 32x128) take 32-row tiles as wide as their keys allow: 32x64 and 32x128 tiles ran the
+# forward 1.53x and the backward 1.25x faster than 32x32 (BENCHMARKS.md, thirteenth session).
 # The forward benchmarks one more: 64x128 with 4 warps is the best tile at D=64 (3.74 ms against 3.92 for the
 # next, H200), and far the worst at D=128 (10.0 against 6.2), so it has to be measured, not assumed. (The GPU tests
 # set each to 1, so every kernel variant compiles one tile; tests/test_tiles.py runs every candidate.)

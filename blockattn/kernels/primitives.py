@@ -54,18 +54,23 @@ def to_float8(x, ROUND_FIRST: tl.constexpr):
 
 
 # The kernels' GATHER_BLOCK_MASK: how the original block mask is read for block shapes no tile nests in (0: it is
-# not; the lists are the mask). Where a key tile lies inside one key block (8x128 blocks on 64-wide tiles), each
+# not; the lists are the mask). Where the blocks are at least as large as the tiles on both sides (100x100 blocks,
+# a video frame's 1560 tokens, on 64x64 tiles), a tile spans at most two blocks each way, so four flags read once
+# per tile decide it. Otherwise, where a key tile lies inside one key block (8x128 blocks on 64-wide tiles), each
 # query row has one flag for the whole tile, and where a query tile lies inside one query block, each key has one.
 GATHER_ELEMENTS: tl.constexpr = tl.constexpr(1)
 GATHER_ROWS: tl.constexpr = tl.constexpr(2)
 GATHER_COLUMNS: tl.constexpr = tl.constexpr(3)
+GATHER_SPANS: tl.constexpr = tl.constexpr(4)
 
 
 def gather_mode(block_mask, block_q: int, block_kv: int, mask_block_q: int, mask_block_kv: int) -> int:
-    """The kernels' GATHER_BLOCK_MASK for lists at block_q x block_kv (a tile view, aligned to the sequence's start)
-    over a block mask at mask_block_q x mask_block_kv (None: no gathered mask)."""
+    """The kernels' GATHER_BLOCK_MASK for lists at block_q x block_kv (a tile view, aligned to the sequence's start;
+    the kernels' tiles nest in it) over a block mask at mask_block_q x mask_block_kv (None: no gathered mask)."""
     if block_mask is None:
         return 0
+    if mask_block_q >= block_q and mask_block_kv >= block_kv:
+        return GATHER_SPANS.value
     if mask_block_kv % block_kv == 0:
         return GATHER_ROWS.value
     if mask_block_q % block_q == 0:
@@ -86,8 +91,8 @@ def element_keep(q_pos, k_pos, q_first, k_first, seq_q, seq_kv, off_b, off_h,
 
     The block mask itself is applied by the lists; this handles what lies inside a kept block: keys past the
     sequence end, the causal diagonal, a token mask, kv_valid and, for block shapes no tile nests in, the
-    original block mask (GATHER_BLOCK_MASK: per element, or one flag per query row / per key, read at the
-    tile's key / query block)."""
+    original block mask (GATHER_BLOCK_MASK: per element, one flag per query row / per key read at the tile's key /
+    query block, or the four flags of the blocks a tile no larger than them spans)."""
     keep = (q_pos >= 0) & (k_pos >= 0)
     in_kv = k_pos < seq_kv
     if not EVEN_KV:
@@ -104,6 +109,20 @@ def element_keep(q_pos, k_pos, q_first, k_first, seq_q, seq_kv, off_b, off_h,
         if GATHER_BLOCK_MASK == GATHER_ROWS:  # [BM, 1] (or [1, BM]) loads
             flags = tl.load(mask_base + (q_pos // mask_block_q) * stride_mq + k_first // mask_block_kv,
                             mask=q_pos < seq_q, other=0)
+        elif GATHER_BLOCK_MASK == GATHER_SPANS:  # four scalar loads: the tile's block and the next ones
+            q_block = q_first // mask_block_q
+            k_block = k_first // mask_block_kv
+            q_next = (q_block + 1) * mask_block_q  # the next query block's first query
+            k_next = (k_block + 1) * mask_block_kv
+            first = mask_base + q_block * stride_mq + k_block
+            q_here = q_first < seq_q  # a tile wholly past the end (its view block holds the end) reads nothing
+            k_here = k_first < seq_kv
+            flag = tl.load(first, mask=q_here & k_here, other=0)
+            flag_k = tl.load(first + 1, mask=q_here & (k_next < seq_kv), other=0)
+            flag_q = tl.load(first + stride_mq, mask=(q_next < seq_q) & k_here, other=0)
+            flag_qk = tl.load(first + stride_mq + 1, mask=(q_next < seq_q) & (k_next < seq_kv), other=0)
+            past_k = k_pos >= k_next
+            flags = tl.where(q_pos >= q_next, tl.where(past_k, flag_qk, flag_q), tl.where(past_k, flag_k, flag))
         elif GATHER_BLOCK_MASK == GATHER_COLUMNS:  # [1, BN] (or [BN, 1]) loads
             flags = tl.load(mask_base + (q_first // mask_block_q) * stride_mq + k_pos // mask_block_kv,
                             mask=in_kv, other=0)
