@@ -43,10 +43,12 @@ def environment(values: dict):
 def tile_view(tile_q: int, tile_kv: int):
     original = api._kernel_inputs
 
-    def forced(sparsity, is_causal, min_tile_kv=16):
+    def forced(sparsity, is_causal, min_tile_kv=16, full_first=True):
         if is_causal:
             sparsity = sparsity.causal()
-        return sparsity.tiled(tile_q, tile_kv), sparsity.mask.to(torch.uint8)
+        tiles = (sparsity.tiled_full_first(tile_q, tile_kv, is_causal) if full_first
+                 else sparsity.tiled(tile_q, tile_kv))
+        return tiles, sparsity.mask.to(torch.uint8)
 
     api._kernel_inputs = forced
     try:

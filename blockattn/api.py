@@ -449,7 +449,8 @@ def _op_args(p: _Prepared, is_causal: bool, need_q_lists: bool, min_tile_kv: int
     None unless need_q_lists), token mask, gathered block mask, kv_valid, cu_seqlens_q / _kv, scale, list block
     sizes, mask block sizes, is_causal, max_seqlen_q / _kv (None, None and 0, 0 unless "thd"). min_tile_kv: see
     _kernel_inputs."""
-    lists, gather_mask = _kernel_inputs(p.sparsity, is_causal, min_tile_kv)
+    full_first = p.token_mask is None and p.kv_valid is None and p.varlen is None
+    lists, gather_mask = _kernel_inputs(p.sparsity, is_causal, min_tile_kv, full_first)
     q_count, q_index = lists.q_lists() if need_q_lists else (None, None)
     token_mask = p.token_mask.view(torch.uint8) if p.token_mask is not None else None
     cu_seqlens, max_seqlens = ((p.varlen.cu_q, p.varlen.cu_kv), (p.varlen.max_q, p.varlen.max_kv)) if p.varlen else (
@@ -458,9 +459,12 @@ def _op_args(p: _Prepared, is_causal: bool, need_q_lists: bool, min_tile_kv: int
             p.scale, *lists.block_size, *p.sparsity.block_size, is_causal, *max_seqlens)
 
 
-def _kernel_inputs(sparsity: BlockSparsity, is_causal: bool, min_tile_kv: int = 16):
+def _kernel_inputs(sparsity: BlockSparsity, is_causal: bool, min_tile_kv: int = 16, full_first: bool = True):
     """The lists the kernels walk and, for block shapes no tile nests in, the block mask to test per element.
-    min_tile_kv: the narrowest key tile the kernel takes (16, or 32 for the 8-bit P @ V products)."""
+    min_tile_kv: the narrowest key tile the kernel takes (16, or 32 for the 8-bit P @ V products). full_first:
+    nothing but the block mask, the causal diagonal and the sequence's ends needs a test (no token mask, kv_valid
+    or packed batch), so the tile lists can put the tiles needing none first (BlockSparsity.tiled_full_first; the
+    launchers read the same condition, kernels.primitives.full_tiles_first)."""
     if is_causal:
         sparsity = sparsity.causal()
     block_q, block_kv = sparsity.block_size
@@ -468,6 +472,8 @@ def _kernel_inputs(sparsity: BlockSparsity, is_causal: bool, min_tile_kv: int = 
         return sparsity, None
     tile_q, tile_kv = (min(64, _tile_side(sparsity.seq_q)), max(min_tile_kv, min(64, _tile_side(sparsity.seq_kv))))
     mask = sparsity.mask.to(torch.uint8)
+    if full_first:
+        return sparsity.tiled_full_first(tile_q, tile_kv, is_causal), mask
     return sparsity.tiled(tile_q, tile_kv), mask
 
 

@@ -80,6 +80,16 @@ def build_lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return count.contiguous(), index.contiguous()
 
 
+def _full_first_lists(keep: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """build_lists(keep) with each row's full columns first and the others stored plus the column count C, both
+    groups ascending (so the whole kept part is ascending). keep, full: bool [..., R, C], full within keep."""
+    columns = keep.shape[-1]
+    column = torch.arange(columns, device=keep.device, dtype=torch.int32)
+    key = torch.where(full, column, column + columns)
+    key = torch.where(keep, key, column + 2 * columns)  # dropped columns last
+    return keep.sum(-1, dtype=torch.int32).contiguous(), torch.sort(key, dim=-1).values.contiguous()
+
+
 def _mask_from_lists(count: torch.Tensor, index: torch.Tensor, columns: int) -> torch.Tensor:
     """Inverse of build_lists: bool [..., R, columns] with the listed columns set."""
     slot = torch.arange(index.shape[-1], device=index.device, dtype=torch.int32)
@@ -226,9 +236,19 @@ class BlockSparsity:
 
         This serves block shapes that no kernel tile nests in (8x128, 100x100): the kernel walks these tile
         lists and tests each element against the original block mask."""
-        return self._derived(("tiled", tile_q, tile_kv), lambda: self._tiled(tile_q, tile_kv))
+        return self._derived(("tiled", tile_q, tile_kv), lambda: self._tiled(tile_q, tile_kv)[0])
 
-    def _tiled(self, tile_q: int, tile_kv: int) -> "BlockSparsity":
+    def tiled_full_first(self, tile_q: int, tile_kv: int, is_causal: bool) -> "BlockSparsity":
+        """tiled()'s mask with the kernels' full-first lists (kernels/README.md): each kv list holds first, in
+        ascending order, the *full* tiles, which lie inside the sequence and inside kept blocks only (and, with
+        is_causal, wholly at or below the diagonal), so no element of them needs a test; then the others, each
+        stored plus the tile count nk, ascending too. The q lists (q_lists()) hold the same with nq. Kernel
+        input only: these lists are not a BlockSparsity's usual ones."""
+        return self._derived(("tiled_full_first", tile_q, tile_kv, bool(is_causal)),
+                             lambda: self._tiled_full_first(tile_q, tile_kv, bool(is_causal)))
+
+    def _tiled(self, tile_q: int, tile_kv: int) -> tuple["BlockSparsity", torch.Tensor]:
+        """(tiled()'s BlockSparsity, bool [Bm, Hm, nq', nk']: the tiles inside the sequence and kept blocks)."""
         block_q, block_kv = self.block_size
         device = self.device
         keep = self.mask.to(torch.int32)
@@ -237,18 +257,30 @@ class BlockSparsity:
 
         def block_span(seq, tile, block):
             starts, ends = _spans(seq, tile, device)
-            return starts // block, ends // block + 1
+            return starts // block, ends // block + 1, ends - starts + 1 == tile
 
-        q_lo, q_hi = block_span(self.seq_q, tile_q, block_q)
-        k_lo, k_hi = block_span(self.seq_kv, tile_kv, block_kv)
+        q_lo, q_hi, q_whole = block_span(self.seq_q, tile_q, block_q)
+        k_lo, k_hi, k_whole = block_span(self.seq_kv, tile_kv, block_kv)
 
         def corner(rows, cols):
             return table[..., rows[:, None], cols[None, :]]
 
         kept = corner(q_hi, k_hi) - corner(q_lo, k_hi) - corner(q_hi, k_lo) + corner(q_lo, k_lo)
         tile_keep = kept > 0
+        full = (kept == (q_hi - q_lo)[:, None] * (k_hi - k_lo)[None, :]) & q_whole[:, None] & k_whole[None, :]
         count, index = build_lists(tile_keep)
-        return BlockSparsity(count, index, (tile_q, tile_kv), self.seq_q, self.seq_kv, _mask=tile_keep)
+        return BlockSparsity(count, index, (tile_q, tile_kv), self.seq_q, self.seq_kv, _mask=tile_keep), full
+
+    def _tiled_full_first(self, tile_q: int, tile_kv: int, is_causal: bool) -> "BlockSparsity":
+        tiles, full = self._tiled(tile_q, tile_kv)
+        if is_causal:
+            smallest, _ = _difference_range(self.seq_q, self.seq_kv, (tile_q, tile_kv), self.device)  # query - key
+            full = full & (smallest >= 0)
+        keep = tiles.mask
+        kv_count, kv_index = _full_first_lists(keep, full)
+        lists = BlockSparsity(kv_count, kv_index, (tile_q, tile_kv), self.seq_q, self.seq_kv, _mask=keep)
+        lists._cache["q_lists"] = _full_first_lists(keep.transpose(-1, -2), full.transpose(-1, -2))
+        return lists
 
 
 def normalize_block_mask(mask: torch.Tensor, nq: int, nk: int) -> torch.Tensor:

@@ -72,6 +72,42 @@ def test_tile_view_keeps_every_tile_that_overlaps_a_kept_block():
     assert torch.equal(tiled, want)
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("block, tile", [((100, 72), (64, 32)), ((8, 40), (64, 32)), ((72, 88), (64, 64))])
+def test_full_first_tile_lists_put_the_tiles_needing_no_test_first(block, tile, is_causal):
+    """The kernels' full-first lists (kernels/README.md): per row, the tiles whose every element lies inside the
+    sequence and a kept block (and at or below the diagonal with is_causal) come first, ascending, then the other
+    kept tiles plus the tile count, ascending; the q lists the same with rows and columns swapped."""
+    seq_q, seq_kv = 250, 230
+    keep = random_keep(2, 2, seq_q, seq_kv, block, density=0.85, seed=4)
+    sparsity = BlockSparsity.from_mask(keep, block, seq_q, seq_kv)
+    if is_causal:
+        sparsity = sparsity.causal()
+    lists = sparsity.tiled_full_first(*tile, is_causal)
+    tile_keep = sparsity.tiled(*tile).mask
+    nq, nk = tile_keep.shape[-2:]
+    token = keep.repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)[..., :seq_q, :seq_kv]
+    if is_causal:
+        token = token & torch.ones(seq_q, seq_kv, dtype=torch.bool, device=DEVICE).tril()
+    padded = torch.zeros(*token.shape[:2], nq * tile[0], nk * tile[1], dtype=torch.bool, device=DEVICE)
+    padded[..., :seq_q, :seq_kv] = token
+    full = padded.view(*token.shape[:2], nq, tile[0], nk, tile[1]).all(-1).all(-2)
+    assert full.any() and (tile_keep & ~full).any(), "the case should hold both kinds of tile"
+
+    def want_rows(kept, whole, columns):
+        return [[c for c in range(columns) if kept[r][c] and whole[r][c]]
+                + [c + columns for c in range(columns) if kept[r][c] and not whole[r][c]]
+                for r in range(len(kept))]
+
+    for (count, index), kept, whole in (((lists.kv_count, lists.kv_index), tile_keep, full),
+                                        (lists.q_lists(), tile_keep.transpose(-1, -2), full.transpose(-1, -2))):
+        columns = kept.shape[-1]
+        got = [row[:n] for row, n in zip(index.reshape(-1, index.shape[-1]).tolist(), count.reshape(-1).tolist())]
+        want = want_rows(kept.reshape(-1, columns).tolist(), whole.reshape(-1, columns).tolist(), columns)
+        assert got == want
+    assert torch.equal(lists.mask, tile_keep)
+
+
 def test_density():
     keep = torch.zeros(1, 1, 4, 5, dtype=torch.bool, device=DEVICE)
     keep[0, 0, :, :2] = True

@@ -90,23 +90,23 @@ def _row_stats(Lse2, Delta, row_ptr, rows_ok, EVEN_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _dq_walk(lo, hi, dq, q, do, lse2, delta, start_m, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv,
-             K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q, mask_block_kv,
-             stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk,
+def _dq_walk(lo, hi, dq, q, do, lse2, delta, start_m, offs_m, index_row, block_offset, seq_q, seq_kv, kv_start, off_b,
+             off_h, off_hkv, K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q,
+             mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk,
              stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok,
              BLOCK_KV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
              HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr,
              HAS_TOKEN_MASK: tl.constexpr, GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr,
              FP32_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr):
-    """Steps lo..hi of the dQ kernel's walk over a kv list: dq [BM, BD] (unscaled) after them; the flags say which
-    element tests these steps need."""
+    """Steps lo..hi of the dQ kernel's walk over a kv list (entries: the blocks plus block_offset): dq [BM, BD]
+    (unscaled) after them; the flags say which element tests these steps need."""
     MASKED: tl.constexpr = ((not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK != 0
                             or HAS_KV_VALID)
     for it in range(lo, hi):
         start_n, offs_n, k, v = kv_list_tiles(
-            it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base, stride_ks, stride_kd,
-            stride_vs, stride_vd, offs_n0, offs_d, offs_dv, d_ok, dv_ok, BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM,
-            HEAD_DIM_V, EVEN_KV, TMA_LOADS)  # [BN], [BN, BD], [BN, BDV]
+            it, index_row, block_offset, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base, stride_ks,
+            stride_kd, stride_vs, stride_vd, offs_n0, offs_d, offs_dv, d_ok, dv_ok, BLOCK_KV, BLOCK_N, BLOCK_D,
+            BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, TMA_LOADS)  # [BN], [BN, BD], [BN, BDV]
         qk = dot(q, tl.trans(k), None, FP32_PRECISION)  # [BM, BN]
         p = tl.math.exp2(qk * scale_log2 - lse2[:, None])
         if MASKED:
@@ -144,14 +144,15 @@ def attention_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_Q: tl.constexpr, EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
     GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr,
-    IS_VARLEN: tl.constexpr, TMA_LOADS: tl.constexpr, SPLIT_WALK: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, TMA_LOADS: tl.constexpr, SPLIT_WALK: tl.constexpr, FULL_TILES_FIRST: tl.constexpr,
+    HAS_GRAD_LSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: dQ [BM, D] of one query tile of one (batch, head), walking its query block's kv list.
 
     It first computes its rows' terms (_row_terms, from Out, dO, Lse and GradLse [B, H, Sq] with strides
     stride_g*) and stores them in Lse2 and Delta, which share Lse's layout (strides stride_l*), for the dK/dV
-    kernel launched after it. IS_VARLEN, TMA_LOADS (K_DESC, V_DESC) and SPLIT_WALK as in the forward kernel."""
+    kernel launched after it. IS_VARLEN, TMA_LOADS (K_DESC, V_DESC), SPLIT_WALK and FULL_TILES_FIRST as in the forward
+    kernel."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     TILES_PER_BLOCK: tl.constexpr = BLOCK_KV // BLOCK_N
@@ -187,21 +188,27 @@ def attention_bwd_dq_kernel(
         stride_iq, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     total = count * TILES_PER_BLOCK
-    if SPLIT_WALK:  # as in the forward: the tiles before the blocks that need a test run without one
-        plain = untested_steps(index_row, count, start_m, seq_kv, BLOCK_KV, TILES_PER_BLOCK, EVEN_KV, IS_CAUSAL)
-        dq = _dq_walk(0, plain, dq, q, do, lse2, delta, start_m, offs_m, index_row, seq_q, seq_kv, kv_start, off_b,
+    if SPLIT_WALK or FULL_TILES_FIRST:  # as in the forward: the tiles before the tested ones run without tests
+        if FULL_TILES_FIRST:
+            tested_offset = tl.cdiv(seq_kv, BLOCK_KV)
+            plain = first_entry_at_or_after(index_row, count, tested_offset) * TILES_PER_BLOCK
+        else:
+            tested_offset = 0
+            plain = untested_steps(index_row, count, start_m, seq_kv, BLOCK_KV, TILES_PER_BLOCK, EVEN_KV, IS_CAUSAL)
+        dq = _dq_walk(0, plain, dq, q, do, lse2, delta, start_m, offs_m, index_row, 0, seq_q, seq_kv, kv_start, off_b,
                       off_h, off_hkv, K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID,
                       mask_block_q, mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th,
                       stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv,
                       d_ok, dv_ok, BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, False, False,
-                      False, False, FP32_PRECISION, TMA_LOADS)
+                      0, False, FP32_PRECISION, TMA_LOADS)
     else:
         plain = 0
-    dq = _dq_walk(plain, total, dq, q, do, lse2, delta, start_m, offs_m, index_row, seq_q, seq_kv, kv_start, off_b,
-                  off_h, off_hkv, K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID,
-                  mask_block_q, mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th,
-                  stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv,
-                  d_ok, dv_ok, BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL,
+        tested_offset = 0
+    dq = _dq_walk(plain, total, dq, q, do, lse2, delta, start_m, offs_m, index_row, tested_offset, seq_q, seq_kv,
+                  kv_start, off_b, off_h, off_hkv, K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK,
+                  KV_VALID, mask_block_q, mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb,
+                  stride_th, stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d,
+                  offs_dv, d_ok, dv_ok, BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL,
                   HAS_TOKEN_MASK, GATHER_BLOCK_MASK, HAS_KV_VALID, FP32_PRECISION, TMA_LOADS)
     dq = dq * scale
     tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh + rows * stride_dqs
@@ -210,25 +217,25 @@ def attention_bwd_dq_kernel(
 
 @triton.jit
 def _dkdv_walk(lo, hi, first, total, dk, dv, k, v, start_n, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
-               q_base, do_base, row_base, dq_base, index_row, seq_q, seq_kv, q_start, off_b, off_h, kv_heads,
-               group_size, scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK, KV_VALID,
-               mask_block_q, mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_tb,
-               stride_th, stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb,
+               q_base, do_base, row_base, dq_base, index_row, block_offset, seq_q, seq_kv, q_start, off_b, off_h,
+               kv_heads, group_size, scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK,
+               KV_VALID, mask_block_q, mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
+               stride_tb, stride_th, stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb,
                BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_KV: tl.constexpr,
                IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, GATHER_BLOCK_MASK: tl.constexpr,
                HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr,
                DQ_MODE: tl.constexpr, TMA_LOADS: tl.constexpr):
-    """Steps lo..hi of the dK/dV kernel's walk over one query head's q list (total steps, starting at step first
-    and wrapping): dk [BN, BD] and dv [BN, BDV] after them (and, outside DQ_MODE "kernel", their dQ shares added
-    to DQ_ACC); the flags say which element tests these steps need."""
+    """Steps lo..hi of the dK/dV kernel's walk over one query head's q list (entries: the blocks plus block_offset;
+    total steps, starting at step first and wrapping): dk [BN, BD] and dv [BN, BDV] after them (and, outside
+    DQ_MODE "kernel", their dQ shares added to DQ_ACC); the flags say which element tests these steps need."""
     TILES_PER_BLOCK: tl.constexpr = BLOCK_Q // BLOCK_M
     MASKED: tl.constexpr = ((not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK != 0
                             or HAS_KV_VALID)
     for step in range(lo, hi):
         it = step + first
         it = tl.where(it >= total, it - total, it)
-        q_block = tl.load(index_row + it // TILES_PER_BLOCK)
+        q_block = tl.load(index_row + it // TILES_PER_BLOCK) - block_offset
         start_m = q_block * BLOCK_Q + (it % TILES_PER_BLOCK) * BLOCK_M
         offs_m = start_m + offs_m0
         m_ok = offs_m < seq_q
@@ -295,7 +302,7 @@ def attention_bwd_dkdv_kernel(
     EVEN_Q: tl.constexpr, EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
     GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr,
     IS_VARLEN: tl.constexpr, DQ_MODE: tl.constexpr, TMA_LOADS: tl.constexpr, SPLIT_WALK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FULL_TILES_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: dK [BN, D] and dV [BN, Dv] of one key tile of one (batch, kv head), summed over the query heads
     of its group in a fixed order, each walking its q list for this key block.
@@ -304,7 +311,8 @@ def attention_bwd_dkdv_kernel(
     DQ_ACC (fp32 [B * H, Sq, BD], rows BD apart, zeroed; [H, T, BD] for a packed batch) with element atomics, or
     through DQ_DESC, a tensor descriptor of DQ_ACC with block [1, BLOCK_M, BD]. That saves the dQ kernel's
     recomputation of P and dP, but dQ's summation order then varies between runs. TMA_LOADS: Q and dO tiles come
-    through Q_DESC / DO_DESC (kernels/tma.py). SPLIT_WALK: forward.split_walk() and IS_CAUSAL, on the host."""
+    through Q_DESC / DO_DESC (kernels/tma.py). SPLIT_WALK: forward.split_walk() and IS_CAUSAL, on the host.
+    FULL_TILES_FIRST: as in the forward, the q lists stored plus nq = cdiv(seq_q, BLOCK_Q) past their full tiles."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     TILES_PER_BLOCK: tl.constexpr = BLOCK_Q // BLOCK_M
@@ -353,7 +361,7 @@ def attention_bwd_dkdv_kernel(
                 index_row, count, (start_n + BLOCK_N - 1 + BLOCK_Q - 1) // BLOCK_Q) * TILES_PER_BLOCK
             dk, dv = _dkdv_walk(
                 0, tested, 0, total, dk, dv, k, v, start_n, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
-                q_base, do_base, row_base, dq_base, index_row, seq_q, seq_kv, q_start, off_b, off_h, kv_heads,
+                q_base, do_base, row_base, dq_base, index_row, 0, seq_q, seq_kv, q_start, off_b, off_h, kv_heads,
                 group_size, scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK, KV_VALID,
                 mask_block_q, mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_tb,
                 stride_th, stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, BLOCK_Q, BLOCK_M, BLOCK_D,
@@ -361,18 +369,41 @@ def attention_bwd_dkdv_kernel(
                 DQ_MODE, TMA_LOADS)
             dk, dv = _dkdv_walk(
                 tested, total, 0, total, dk, dv, k, v, start_n, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
-                q_base, do_base, row_base, dq_base, index_row, seq_q, seq_kv, q_start, off_b, off_h, kv_heads,
+                q_base, do_base, row_base, dq_base, index_row, 0, seq_q, seq_kv, q_start, off_b, off_h, kv_heads,
                 group_size, scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK, KV_VALID,
                 mask_block_q, mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_tb,
                 stride_th, stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, BLOCK_Q, BLOCK_M,
                 BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_Q, EVEN_KV, False, False, False, False,
                 FP32_PRECISION, IS_VARLEN, DQ_MODE, TMA_LOADS)
+        elif FULL_TILES_FIRST:
+            # The full tiles first, without tests (from the diagonal's query block on, wrapping, as below), then the
+            # others, stored plus nq.
+            tested_offset = tl.cdiv(seq_q, BLOCK_Q)
+            full = first_entry_at_or_after(index_row, count, tested_offset)
+            plain = full * TILES_PER_BLOCK
+            first = first_entry_at_or_after(index_row, full, (kv_block * BLOCK_KV) // BLOCK_Q) * TILES_PER_BLOCK
+            dk, dv = _dkdv_walk(
+                0, plain, first, plain, dk, dv, k, v, start_n, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
+                q_base, do_base, row_base, dq_base, index_row, 0, seq_q, seq_kv, q_start, off_b, off_h, kv_heads,
+                group_size, scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK, KV_VALID,
+                mask_block_q, mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_tb,
+                stride_th, stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, BLOCK_Q, BLOCK_M, BLOCK_D,
+                BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, True, False, False, 0, False, FP32_PRECISION, IS_VARLEN,
+                DQ_MODE, TMA_LOADS)
+            dk, dv = _dkdv_walk(
+                plain, total, 0, total, dk, dv, k, v, start_n, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
+                q_base, do_base, row_base, dq_base, index_row, tested_offset, seq_q, seq_kv, q_start, off_b, off_h,
+                kv_heads, group_size, scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK,
+                KV_VALID, mask_block_q, mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
+                stride_tb, stride_th, stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, BLOCK_Q,
+                BLOCK_M, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_Q, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK,
+                GATHER_BLOCK_MASK, HAS_KV_VALID, FP32_PRECISION, IS_VARLEN, DQ_MODE, TMA_LOADS)
         else:
             # Start at the query block on this key block's diagonal and wrap around (a fixed order: deterministic).
             first = first_entry_at_or_after(index_row, count, (kv_block * BLOCK_KV) // BLOCK_Q) * TILES_PER_BLOCK
             dk, dv = _dkdv_walk(
                 0, total, first, total, dk, dv, k, v, start_n, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
-                q_base, do_base, row_base, dq_base, index_row, seq_q, seq_kv, q_start, off_b, off_h, kv_heads,
+                q_base, do_base, row_base, dq_base, index_row, 0, seq_q, seq_kv, q_start, off_b, off_h, kv_heads,
                 group_size, scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK, KV_VALID,
                 mask_block_q, mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_tb,
                 stride_th, stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, BLOCK_Q, BLOCK_M, BLOCK_D,
@@ -457,7 +488,8 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
             EVEN_KV=even_kv, IS_CAUSAL=bool(is_causal),
             HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather, HAS_KV_VALID=kv_valid is not None,
             FP32_PRECISION=fp32_precision(q.dtype, attention_bwd_dq_kernel), IS_VARLEN=packed,
-            SPLIT_WALK=forward.split_walk(is_causal, even_kv, token_mask, block_mask, kv_valid))
+            SPLIT_WALK=forward.split_walk(is_causal, even_kv, token_mask, block_mask, kv_valid),
+            FULL_TILES_FIRST=forward.full_tiles_first(block_mask, token_mask, kv_valid, varlen))
 
     if need_dq and not accumulate:
         def build_dq() -> launch.LaunchSpec:

@@ -11,8 +11,8 @@ import triton.language as tl
 
 from . import autotune, buffers, launch, tma
 from .quant import quantize_columns, quantize_rows
-from .primitives import (dot, element_keep, gather_mode, int32_to_float, kv_list_start, kv_list_tiles,
-                         query_tile_program, round_to_int8, to_float8, untested_steps)
+from .primitives import (dot, element_keep, first_entry_at_or_after, gather_mode, int32_to_float, kv_list_start,
+                         kv_list_tiles, query_tile_program, round_to_int8, to_float8, untested_steps)
 from .varlen import Varlen
 
 LOG2E = 1.4426950408889634
@@ -41,19 +41,27 @@ def split_walk(is_causal: bool, even_kv: bool, token_mask, block_mask, kv_valid)
             and kv_valid is None)
 
 
+def full_tiles_first(block_mask, token_mask, kv_valid, varlen) -> bool:
+    """The kernels' FULL_TILES_FIRST flag: the lists are a gathered block mask's tile view and nothing else needs
+    an element test (no token mask, kv_valid or packed batch), so blockattn.api hands the kernels lists with the
+    tiles needing no test first (BlockSparsity.tiled_full_first)."""
+    return block_mask is not None and token_mask is None and kv_valid is None and varlen is None
+
+
 @triton.jit
-def _forward_walk(lo, hi, m_i, l_i, acc, q, start_m, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv,
-                  K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q,
-                  mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk,
-                  stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok,
-                  k_scale_base, stride_kss,
+def _forward_walk(lo, hi, m_i, l_i, acc, q, start_m, offs_m, index_row, block_offset, seq_q, seq_kv, kv_start, off_b,
+                  off_h, off_hkv, K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID,
+                  mask_block_q, mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th,
+                  stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok,
+                  dv_ok, k_scale_base, stride_kss,
                   BLOCK_KV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr,
                   HAS_TOKEN_MASK: tl.constexpr, GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr,
                   FP32_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr, QUANT_QK: tl.constexpr,
                   QUANT_PV: tl.constexpr):
-    """Steps lo..hi of the walk over a kv list: the online softmax state (m_i, l_i [BM], acc [BM, BDV]) after
-    them. The flags say which element tests these steps need (none: a plain loop).
+    """Steps lo..hi of the walk over a kv list (entries: the blocks plus block_offset): the online softmax state
+    (m_i, l_i [BM], acc [BM, BDV]) after them. The flags say which element tests these steps need (none: a plain
+    loop).
     QUANT_QK: q and K are int8, each key's scale at k_scale_base + n * stride_kss, and scale_log2 is a row
     vector [BM] (each query's scale times scale * log2(e)) instead of a scalar. QUANT_PV "fp8": V is float8 e4m3
     and P is too, scaled by FP8_MAX; "int8": V is int8 and P is too, scaled by INT8_MAX and rounded to an integer
@@ -62,9 +70,9 @@ def _forward_walk(lo, hi, m_i, l_i, acc, q, start_m, offs_m, index_row, seq_q, s
                             or HAS_KV_VALID)
     for it in range(lo, hi):
         start_n, offs_n, k, v = kv_list_tiles(
-            it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base, stride_ks, stride_kd,
-            stride_vs, stride_vd, offs_n0, offs_d, offs_dv, d_ok, dv_ok, BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM,
-            HEAD_DIM_V, EVEN_KV, TMA_LOADS)  # [BN], [BN, BD], [BN, BDV]
+            it, index_row, block_offset, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base, stride_ks,
+            stride_kd, stride_vs, stride_vd, offs_n0, offs_d, offs_dv, d_ok, dv_ok, BLOCK_KV, BLOCK_N, BLOCK_D,
+            BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, TMA_LOADS)  # [BN], [BN, BD], [BN, BDV]
         if QUANT_QK:
             if EVEN_KV:
                 k_scale = tl.load(k_scale_base + offs_n * stride_kss)  # [BN]
@@ -130,8 +138,8 @@ def attention_fwd_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
     GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr,
-    IS_VARLEN: tl.constexpr, TMA_LOADS: tl.constexpr, SPLIT_WALK: tl.constexpr, QUANT_QK: tl.constexpr,
-    QUANT_PV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, TMA_LOADS: tl.constexpr, SPLIT_WALK: tl.constexpr, FULL_TILES_FIRST: tl.constexpr,
+    QUANT_QK: tl.constexpr, QUANT_PV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: a BLOCK_M query tile of one (batch, head), walking only the key blocks its query block kept.
 
@@ -141,6 +149,8 @@ def attention_fwd_kernel(
     along the token stride (the batch strides are 0), seq_q / seq_kv are the longest lengths.
     TMA_LOADS: K and V tiles come through K_DESC / V_DESC, host descriptors of K and V (kernels/tma.py).
     SPLIT_WALK: split_walk() on the host: the walk runs the tiles before the tested blocks without tests.
+    FULL_TILES_FIRST: full_tiles_first() on the host: the lists (a gathered mask's tile view) hold first the tiles
+    needing no test, then the others stored plus nk = cdiv(seq_kv, BLOCK_KV) (BlockSparsity.tiled_full_first).
     QUANT_QK: Q and K are int8 (kernels/quant.py) with per-token scales Q_SCALE fp32 [B, H, Sq] and K_SCALE fp32
     [B, Hkv, Sk]; the scores are their int32 products times both scales, and the LSE gets Q_ROW_DOT fp32 [B, H, Sq]
     (strides as Q_SCALE's: each query's dot product with the keys' mean) times scale back. QUANT_PV: None, or V's
@@ -185,23 +195,30 @@ def attention_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     total = count * TILES_PER_BLOCK
     # SPLIT_WALK: the only element tests are the causal diagonal and the sequence's end, so the blocks that need
-    # them end the (ascending) list; the walk runs the tiles before them without any test.
-    if SPLIT_WALK:
-        plain = untested_steps(index_row, count, start_m, seq_kv, BLOCK_KV, TILES_PER_BLOCK, EVEN_KV, IS_CAUSAL)
+    # them end the (ascending) list; the walk runs the tiles before them without any test. FULL_TILES_FIRST: the
+    # tile lists of a gathered block mask hold the tiles needing no test first, then the others plus nk.
+    if SPLIT_WALK or FULL_TILES_FIRST:
+        if FULL_TILES_FIRST:
+            tested_offset = tl.cdiv(seq_kv, BLOCK_KV)
+            plain = first_entry_at_or_after(index_row, count, tested_offset) * TILES_PER_BLOCK
+        else:
+            tested_offset = 0
+            plain = untested_steps(index_row, count, start_m, seq_kv, BLOCK_KV, TILES_PER_BLOCK, EVEN_KV, IS_CAUSAL)
         m_i, l_i, acc = _forward_walk(
-            0, plain, m_i, l_i, acc, q, start_m, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv,
+            0, plain, m_i, l_i, acc, q, start_m, offs_m, index_row, 0, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv,
             K_DESC, V_DESC, k_base, v_base, walk_scale, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q, mask_block_kv,
             stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk, stride_mb,
             stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, k_scale_base, stride_kss,
-            BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, False, False, False, False,
+            BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, False, False, 0, False,
             FP32_PRECISION, TMA_LOADS, QUANT_QK, QUANT_PV)
     else:
         plain = 0
+        tested_offset = 0
     m_i, l_i, acc = _forward_walk(
-        plain, total, m_i, l_i, acc, q, start_m, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv,
-        K_DESC, V_DESC, k_base, v_base, walk_scale, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q, mask_block_kv,
-        stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk, stride_mb,
-        stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, k_scale_base, stride_kss,
+        plain, total, m_i, l_i, acc, q, start_m, offs_m, index_row, tested_offset, seq_q, seq_kv, kv_start, off_b,
+        off_h, off_hkv, K_DESC, V_DESC, k_base, v_base, walk_scale, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q,
+        mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk,
+        stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, k_scale_base, stride_kss,
         BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK,
         GATHER_BLOCK_MASK, HAS_KV_VALID, FP32_PRECISION, TMA_LOADS, QUANT_QK, QUANT_PV)
 
@@ -230,8 +247,8 @@ def attention_fwd_kernel(
 
 
 TUNING_KEY = ("BLOCK_Q", "BLOCK_KV", "HEAD_DIM", "HEAD_DIM_V", "EVEN_Q", "EVEN_KV", "IS_CAUSAL", "HAS_TOKEN_MASK",
-              "GATHER_BLOCK_MASK", "HAS_KV_VALID", "IS_VARLEN", "TMA_LOADS", "SPLIT_WALK", "QUANT_QK", "QUANT_PV",
-              "seq_bucket")
+              "GATHER_BLOCK_MASK", "HAS_KV_VALID", "IS_VARLEN", "TMA_LOADS", "SPLIT_WALK", "FULL_TILES_FIRST",
+              "QUANT_QK", "QUANT_PV", "seq_bucket")
 
 
 def output_buffers(q: torch.Tensor, head_dim_v: int, packed: bool):
@@ -379,6 +396,7 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
             IS_CAUSAL=bool(is_causal), HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather,
             HAS_KV_VALID=kv_valid is not None, FP32_PRECISION=precision,
             IS_VARLEN=packed, SPLIT_WALK=split_walk(is_causal, even_kv, token_mask, block_mask, kv_valid),
+            FULL_TILES_FIRST=full_tiles_first(block_mask, token_mask, kv_valid, varlen),
             QUANT_QK=quant is not None, QUANT_PV=pv_format)
         return launch.LaunchSpec(
             grid=lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), *launch.batch_head_axes(batch, heads)),

@@ -225,15 +225,16 @@ def kv_list_start(KV_COUNT, KV_INDEX, K, V, off_b, off_h, off_hkv, q_block, kv_s
 
 
 @triton.jit
-def kv_list_tiles(it, index_row, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base,
+def kv_list_tiles(it, index_row, block_offset, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base,
                   stride_ks, stride_kd, stride_vs, stride_vd, offs_n0, offs_d, offs_dv, d_ok, dv_ok,
                   BLOCK_KV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_KV: tl.constexpr, TMA_LOADS: tl.constexpr):
     """Step it of a walk over a kv list (the forward's and the dQ kernel's loop): the key tile's first key start_n,
-    its positions offs_n [BN] and its K [BN, BD] and V [BN, BDV] tiles. index_row points at the query block's list;
-    k_base / v_base at this (batch, kv head, sequence)'s first key; K_DESC / V_DESC as in load_tile_or_box."""
+    its positions offs_n [BN] and its K [BN, BD] and V [BN, BDV] tiles. index_row points at the query block's list,
+    whose entries are the blocks plus block_offset (see FULL_TILES_FIRST in forward.py); k_base / v_base at this
+    (batch, kv head, sequence)'s first key; K_DESC / V_DESC as in load_tile_or_box."""
     TILES_PER_BLOCK: tl.constexpr = BLOCK_KV // BLOCK_N
-    kv_block = tl.load(index_row + it // TILES_PER_BLOCK)
+    kv_block = tl.load(index_row + it // TILES_PER_BLOCK) - block_offset
     start_n = kv_block * BLOCK_KV + (it % TILES_PER_BLOCK) * BLOCK_N
     offs_n = start_n + offs_n0
     n_ok = offs_n < seq_kv
