@@ -9,6 +9,7 @@ Variants, each timed forward and forward+backward against FlexAttention where it
   gather:elements  blocks no tile nests in tested per element instead of by the mode gather_mode picks.
 
     python benchmarks/odd_blocks.py [--seq 16384] [--heads 16] [--density 0.25] [--only 32x128,100x100]
+                                    [--default-only]
 
 The 13th session's first run (BENCHMARKS.md) also timed 64x64 and 64x128 views for 8x128 and 100x100 blocks and a
 32x64 view for 8x128; none beat the package's 64x64 view.
@@ -104,6 +105,7 @@ def main():
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--density", type=float, nargs="+", default=[0.25])
     parser.add_argument("--only", default="8x128,32x128,64x128,100x100")
+    parser.add_argument("--default-only", action="store_true", help="only the package as it is, no FlexAttention")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(bench.environment())
@@ -113,9 +115,9 @@ def main():
         seq = args.seq - args.seq % block[0] if block[0] % 16 else args.seq  # whole blocks: 100x100 S=16300
         for density in args.density:
             case = bench.Case(heads=args.heads, kv_heads=args.heads, seq=seq, block=block, density=density)
-            if block[0] % 32 == 0 and block[1] % 32 == 0:  # FlexAttention's 8x128 and 100x100: BENCHMARKS.md
+            if block[0] % 32 == 0 and block[1] % 32 == 0 and not args.default_only:  # FlexAttention's 8x128 and 100x100: BENCHMARKS.md
                 rows += bench.bench_case(case, device, sdpa=False, impls=("flex",))
-            for name, context in variants(block):
+            for name, context in variants(block)[:1] if args.default_only else variants(block):
                 with context():
                     try:
                         got = bench.bench_case(case, device, sdpa=False, impls=("blockattn",))

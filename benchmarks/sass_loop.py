@@ -10,6 +10,7 @@ Triton 3.6 environment without torch (torch is stubbed out when it cannot be imp
 """
 
 import argparse
+import ast
 import collections
 import os
 import re
@@ -55,14 +56,16 @@ SHOWN = ("HGMMA", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "F2FP", "IMAD", "IADD
          "LDS", "STS", "BAR", "SHFL", "LDL", "STL")
 
 
-def compile_kernel(kernel, tile, dim, tma, dq_mode, quant=None):
-    """triton.compile of kernel for sm_90 on a contiguous bf16 [B, H, S, dim] case with whole 128x128 blocks."""
+def compile_kernel(kernel, tile, dim, tma, dq_mode, quant=None, flags=None):
+    """triton.compile of kernel for sm_90 on a contiguous bf16 [B, H, S, dim] case with whole 128x128 blocks;
+    flags: constexpr values to set instead (e.g. {"GATHER_BLOCK_MASK": 4, "FULL_TILES_FIRST": True})."""
     block_m, block_n, warps, stages = tile
     values = dict(BLOCK_Q=128, BLOCK_KV=128, HEAD_DIM=dim, HEAD_DIM_V=dim, BLOCK_D=dim, BLOCK_DV=dim, EVEN_Q=True,
                   EVEN_KV=True, IS_CAUSAL=False, HAS_TOKEN_MASK=False, GATHER_BLOCK_MASK=False, HAS_KV_VALID=False,
                   FP32_PRECISION=None, IS_VARLEN=False, DQ_MODE=dq_mode, TMA_LOADS=tma, BLOCK_M=block_m,
-                  BLOCK_N=block_n, group_size=1, SPLIT_WALK=False, QUANT_QK=quant is not None,
+                  BLOCK_N=block_n, group_size=1, SPLIT_WALK=False, FULL_TILES_FIRST=False, QUANT_QK=quant is not None,
                   QUANT_PV=forward.PV_FORMATS.get(quant))
+    values.update(flags or {})
     pointer_types = dict.fromkeys(FLOAT_POINTERS, "*bf16")
     if quant is not None:  # the forward's q and k in int8, V in the scheme's P @ V format
         pointer_types.update(Q="*i8", K="*i8", V={"fp8": "*fp8e4nv", "int8": "*i8"}.get(values["QUANT_PV"], "*bf16"))
@@ -123,11 +126,14 @@ def main():
     parser.add_argument("--quant", choices=tuple(forward.PV_FORMATS) + ("int8",), default=None,
                         help="the forward's quantized variant (K and V by pointers: give no --tma for int8-fp8 and "
                              "int8-int8)")
+    parser.add_argument("--set", action="append", default=[], metavar="FLAG=VALUE",
+                        help="a kernel constexpr to set, e.g. --set GATHER_BLOCK_MASK=4 --set FULL_TILES_FIRST=True")
     parser.add_argument("--all-ops", action="store_true",
                         help="also list every opcode in the loop, most frequent first")
     args = parser.parse_args()
     tile = tuple(int(x) for x in args.tile.split(","))
-    compiled = compile_kernel(KERNELS[args.kernel], tile, args.dim, args.tma, args.dq_mode, args.quant)
+    flags = {name: ast.literal_eval(value) for name, value in (item.split("=", 1) for item in args.set)}
+    compiled = compile_kernel(KERNELS[args.kernel], tile, args.dim, args.tma, args.dq_mode, args.quant, flags)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "kernel.cubin")
         with open(cubin, "wb") as f:
