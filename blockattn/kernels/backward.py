@@ -14,7 +14,7 @@ from .forward import (LOG2E, TUNING_KEY, fp32_precision, head_dims, optional_ten
                       strides)
 from .varlen import Varlen
 from .primitives import (batch_and_head, dot, element_keep, first_entry_at_or_after, gather_mode, kv_list_start,
-                         kv_list_tiles, load_tile_or_box, query_tile_program, sequence_span, untested_steps)
+                         kv_list_tiles, kv_walk_split, load_tile_or_box, query_tile_program, sequence_span)
 
 # How the backward produces dQ:
 #   "kernel": a separate dQ kernel walks the kv lists and recomputes P and dP (7 tile products per tile pair in
@@ -189,12 +189,8 @@ def attention_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     total = count * TILES_PER_BLOCK
     if SPLIT_WALK or FULL_TILES_FIRST:  # as in the forward: the tiles before the tested ones run without tests
-        if FULL_TILES_FIRST:
-            tested_offset = tl.cdiv(seq_kv, BLOCK_KV)
-            plain = first_entry_at_or_after(index_row, count, tested_offset) * TILES_PER_BLOCK
-        else:
-            tested_offset = 0
-            plain = untested_steps(index_row, count, start_m, seq_kv, BLOCK_KV, TILES_PER_BLOCK, EVEN_KV, IS_CAUSAL)
+        plain, tested_offset = kv_walk_split(index_row, count, start_m, seq_kv, BLOCK_KV, TILES_PER_BLOCK, EVEN_KV,
+                                             IS_CAUSAL, FULL_TILES_FIRST)
         dq = _dq_walk(0, plain, dq, q, do, lse2, delta, start_m, offs_m, index_row, 0, seq_q, seq_kv, kv_start, off_b,
                       off_h, off_hkv, K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID,
                       mask_block_q, mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th,

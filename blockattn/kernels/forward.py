@@ -11,8 +11,8 @@ import triton.language as tl
 
 from . import autotune, buffers, launch, tma
 from .quant import quantize_columns, quantize_rows
-from .primitives import (dot, element_keep, first_entry_at_or_after, gather_mode, int32_to_float, kv_list_start,
-                         kv_list_tiles, query_tile_program, round_to_int8, to_float8, untested_steps)
+from .primitives import (dot, element_keep, gather_mode, int32_to_float, kv_list_start, kv_list_tiles, kv_walk_split,
+                         query_tile_program, round_to_int8, to_float8)
 from .varlen import Varlen
 
 LOG2E = 1.4426950408889634
@@ -198,12 +198,8 @@ def attention_fwd_kernel(
     # them end the (ascending) list; the walk runs the tiles before them without any test. FULL_TILES_FIRST: the
     # tile lists of a gathered block mask hold the tiles needing no test first, then the others plus nk.
     if SPLIT_WALK or FULL_TILES_FIRST:
-        if FULL_TILES_FIRST:
-            tested_offset = tl.cdiv(seq_kv, BLOCK_KV)
-            plain = first_entry_at_or_after(index_row, count, tested_offset) * TILES_PER_BLOCK
-        else:
-            tested_offset = 0
-            plain = untested_steps(index_row, count, start_m, seq_kv, BLOCK_KV, TILES_PER_BLOCK, EVEN_KV, IS_CAUSAL)
+        plain, tested_offset = kv_walk_split(index_row, count, start_m, seq_kv, BLOCK_KV, TILES_PER_BLOCK, EVEN_KV,
+                                             IS_CAUSAL, FULL_TILES_FIRST)
         m_i, l_i, acc = _forward_walk(
             0, plain, m_i, l_i, acc, q, start_m, offs_m, index_row, 0, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv,
             K_DESC, V_DESC, k_base, v_base, walk_scale, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q, mask_block_kv,

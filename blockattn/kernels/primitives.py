@@ -272,6 +272,22 @@ def untested_steps(index_row, count, start_m, seq_kv, BLOCK_KV: tl.constexpr, TI
 
 
 @triton.jit
+def kv_walk_split(index_row, count, start_m, seq_kv, BLOCK_KV: tl.constexpr, TILES_PER_BLOCK: tl.constexpr,
+                  EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, FULL_TILES_FIRST: tl.constexpr):
+    """(plain, offset) for a kv-list walk split in two (the forward's and the dQ kernel's): steps 0..plain run
+    without element tests, the rest tested, their entries stored plus offset. FULL_TILES_FIRST: the lists hold the
+    full tiles first, the others plus nk = cdiv(seq_kv, BLOCK_KV) (kernels/README.md); otherwise (SPLIT_WALK)
+    untested_steps, offset 0."""
+    if FULL_TILES_FIRST:
+        offset = tl.cdiv(seq_kv, BLOCK_KV)
+        plain = first_entry_at_or_after(index_row, count, offset) * TILES_PER_BLOCK
+    else:
+        offset = 0
+        plain = untested_steps(index_row, count, start_m, seq_kv, BLOCK_KV, TILES_PER_BLOCK, EVEN_KV, IS_CAUSAL)
+    return plain, offset
+
+
+@triton.jit
 def first_entry_at_or_after(index_row, count, pivot):
     """Position of the first entry >= pivot in an ascending list of count entries (count if none): a walk that
     starts there and wraps around visits the same blocks in a fixed order, but programs of neighbouring blocks no
