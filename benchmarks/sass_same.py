@@ -1,0 +1,94 @@
+"""Whether a change moved the GPU code: the sm_90 SASS of the kernels' variants at a base revision against the
+working tree, compiled ahead of time with no GPU (through sass_loop.compile_kernel). A refactor whose SASS is the
+same instruction for instruction needs no new GPU run; one that differs lists the variants it touched.
+
+Run it under the Triton the GPU machine has (3.6; see sass_loop.py for the environment):
+
+    /tmp/t36/bin/python benchmarks/sass_same.py --base 4f3f440
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+# (kernel, constexpr flags, quant, tensor descriptors): the design case, and each walk and test the flags select
+VARIANTS = [
+    ("fwd", {}, None, True), ("dq", {}, None, True), ("dkdv", {}, None, True),
+    ("fwd", {"IS_CAUSAL": True, "SPLIT_WALK": True, "EVEN_KV": False}, None, True),
+    ("dq", {"IS_CAUSAL": True, "SPLIT_WALK": True, "EVEN_KV": False}, None, True),
+    ("dkdv", {"IS_CAUSAL": True, "SPLIT_WALK": True, "EVEN_KV": False}, None, True),
+    ("fwd", {"GATHER_BLOCK_MASK": 2, "EVEN_KV": False}, None, True),
+    ("dkdv", {"GATHER_BLOCK_MASK": 2, "EVEN_KV": False}, None, True),
+    ("fwd", {"GATHER_BLOCK_MASK": 4, "FULL_TILES_FIRST": True, "EVEN_KV": False}, None, True),
+    ("dq", {"GATHER_BLOCK_MASK": 4, "FULL_TILES_FIRST": True, "EVEN_KV": False}, None, True),
+    ("dkdv", {"GATHER_BLOCK_MASK": 4, "FULL_TILES_FIRST": True, "EVEN_KV": False, "EVEN_Q": False}, None, True),
+    ("fwd", {"IS_VARLEN": True, "HAS_TOKEN_MASK": True, "EVEN_KV": False}, None, False),
+    ("dq", {"IS_VARLEN": True, "HAS_KV_VALID": True, "EVEN_KV": False}, None, False),
+    ("dkdv", {"IS_VARLEN": True, "HAS_TOKEN_MASK": True, "EVEN_Q": False}, None, False),
+    ("fwd", {}, "int8", True), ("fwd", {"GATHER_BLOCK_MASK": 1, "HAS_KV_VALID": True}, "int8-int8", False),
+]
+
+
+def fingerprints(root: str) -> dict:
+    """variant label -> (instruction count, hash of the SASS without addresses and comments), for the kernels of
+    the tree at root; a variant that does not compile there (a flag it lacks) maps to its error."""
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    import sass_loop  # puts root first on the path, so blockattn comes from root
+    result = {}
+    for kernel, flags, quant, tma in VARIANTS:
+        label = f"{kernel} {json.dumps(flags, sort_keys=True)} quant={quant} tma={tma}"
+        try:
+            compiled = sass_loop.compile_kernel(sass_loop.KERNELS[kernel], (64, 64, 4, 2), 128, tma, "kernel",
+                                                quant, flags)
+        except Exception as error:  # the base may predate a flag
+            result[label] = f"does not compile: {type(error).__name__}"
+            continue
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(compiled.asm["cubin"])
+            cubin.flush()
+            sass = sass_loop._tool("nvdisasm", cubin.name, "-c")
+        lines = [re.sub(r"/\*[0-9a-f]+\*/", "", line).strip() for line in sass.splitlines()]
+        lines = [line for line in lines if line and not line.startswith(("//", "."))]
+        result[label] = f"{len(lines)} instructions, {hashlib.sha1(chr(10).join(lines).encode()).hexdigest()[:12]}"
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", required=True, help="the git revision to compare the working tree with")
+    parser.add_argument("--_side", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._side:  # one tree's fingerprints, in a process of its own (the modules differ between trees)
+        print(json.dumps(fingerprints(args._side)))
+        return
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.abspath(__file__)
+    with tempfile.TemporaryDirectory() as base_tree:
+        subprocess.run(["git", "-C", here, "worktree", "add", "-q", "--detach", base_tree, args.base], check=True)
+        # both sides compile through this tree's sass_loop (the base's may predate its options)
+        shutil.copy(os.path.join(here, "benchmarks", "sass_loop.py"), os.path.join(base_tree, "benchmarks"))
+        try:
+            sides = {}
+            for name, root in (("base", base_tree), ("tree", here)):
+                run = subprocess.run([sys.executable, script, "--base", args.base, "--_side", root],
+                                     capture_output=True, text=True, check=True)
+                sides[name] = json.loads(run.stdout.strip().splitlines()[-1])
+        finally:
+            subprocess.run(["git", "-C", here, "worktree", "remove", "--force", base_tree], check=True)
+    same = True
+    for label, fingerprint in sides["tree"].items():
+        before = sides["base"].get(label)
+        if before != fingerprint:
+            same = False
+        print(f"{'same' if before == fingerprint else 'DIFFERS'}  {label}: {before} -> {fingerprint}")
+    print("SASS unchanged in every variant" if same else "SASS changed: run the GPU tests of the variants marked")
+
+
+if __name__ == "__main__":
+    main()
