@@ -464,7 +464,7 @@ def _kernel_inputs(sparsity: BlockSparsity, is_causal: bool, min_tile_kv: int = 
     min_tile_kv: the narrowest key tile the kernel takes (16, or 32 for the 8-bit P @ V products). full_first:
     nothing but the block mask, the causal diagonal and the sequence's ends needs a test (no token mask, kv_valid
     or packed batch), so the tile lists can put the tiles needing none first (BlockSparsity.tiled_full_first; the
-    launchers read the same condition, kernels.primitives.full_tiles_first)."""
+    launchers read the same condition, kernels.forward.full_tiles_first)."""
     if is_causal:
         sparsity = sparsity.causal()
     block_q, block_kv = sparsity.block_size
