@@ -31,7 +31,8 @@ VARIANTS = [
     ("fwd", {"IS_VARLEN": True, "HAS_TOKEN_MASK": True, "EVEN_KV": False}, None, False),
     ("dq", {"IS_VARLEN": True, "HAS_KV_VALID": True, "EVEN_KV": False}, None, False),
     ("dkdv", {"IS_VARLEN": True, "HAS_TOKEN_MASK": True, "EVEN_Q": False}, None, False),
-    ("fwd", {}, "int8", True), ("fwd", {"GATHER_BLOCK_MASK": 1, "HAS_KV_VALID": True}, "int8-int8", False),
+    ("fwd", {}, "int8", True), ("fwd", {}, "int8-fp8", False),
+    ("fwd", {"GATHER_BLOCK_MASK": 1, "HAS_KV_VALID": True}, "int8-int8", False),
 ]
 
 

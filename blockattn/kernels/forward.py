@@ -41,6 +41,16 @@ def split_walk(is_causal: bool, even_kv: bool, token_mask, block_mask, kv_valid)
             and kv_valid is None)
 
 
+@triton.jit
+def _log2_pv_max(QUANT_PV: tl.constexpr):
+    """log2 of V's format's largest value (QUANT_PV "fp8": FP8_MAX, "int8": INT8_MAX), the factor P carries."""
+    if QUANT_PV == "fp8":
+        log2_max = LOG2_FP8_MAX
+    else:
+        log2_max = LOG2_INT8_MAX
+    return log2_max
+
+
 def full_tiles_first(block_mask, token_mask, kv_valid, varlen) -> bool:
     """The kernels' FULL_TILES_FIRST flag: the lists are a gathered block mask's tile view and nothing else needs
     an element test (no token mask, kv_valid or packed batch), so blockattn.api hands the kernels lists with the
@@ -96,10 +106,8 @@ def _forward_walk(lo, hi, m_i, l_i, acc, q, start_m, offs_m, index_row, block_of
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
             m_shift = m_new
-        if QUANT_PV == "fp8":  # P * FP8_MAX, the factor folded into the shift, so P spans float8's range
-            p = tl.math.exp2(qk * score_scale - (m_shift - LOG2_FP8_MAX)[:, None])  # [BM, BN]
-        elif QUANT_PV == "int8":  # P * INT8_MAX, in [0, 127]
-            p = tl.math.exp2(qk * score_scale - (m_shift - LOG2_INT8_MAX)[:, None])  # [BM, BN]
+        if QUANT_PV is not None:  # P times V's format's largest value, folded into the shift: P spans the format
+            p = tl.math.exp2(qk * score_scale - (m_shift - _log2_pv_max(QUANT_PV))[:, None])  # [BM, BN]
         else:
             p = tl.math.exp2(qk * score_scale - m_shift[:, None])  # [BM, BN]
         alpha = tl.math.exp2(m_i - m_shift)
@@ -227,10 +235,7 @@ def attention_fwd_kernel(
         v_scale = tl.load(V_SCALE + off_b.to(tl.int64) * stride_vqb + off_hkv.to(tl.int64) * stride_vqh + offs_dv,
                           mask=dv_ok, other=0.0)  # [BDV]
         acc = acc * v_scale[None, :]
-        if QUANT_PV == "fp8":
-            log2_l = log2_l - LOG2_FP8_MAX
-        else:
-            log2_l = log2_l - LOG2_INT8_MAX
+        log2_l = log2_l - _log2_pv_max(QUANT_PV)
     if QUANT_QK:  # the scores' share of the keys' mean, q . mean * scale, which the smoothed keys left out
         row_dot = tl.load(Q_ROW_DOT + off_b.to(tl.int64) * stride_qsb + off_h.to(tl.int64) * stride_qsh
                           + rows * stride_qss, mask=m_ok, other=0.0)  # [BM]
