@@ -449,7 +449,7 @@ def _op_args(p: _Prepared, is_causal: bool, need_q_lists: bool, min_tile_kv: int
     None unless need_q_lists), token mask, gathered block mask, kv_valid, cu_seqlens_q / _kv, scale, list block
     sizes, mask block sizes, is_causal, max_seqlen_q / _kv (None, None and 0, 0 unless "thd"). min_tile_kv: see
     _kernel_inputs."""
-    full_first = p.token_mask is None and p.kv_valid is None and p.varlen is None
+    full_first = _kernel_ops().only_block_tests(p.token_mask, p.kv_valid, p.varlen)
     lists, gather_mask = _kernel_inputs(p.sparsity, is_causal, min_tile_kv, full_first)
     q_count, q_index = lists.q_lists() if need_q_lists else (None, None)
     token_mask = p.token_mask.view(torch.uint8) if p.token_mask is not None else None
@@ -462,9 +462,8 @@ def _op_args(p: _Prepared, is_causal: bool, need_q_lists: bool, min_tile_kv: int
 def _kernel_inputs(sparsity: BlockSparsity, is_causal: bool, min_tile_kv: int = 16, full_first: bool = True):
     """The lists the kernels walk and, for block shapes no tile nests in, the block mask to test per element.
     min_tile_kv: the narrowest key tile the kernel takes (16, or 32 for the 8-bit P @ V products). full_first:
-    nothing but the block mask, the causal diagonal and the sequence's ends needs a test (no token mask, kv_valid
-    or packed batch), so the tile lists can put the tiles needing none first (BlockSparsity.tiled_full_first; the
-    launchers read the same condition, kernels.forward.full_tiles_first)."""
+    kernels.forward.only_block_tests, so the tile lists put the tiles needing no test first
+    (BlockSparsity.tiled_full_first), as the launchers' FULL_TILES_FIRST then expects."""
     if is_causal:
         sparsity = sparsity.causal()
     block_q, block_kv = sparsity.block_size

@@ -51,11 +51,17 @@ def _log2_pv_max(QUANT_PV: tl.constexpr):
     return log2_max
 
 
+def only_block_tests(token_mask, kv_valid, varlen) -> bool:
+    """Nothing but the block mask, the causal diagonal and the sequences' ends needs an element test: no token mask,
+    no kv_valid, not a packed batch. blockattn.api then hands the kernels full-first tile lists for a gathered
+    block mask (BlockSparsity.tiled_full_first), and full_tiles_first tells the kernels so."""
+    return token_mask is None and kv_valid is None and varlen is None
+
+
 def full_tiles_first(block_mask, token_mask, kv_valid, varlen) -> bool:
-    """The kernels' FULL_TILES_FIRST flag: the lists are a gathered block mask's tile view and nothing else needs
-    an element test (no token mask, kv_valid or packed batch), so blockattn.api hands the kernels lists with the
-    tiles needing no test first (BlockSparsity.tiled_full_first)."""
-    return block_mask is not None and token_mask is None and kv_valid is None and varlen is None
+    """The kernels' FULL_TILES_FIRST flag: the lists are a gathered block mask's tile view and only_block_tests
+    holds, so they hold the tiles needing no test first."""
+    return block_mask is not None and only_block_tests(token_mask, kv_valid, varlen)
 
 
 @triton.jit

@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from .backward import attention_backward
-from .forward import PV_FORMATS, PV_MIN_TILE_KV, attention_forward, output_buffers  # noqa: F401 (api reads 1, 2)
+# blockattn.api reads PV_FORMATS, PV_MIN_TILE_KV and only_block_tests from here
+from .forward import PV_FORMATS, PV_MIN_TILE_KV, attention_forward, only_block_tests, output_buffers  # noqa: F401
 from .varlen import Varlen
 
 
