@@ -107,6 +107,11 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     return out, lse
 
 
+def _round_half_away(y: torch.Tensor) -> torch.Tensor:
+    """y rounded to the nearest integer, halves away from zero (the quantize kernels' int8 rounding)."""
+    return torch.where(y >= 0, y + 0.5, y - 0.5).trunc()
+
+
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """Per-row int8 quantization of x [.., D] (the last dim), returned dequantized in x's dtype (fp32 or fp64):
     round(x * 127 / max|x|) (halves away from zero) times max|x| / 127; an all-zero row stays zero. The rule of
@@ -114,7 +119,7 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     amax = x.abs().amax(-1, keepdim=True)
     inverse = torch.where(amax > 0, 127 / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.zeros_like(amax))
     y = x * inverse
-    return torch.where(y >= 0, y + 0.5, y - 0.5).trunc() * (amax / 127)
+    return _round_half_away(y) * (amax / 127)
 
 
 def quantized_qk(q: torch.Tensor, k: torch.Tensor, scale: float):
@@ -139,6 +144,5 @@ def quantized_v(v: torch.Tensor, fmt: str = "fp8") -> torch.Tensor:
     largest = {"fp8": 448.0, "int8": 127.0}[fmt]
     amax = v.abs().amax(2, keepdim=True).to(torch.float32)
     y = v.to(torch.float32) * torch.where(amax > 0, largest / torch.where(amax > 0, amax, 1.0), 0.0)
-    rounded = y.to(torch.float8_e4m3fn).to(torch.float32) if fmt == "fp8" else torch.where(y >= 0, y + 0.5,
-                                                                                            y - 0.5).trunc()
+    rounded = y.to(torch.float8_e4m3fn).to(torch.float32) if fmt == "fp8" else _round_half_away(y)
     return rounded.to(compute) * (amax / largest).to(compute)
