@@ -10,9 +10,8 @@ import triton.language as tl
 from conftest import DEVICE
 from blockattn.kernels.autotune import is_interpreted
 from blockattn.kernels.primitives import (GATHER_COLUMNS, GATHER_ELEMENTS, GATHER_ROWS, GATHER_SPANS,
-                                        first_entry_at_or_after,
-                                        gather_mode, int32_to_float, load_tile, round_to_int8, to_float8,
-                                        untested_steps)
+                                          first_entry_at_or_after, gather_mode, int32_to_float, load_tile,
+                                          round_to_int8, to_float8, untested_steps)
 
 
 @triton.jit
