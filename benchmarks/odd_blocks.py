@@ -24,6 +24,7 @@ import os
 import torch
 
 from blockattn import api, bench
+from blockattn.kernels import forward
 
 
 @contextlib.contextmanager
@@ -44,10 +45,11 @@ def environment(values: dict):
 def tile_view(tile_q: int, tile_kv: int):
     original = api._kernel_inputs
 
-    def forced(sparsity, is_causal, min_tile_kv=16, full_first=True):
+    def forced(sparsity, is_causal, min_tile_kv=16, token_mask=None, kv_valid=None, varlen=None):
         if is_causal:
             sparsity = sparsity.causal()
-        tiles = (sparsity.tiled_full_first(tile_q, tile_kv, is_causal) if full_first
+        full_first = forward.full_tiles_first(True, token_mask, kv_valid, varlen)
+        tiles = (sparsity.full_first(tile_q, tile_kv, is_causal, kv_valid) if full_first
                  else sparsity.tiled(tile_q, tile_kv))
         return tiles, sparsity.mask.to(torch.uint8)
 

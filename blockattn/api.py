@@ -449,8 +449,7 @@ def _op_args(p: _Prepared, is_causal: bool, need_q_lists: bool, min_tile_kv: int
     None unless need_q_lists), token mask, gathered block mask, kv_valid, cu_seqlens_q / _kv, scale, list block
     sizes, mask block sizes, is_causal, max_seqlen_q / _kv (None, None and 0, 0 unless "thd"). min_tile_kv: see
     _kernel_inputs."""
-    full_first = _kernel_ops().only_block_tests(p.token_mask, p.kv_valid, p.varlen)
-    lists, gather_mask = _kernel_inputs(p.sparsity, is_causal, min_tile_kv, full_first)
+    lists, gather_mask = _kernel_inputs(p.sparsity, is_causal, min_tile_kv, p.token_mask, p.kv_valid, p.varlen)
     q_count, q_index = lists.q_lists() if need_q_lists else (None, None)
     token_mask = p.token_mask.view(torch.uint8) if p.token_mask is not None else None
     cu_seqlens, max_seqlens = ((p.varlen.cu_q, p.varlen.cu_kv), (p.varlen.max_q, p.varlen.max_kv)) if p.varlen else (
@@ -459,21 +458,36 @@ def _op_args(p: _Prepared, is_causal: bool, need_q_lists: bool, min_tile_kv: int
             p.scale, *lists.block_size, *p.sparsity.block_size, is_causal, *max_seqlens)
 
 
-def _kernel_inputs(sparsity: BlockSparsity, is_causal: bool, min_tile_kv: int = 16, full_first: bool = True):
-    """The lists the kernels walk and, for block shapes no tile nests in, the block mask to test per element.
-    min_tile_kv: the narrowest key tile the kernel takes (16, or 32 for the 8-bit P @ V products). full_first:
-    kernels.forward.only_block_tests, so the tile lists put the tiles needing no test first
-    (BlockSparsity.tiled_full_first), as the launchers' FULL_TILES_FIRST then expects."""
+def _kernel_inputs(sparsity: BlockSparsity, is_causal: bool, min_tile_kv: int = 16, token_mask=None,
+                   kv_valid=None, varlen=None):
+    """(lists, gathered mask): the lists the kernels walk and, for block shapes no tile nests in, the block mask to
+    test per element (uint8, else None). min_tile_kv: the narrowest key tile the kernel takes (16, or 32 for the
+    8-bit P @ V products). Where the launchers set FULL_TILES_FIRST (kernels.forward.full_tiles_first, asked here
+    with the same arguments), the lists put the tiles needing no test first (BlockSparsity.full_first)."""
     if is_causal:
         sparsity = sparsity.causal()
     block_q, block_kv = sparsity.block_size
-    if block_q % 16 == 0 and block_kv % min_tile_kv == 0:
-        return sparsity, None
+    gathered = not (block_q % 16 == 0 and block_kv % min_tile_kv == 0)
+    full_first = _kernel_ops().full_tiles_first(gathered, token_mask, kv_valid, varlen)
+    if not gathered:
+        if not full_first:
+            return sparsity, None
+        # (full_first without a gathered mask: kv_valid.) Key tiles of at most KV_VALID_TILE_KV keys that still nest
+        # in the blocks, so that those holding only padding drop out of the lists.
+        tile_kv = block_kv
+        while tile_kv > KV_VALID_TILE_KV and tile_kv % (2 * min_tile_kv) == 0:
+            tile_kv //= 2
+        return sparsity.full_first(block_q, tile_kv, is_causal, kv_valid), None
     tile_q, tile_kv = (min(64, _tile_side(sparsity.seq_q)), max(min_tile_kv, min(64, _tile_side(sparsity.seq_kv))))
     mask = sparsity.mask.to(torch.uint8)
     if full_first:
-        return sparsity.tiled_full_first(tile_q, tile_kv, is_causal), mask
+        return sparsity.full_first(tile_q, tile_kv, is_causal, kv_valid), mask
     return sparsity.tiled(tile_q, tile_kv), mask
+
+
+# The key side of the lists' tiles where kv_valid marks padding (see _kernel_inputs): the forward's and the dK/dV
+# kernel's usual key tiles are 64 wide.
+KV_VALID_TILE_KV = 64
 
 
 def _tile_side(seq: int) -> int:

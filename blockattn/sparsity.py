@@ -238,14 +238,24 @@ class BlockSparsity:
         lists and tests each element against the original block mask."""
         return self._derived(("tiled", tile_q, tile_kv), lambda: self._tiled(tile_q, tile_kv)[0])
 
-    def tiled_full_first(self, tile_q: int, tile_kv: int, is_causal: bool) -> "BlockSparsity":
-        """tiled()'s mask with the kernels' full-first lists (kernels/README.md): each kv list holds first, in
-        ascending order, the *full* tiles, which lie inside the sequence and inside kept blocks only (and, with
-        is_causal, wholly at or below the diagonal), so no element of them needs a test; then the others, each
-        stored plus the tile count nk, ascending too. The q lists (q_lists()) hold the same with nq. Kernel
-        input only: these lists are not a BlockSparsity's usual ones."""
-        return self._derived(("tiled_full_first", tile_q, tile_kv, bool(is_causal)),
-                             lambda: self._tiled_full_first(tile_q, tile_kv, bool(is_causal)))
+    def full_first(self, tile_q: int, tile_kv: int, is_causal: bool,
+                   kv_valid: Optional[torch.Tensor] = None) -> "BlockSparsity":
+        """The kernels' full-first lists (kernels/README.md) over tile_q x tile_kv tiles (the blocks themselves, or
+        tiled()'s view for block shapes no tile nests in): each kv list holds first, in ascending order, the *full*
+        tiles, whose every element is visible (inside the sequence, inside kept blocks only, with is_causal wholly
+        at or below the diagonal, and with kv_valid only keys below their block's valid count), so none needs a
+        test; then the other kept tiles, each stored plus the tile count nk, ascending too. The q lists
+        (q_lists()) hold the same with nq.
+
+        kv_valid: int32 [Bv, nk] as attention() takes it (keys per key block that are real). Tiles with no real key
+        are left out (they add nothing), the lists have Bv batch rows, and they are built on each call rather than
+        cached, since kv_valid changes between calls.
+        Kernel input only: these lists are not a BlockSparsity's usual ones."""
+        if kv_valid is not None:
+            with _outside_inference_mode():
+                return self._full_first(tile_q, tile_kv, bool(is_causal), kv_valid)
+        return self._derived(("full_first", tile_q, tile_kv, bool(is_causal)),
+                             lambda: self._full_first(tile_q, tile_kv, bool(is_causal), None))
 
     def _tiled(self, tile_q: int, tile_kv: int) -> tuple["BlockSparsity", torch.Tensor]:
         """(tiled()'s BlockSparsity, bool [Bm, Hm, nq', nk']: the tiles inside the sequence and kept blocks)."""
@@ -271,16 +281,39 @@ class BlockSparsity:
         count, index = build_lists(tile_keep)
         return BlockSparsity(count, index, (tile_q, tile_kv), self.seq_q, self.seq_kv, _mask=tile_keep), full
 
-    def _tiled_full_first(self, tile_q: int, tile_kv: int, is_causal: bool) -> "BlockSparsity":
+    def _full_first(self, tile_q: int, tile_kv: int, is_causal: bool,
+                    kv_valid: Optional[torch.Tensor]) -> "BlockSparsity":
         tiles, full = self._tiled(tile_q, tile_kv)
         if is_causal:
             smallest, _ = _difference_range(self.seq_q, self.seq_kv, (tile_q, tile_kv), self.device)  # query - key
             full = full & (smallest >= 0)
         keep = tiles.mask
+        if kv_valid is not None:
+            some, every = _real_key_tiles(kv_valid, self.block_size[1], self.seq_kv, tile_kv)
+            keep = keep & some[:, None, None, :]
+            full = full & keep & every[:, None, None, :]
         kv_count, kv_index = _full_first_lists(keep, full)
         lists = BlockSparsity(kv_count, kv_index, (tile_q, tile_kv), self.seq_q, self.seq_kv, _mask=keep)
         lists._cache["q_lists"] = _full_first_lists(keep.transpose(-1, -2), full.transpose(-1, -2))
         return lists
+
+
+def _real_key_tiles(kv_valid: torch.Tensor, block_kv: int, seq_kv: int,
+                    tile_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(some, all): which key tiles of tile_kv keys hold at least one real key, and which real keys only, two bool
+    [Bv, nk'] from kv_valid int32 [Bv, nk], the count of real keys at the start of each block_kv block (real keys
+    are a prefix of each block). A tile's keys run from its first block to its last and cover the start of every
+    block after the first: it holds a real key if its first key is real or one of those blocks has any, and real
+    keys only if every block before its last is wholly real and its final key lies below the last one's count."""
+    first_key, last_key = _spans(seq_kv, tile_kv, kv_valid.device)
+    first, last = first_key // block_kv, last_key // block_kv
+
+    def running(flags):  # per block, how many blocks before it have the flag
+        return torch.nn.functional.pad(flags.to(torch.int32).cumsum(-1), (1, 0))
+    with_some, whole = running(kv_valid > 0), running(kv_valid >= block_kv)
+    some = (first_key % block_kv < kv_valid[:, first]) | (with_some[:, last + 1] > with_some[:, first + 1])
+    every = (whole[:, last] - whole[:, first] == last - first) & (last_key % block_kv < kv_valid[:, last])
+    return some, every
 
 
 def normalize_block_mask(mask: torch.Tensor, nq: int, nk: int) -> torch.Tensor:

@@ -70,6 +70,21 @@ def random_keep(batch, heads, seq_q, seq_kv, block, density=0.4, seed=1):
     return keep | diagonal
 
 
+def mostly_whole_kv_valid(batch: int, nk: int, block_kv: int, seed: int) -> torch.Tensor:
+    """A kv_valid int32 [batch, nk] as video tiles give it: about 60% of the key blocks wholly real, the others a
+    random count of real keys in 0..block_kv - 1."""
+    gen = make_generator(seed)
+    partial = torch.randint(0, block_kv, (batch, nk), generator=gen, device=DEVICE)
+    whole = torch.rand(batch, nk, generator=gen, device=DEVICE) < 0.6
+    return torch.where(whole, block_kv, partial).to(torch.int32)
+
+
+def real_keys(kv_valid, block_kv: int, seq_kv: int) -> torch.Tensor:
+    """bool [Bv, Sk]: the keys kv_valid int32 [Bv, nk] marks real (the first kv_valid[b, j] of key block j)."""
+    within = torch.arange(seq_kv, device=kv_valid.device) % block_kv
+    return within < kv_valid.repeat_interleave(block_kv, -1)[..., :seq_kv]
+
+
 def expand(keep, block, seq_q, seq_kv):
     """The token mask [.., Sq, Sk] a block mask stands for."""
     while keep.ndim < 4:

@@ -7,7 +7,7 @@ import torch
 
 from blockattn import BlockSparsity
 from blockattn.sparsity import build_lists
-from conftest import DEVICE, make_generator, random_keep
+from conftest import DEVICE, make_generator, mostly_whole_kv_valid, random_keep, real_keys
 
 
 def lists_by_hand(keep):
@@ -73,25 +73,40 @@ def test_tile_view_keeps_every_tile_that_overlaps_a_kept_block():
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("block, tile", [((100, 72), (64, 32)), ((8, 40), (64, 32)), ((72, 88), (64, 64))])
-def test_full_first_tile_lists_put_the_tiles_needing_no_test_first(block, tile, is_causal):
-    """The kernels' full-first lists (kernels/README.md): per row, the tiles whose every element lies inside the
-    sequence and a kept block (and at or below the diagonal with is_causal) come first, ascending, then the other
-    kept tiles plus the tile count, ascending; the q lists the same with rows and columns swapped."""
+@pytest.mark.parametrize("with_kv_valid", [False, True])
+@pytest.mark.parametrize("block, tile", [((100, 72), (64, 32)), ((8, 40), (64, 32)), ((72, 88), (64, 64)),
+                                         ((64, 48), (64, 48)), ((64, 96), (64, 32))])
+def test_full_first_lists_put_the_tiles_needing_no_test_first(block, tile, with_kv_valid, is_causal):
+    """The kernels' full-first lists (kernels/README.md), over a tile view, the blocks themselves (64x48) or key
+    tiles inside them (64x96 on 64x32): per row, the tiles whose every element is visible (inside the sequence and
+    kept blocks, at or below the diagonal with is_causal, real keys only with kv_valid) come first, ascending, then
+    the other kept tiles plus the tile count, ascending; the q lists the same with rows and columns swapped. With
+    kv_valid, tiles holding no real key are left out, and a kv_valid per batch row gives lists per batch row over a
+    mask shared by the batch."""
     seq_q, seq_kv = 250, 230
-    keep = random_keep(2, 2, seq_q, seq_kv, block, density=0.85, seed=4)
+    keep = random_keep(1 if with_kv_valid else 2, 2, seq_q, seq_kv, block, density=0.85, seed=4)
     sparsity = BlockSparsity.from_mask(keep, block, seq_q, seq_kv)
     if is_causal:
         sparsity = sparsity.causal()
-    lists = sparsity.tiled_full_first(*tile, is_causal)
-    tile_keep = sparsity.tiled(*tile).mask
+    nk_blocks = math.ceil(seq_kv / block[1])
+    kv_valid = mostly_whole_kv_valid(2, nk_blocks, block[1], seed=5) if with_kv_valid else None
+    if with_kv_valid:
+        kv_valid[0, 1] = 1  # one real key: the block's first tile holds it, the others padding only
+    lists = sparsity.full_first(*tile, is_causal, kv_valid)
+    tile_keep = sparsity.tiled(*tile).mask.expand(2, -1, -1, -1)
     nq, nk = tile_keep.shape[-2:]
+    if with_kv_valid:
+        real = torch.zeros(2, nk * tile[1], dtype=torch.bool, device=DEVICE)
+        real[:, :seq_kv] = real_keys(kv_valid, block[1], seq_kv)
+        tile_keep = tile_keep & real.view(2, nk, tile[1]).any(-1)[:, None, None, :]
     token = keep.repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)[..., :seq_q, :seq_kv]
     if is_causal:
         token = token & torch.ones(seq_q, seq_kv, dtype=torch.bool, device=DEVICE).tril()
-    padded = torch.zeros(*token.shape[:2], nq * tile[0], nk * tile[1], dtype=torch.bool, device=DEVICE)
+    if with_kv_valid:
+        token = token & real_keys(kv_valid, block[1], seq_kv)[:, None, None, :]
+    padded = torch.zeros(2, 2, nq * tile[0], nk * tile[1], dtype=torch.bool, device=DEVICE)
     padded[..., :seq_q, :seq_kv] = token
-    full = padded.view(*token.shape[:2], nq, tile[0], nk, tile[1]).all(-1).all(-2)
+    full = padded.view(2, 2, nq, tile[0], nk, tile[1]).all(-1).all(-2)
     assert full.any() and (tile_keep & ~full).any(), "the case should hold both kinds of tile"
 
     def want_rows(kept, whole, columns):
@@ -101,6 +116,7 @@ def test_full_first_tile_lists_put_the_tiles_needing_no_test_first(block, tile, 
 
     for (count, index), kept, whole in (((lists.kv_count, lists.kv_index), tile_keep, full),
                                         (lists.q_lists(), tile_keep.transpose(-1, -2), full.transpose(-1, -2))):
+        assert count.shape[0] == 2
         columns = kept.shape[-1]
         got = [row[:n] for row, n in zip(index.reshape(-1, index.shape[-1]).tolist(), count.reshape(-1).tolist())]
         want = want_rows(kept.reshape(-1, columns).tolist(), whole.reshape(-1, columns).tolist(), columns)

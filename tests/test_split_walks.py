@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from blockattn.kernels import backward, forward
-from conftest import ON_GPU, expand, check_against_oracle, qkv, random_keep
+from conftest import ON_GPU, check_against_oracle, expand, mostly_whole_kv_valid, qkv, random_keep, real_keys
 from test_backward import assert_grads_close, grads, oracle_grads, upstream
 import blockattn
 
@@ -71,12 +71,48 @@ def test_gathered_masks_walk_their_full_tiles_untested(poisoned, monkeypatch, dq
     assert_grads_close(got, want, 1e-2, f"causal={is_causal} dq_mode={dq_mode}")
 
 
-def test_full_tiles_first_only_where_the_block_mask_is_the_only_test():
+# kv_valid's lists: the blocks themselves, key tiles of 64 inside wider blocks (those with no real key left out),
+# and the tile view of blocks no tile nests in
+KV_VALID_BLOCKS = {"blocks": (128, 64) if ON_GPU else (64, 32), "key tiles": (64, 256) if ON_GPU else (32, 128),
+                   "gathered": (100, 100) if ON_GPU else (72, 88)}
+
+
+@pytest.mark.parametrize("dq_mode", ["kernel", "atomic"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("lists", list(KV_VALID_BLOCKS))
+def test_kv_valid_walks_its_whole_tiles_untested(geometry, pinned, poisoned, monkeypatch, dq_mode, is_causal, lists):
+    """kv_valid (video tiles padded to the block): the kernels walk the kept tiles whose keys are all real first
+    and untested, the rest tested, per batch row (kv_valid [B, nk] over a mask shared by the batch), with ragged
+    lengths, an empty query block, a key block with no real key, and tiles narrower than the blocks (pinned)."""
+    monkeypatch.setattr(backward, "DQ_MODE_DEFAULT", dq_mode)
+    g = geometry
+    block = KV_VALID_BLOCKS[lists]
+    seq_q, seq_kv = g.seqs
+    q, k, v = qkv(2, g.heads, seq_q, g.dim, seq_kv=seq_kv, dtype=torch.float32, seed=34)
+    keep = random_keep(1, g.heads, seq_q, seq_kv, block, density=0.7, seed=6)
+    keep[0, 0, 1] = False  # an empty query block
+    kv_valid = mostly_whole_kv_valid(2, keep.shape[-1], block[1], seed=7)
+    kv_valid[1, 0] = 0
+    kv_valid[0, -1] = 1  # one real key in a tile, the block's other tiles padding only
+    visible = expand(keep, block, seq_q, seq_kv) & real_keys(kv_valid, block[1], seq_kv)[:, None, None, :]
+    out, lse = blockattn.attention(q, k, v, keep, block, is_causal=is_causal, kv_valid=kv_valid, return_lse=True,
+                                   backend="triton")
+    check_against_oracle(out, lse, q, k, v, visible, is_causal=is_causal)
+    grad_out = upstream(out.shape, torch.float32)
+    _, *got = grads(q, k, v, keep, block, grad_out=grad_out, is_causal=is_causal, kv_valid=kv_valid,
+                    backend="triton")
+    want = oracle_grads(q, k, v, visible, grad_out, is_causal=is_causal)
+    assert_grads_close(got, want, 1e-2, f"causal={is_causal} {lists} dq_mode={dq_mode}")
+
+
+def test_full_tiles_first_where_some_tiles_need_tests_and_the_lists_can_say_which():
     """forward.full_tiles_first decides FULL_TILES_FIRST (and blockattn.api the lists to match): a gathered block
-    mask with no token mask, kv_valid or packed batch beside it."""
+    mask or kv_valid, with no token mask or packed batch beside them."""
     mask = torch.ones(1, dtype=torch.uint8)
-    assert forward.full_tiles_first(mask, None, None, None)
-    assert not forward.full_tiles_first(None, None, None, None)
-    for extra in ({"token_mask": mask}, {"kv_valid": mask}, {"varlen": object()}):
-        args = {**dict(token_mask=None, kv_valid=None, varlen=None), **extra}
-        assert not forward.full_tiles_first(mask, **args), extra
+    assert forward.full_tiles_first(True, None, None, None)
+    assert forward.full_tiles_first(False, None, mask, None)
+    assert forward.full_tiles_first(True, None, mask, None)
+    assert not forward.full_tiles_first(False, None, None, None)
+    for gathered, kv_valid in ((True, None), (False, mask), (True, mask)):
+        assert not forward.full_tiles_first(gathered, mask, kv_valid, None)
+        assert not forward.full_tiles_first(gathered, None, kv_valid, object())

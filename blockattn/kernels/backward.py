@@ -212,7 +212,7 @@ def attention_bwd_dq_kernel(
 
 
 @triton.jit
-def _dkdv_walk(lo, hi, first, total, dk, dv, k, v, start_n, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
+def _dkdv_walk(lo, hi, first, dk, dv, k, v, start_n, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
                q_base, do_base, row_base, dq_base, index_row, block_offset, seq_q, seq_kv, q_start, off_b, off_h,
                kv_heads, group_size, scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK,
                KV_VALID, mask_block_q, mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
@@ -222,15 +222,16 @@ def _dkdv_walk(lo, hi, first, total, dk, dv, k, v, start_n, offs_n, offs_m0, off
                IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr, GATHER_BLOCK_MASK: tl.constexpr,
                HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr,
                DQ_MODE: tl.constexpr, TMA_LOADS: tl.constexpr):
-    """Steps lo..hi of the dK/dV kernel's walk over one query head's q list (entries: the blocks plus block_offset;
-    total steps, starting at step first and wrapping): dk [BN, BD] and dv [BN, BDV] after them (and, outside
-    DQ_MODE "kernel", their dQ shares added to DQ_ACC); the flags say which element tests these steps need."""
+    """Steps lo..hi of the dK/dV kernel's walk over one query head's q list (entries: the blocks plus block_offset),
+    visited from step lo + first on, wrapping from hi back to lo: dk [BN, BD] and dv [BN, BDV] after them (and,
+    outside DQ_MODE "kernel", their dQ shares added to DQ_ACC); the flags say which element tests these steps
+    need."""
     TILES_PER_BLOCK: tl.constexpr = BLOCK_Q // BLOCK_M
     MASKED: tl.constexpr = ((not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK != 0
                             or HAS_KV_VALID)
     for step in range(lo, hi):
         it = step + first
-        it = tl.where(it >= total, it - total, it)
+        it = tl.where(it >= hi, it - (hi - lo), it)
         q_block = tl.load(index_row + it // TILES_PER_BLOCK) - block_offset
         start_m = q_block * BLOCK_Q + (it % TILES_PER_BLOCK) * BLOCK_M
         offs_m = start_m + offs_m0
@@ -356,7 +357,7 @@ def attention_bwd_dkdv_kernel(
             tested = first_entry_at_or_after(
                 index_row, count, (start_n + BLOCK_N - 1 + BLOCK_Q - 1) // BLOCK_Q) * TILES_PER_BLOCK
             dk, dv = _dkdv_walk(
-                0, tested, 0, total, dk, dv, k, v, start_n, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
+                0, tested, 0, dk, dv, k, v, start_n, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
                 q_base, do_base, row_base, dq_base, index_row, 0, seq_q, seq_kv, q_start, off_b, off_h, kv_heads,
                 group_size, scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK, KV_VALID,
                 mask_block_q, mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_tb,
@@ -364,47 +365,45 @@ def attention_bwd_dkdv_kernel(
                 BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_Q, EVEN_KV, True, False, False, False, FP32_PRECISION, IS_VARLEN,
                 DQ_MODE, TMA_LOADS)
             dk, dv = _dkdv_walk(
-                tested, total, 0, total, dk, dv, k, v, start_n, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
+                tested, total, 0, dk, dv, k, v, start_n, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
                 q_base, do_base, row_base, dq_base, index_row, 0, seq_q, seq_kv, q_start, off_b, off_h, kv_heads,
                 group_size, scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK, KV_VALID,
                 mask_block_q, mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_tb,
                 stride_th, stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, BLOCK_Q, BLOCK_M,
                 BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_Q, EVEN_KV, False, False, False, False,
                 FP32_PRECISION, IS_VARLEN, DQ_MODE, TMA_LOADS)
-        elif FULL_TILES_FIRST:
-            # The full tiles first, without tests (from the diagonal's query block on, wrapping, as below), then the
-            # others, stored plus nq.
-            tested_offset = tl.cdiv(seq_q, BLOCK_Q)
-            full = first_entry_at_or_after(index_row, count, tested_offset)
-            plain = full * TILES_PER_BLOCK
-            first = first_entry_at_or_after(index_row, full, (kv_block * BLOCK_KV) // BLOCK_Q) * TILES_PER_BLOCK
+        else:
+            # Each walk starts at the query block on this key block's diagonal and wraps around within its part of
+            # the list (a fixed order: deterministic), so that programs of neighbouring key tiles do not all read
+            # the same query tile at once. FULL_TILES_FIRST: the full tiles first, without tests, then the others,
+            # stored plus nq.
+            diagonal = (kv_block * BLOCK_KV) // BLOCK_Q
+            if FULL_TILES_FIRST:
+                tested_offset = tl.cdiv(seq_q, BLOCK_Q)
+                full = first_entry_at_or_after(index_row, count, tested_offset)
+                plain = full * TILES_PER_BLOCK
+                first = first_entry_at_or_after(index_row, full, diagonal) * TILES_PER_BLOCK
+                dk, dv = _dkdv_walk(
+                    0, plain, first, dk, dv, k, v, start_n, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
+                    q_base, do_base, row_base, dq_base, index_row, 0, seq_q, seq_kv, q_start, off_b, off_h, kv_heads,
+                    group_size, scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK, KV_VALID,
+                    mask_block_q, mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_tb,
+                    stride_th, stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, BLOCK_Q, BLOCK_M,
+                    BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, True, False, False, 0, False, FP32_PRECISION,
+                    IS_VARLEN, DQ_MODE, TMA_LOADS)
+            else:
+                tested_offset = 0
+                full = 0
+                plain = 0
+            first = first_entry_at_or_after(index_row + full, count - full, diagonal + tested_offset) * TILES_PER_BLOCK
             dk, dv = _dkdv_walk(
-                0, plain, first, plain, dk, dv, k, v, start_n, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
-                q_base, do_base, row_base, dq_base, index_row, 0, seq_q, seq_kv, q_start, off_b, off_h, kv_heads,
-                group_size, scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK, KV_VALID,
-                mask_block_q, mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_tb,
-                stride_th, stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, BLOCK_Q, BLOCK_M, BLOCK_D,
-                BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, True, False, False, 0, False, FP32_PRECISION, IS_VARLEN,
-                DQ_MODE, TMA_LOADS)
-            dk, dv = _dkdv_walk(
-                plain, total, 0, total, dk, dv, k, v, start_n, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
+                plain, total, first, dk, dv, k, v, start_n, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
                 q_base, do_base, row_base, dq_base, index_row, tested_offset, seq_q, seq_kv, q_start, off_b, off_h,
                 kv_heads, group_size, scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK,
                 KV_VALID, mask_block_q, mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls,
                 stride_tb, stride_th, stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, BLOCK_Q,
                 BLOCK_M, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_Q, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK,
                 GATHER_BLOCK_MASK, HAS_KV_VALID, FP32_PRECISION, IS_VARLEN, DQ_MODE, TMA_LOADS)
-        else:
-            # Start at the query block on this key block's diagonal and wrap around (a fixed order: deterministic).
-            first = first_entry_at_or_after(index_row, count, (kv_block * BLOCK_KV) // BLOCK_Q) * TILES_PER_BLOCK
-            dk, dv = _dkdv_walk(
-                0, total, first, total, dk, dv, k, v, start_n, offs_n, offs_m0, offs_d, offs_dv, d_ok, dv_ok, dq_tile,
-                q_base, do_base, row_base, dq_base, index_row, 0, seq_q, seq_kv, q_start, off_b, off_h, kv_heads,
-                group_size, scale_log2, Q_DESC, DO_DESC, DQ_DESC, Lse2, Delta, TOKEN_MASK, BLOCK_MASK, KV_VALID,
-                mask_block_q, mask_block_kv, stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_tb,
-                stride_th, stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, BLOCK_Q, BLOCK_M, BLOCK_D,
-                BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_Q, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK,
-                HAS_KV_VALID, FP32_PRECISION, IS_VARLEN, DQ_MODE, TMA_LOADS)
     dk = dk * scale
     n_store = n_ok[:, None]
     tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hkv.to(tl.int64) * stride_dkh + keys * stride_dks
@@ -473,7 +472,8 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         even_kv = forward.whole_blocks(seq_kv, block_kv, packed)
         return dict(
             scale_log2=scale * LOG2E, scale=scale, seq_q=seq_q, seq_kv=seq_kv, group_size=heads // kv_heads,
-            mask_block_q=mask_block_q if gather else block_q, mask_block_kv=mask_block_kv if gather else block_kv,
+            mask_block_q=mask_block_q if gather else block_q,
+            mask_block_kv=mask_block_kv if gather or kv_valid is not None else block_kv,
             seq_bucket=autotune.seq_bucket(max(seq_q, seq_kv)),
             **stride_args("q", q, "bhsd"), **stride_args("k", k, "bhsd"), **stride_args("v", v, "bhsd"),
             **stride_args("do", grad_out, "bhsd"), **stride_args("l", lse, "bhs"),
@@ -485,7 +485,7 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
             HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather, HAS_KV_VALID=kv_valid is not None,
             FP32_PRECISION=fp32_precision(q.dtype, attention_bwd_dq_kernel), IS_VARLEN=packed,
             SPLIT_WALK=forward.split_walk(is_causal, even_kv, token_mask, block_mask, kv_valid),
-            FULL_TILES_FIRST=forward.full_tiles_first(block_mask, token_mask, kv_valid, varlen))
+            FULL_TILES_FIRST=forward.full_tiles_first(block_mask is not None, token_mask, kv_valid, varlen))
 
     if need_dq and not accumulate:
         def build_dq() -> launch.LaunchSpec:

@@ -51,17 +51,18 @@ def _log2_pv_max(QUANT_PV: tl.constexpr):
     return log2_max
 
 
-def only_block_tests(token_mask, kv_valid, varlen) -> bool:
-    """Nothing but the block mask, the causal diagonal and the sequences' ends needs an element test: no token mask,
-    no kv_valid, not a packed batch. blockattn.api then hands the kernels full-first tile lists for a gathered
-    block mask (BlockSparsity.tiled_full_first), and full_tiles_first tells the kernels so."""
-    return token_mask is None and kv_valid is None and varlen is None
+def full_first_lists(token_mask, varlen) -> bool:
+    """The tile lists can carry the full/partial split (DESIGN.md): no token mask (its elements vary inside any
+    tile) and not a packed batch (each sequence ends elsewhere while the lists are shared). blockattn.api builds
+    full-first lists (BlockSparsity.full_first) where this holds and full_tiles_first turns the kernels' flag on."""
+    return token_mask is None and varlen is None
 
 
-def full_tiles_first(block_mask, token_mask, kv_valid, varlen) -> bool:
-    """The kernels' FULL_TILES_FIRST flag: the lists are a gathered block mask's tile view and only_block_tests
-    holds, so they hold the tiles needing no test first."""
-    return block_mask is not None and only_block_tests(token_mask, kv_valid, varlen)
+def full_tiles_first(gathered: bool, token_mask, kv_valid, varlen) -> bool:
+    """The kernels' FULL_TILES_FIRST flag: some tiles need element tests and others none, because of a gathered
+    block mask (gathered: the lists are its tile view) or kv_valid, and full_first_lists holds; the lists then hold
+    the full tiles first."""
+    return (gathered or kv_valid is not None) and full_first_lists(token_mask, varlen)
 
 
 @triton.jit
@@ -163,8 +164,8 @@ def attention_fwd_kernel(
     along the token stride (the batch strides are 0), seq_q / seq_kv are the longest lengths.
     TMA_LOADS: K and V tiles come through K_DESC / V_DESC, host descriptors of K and V (kernels/tma.py).
     SPLIT_WALK: split_walk() on the host: the walk runs the tiles before the tested blocks without tests.
-    FULL_TILES_FIRST: full_tiles_first() on the host: the lists (a gathered mask's tile view) hold first the tiles
-    needing no test, then the others stored plus nk = cdiv(seq_kv, BLOCK_KV) (BlockSparsity.tiled_full_first).
+    FULL_TILES_FIRST: full_tiles_first() on the host: the lists hold first the tiles needing no test, then the
+    others stored plus nk = cdiv(seq_kv, BLOCK_KV) (BlockSparsity.full_first).
     QUANT_QK: Q and K are int8 (kernels/quant.py) with per-token scales Q_SCALE fp32 [B, H, Sq] and K_SCALE fp32
     [B, Hkv, Sk]; the scores are their int32 products times both scales, and the LSE gets Q_ROW_DOT fp32 [B, H, Sq]
     (strides as Q_SCALE's: each query's dot product with the keys' mean) times scale back. QUANT_PV: None, or V's
@@ -346,7 +347,8 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
     kv lists at (block_q, block_kv) granularity. block_mask (uint8 [Bm, Hm, nq', nk'] at mask_block_q x
     mask_block_kv) is given only when the lists are a tile view of a block shape no tile nests in; every
     element is then tested against it. token_mask: uint8, expanded to [B, H, Sq, Sk] (stride 0 broadcasts);
-    kv_valid: int32 [B|1, nk'] expanded to [B, nk'].
+    kv_valid: int32 [B|1, nk'] expanded to [B, nk'], per key block of mask_block_kv keys (without block_mask,
+    the lists' key blocks nest in those).
     varlen: a packed batch; q, k, v are then [1, H, T, D] views of "thd" tensors, and out / lse come back as
     [1, H, Tq, Dv] / [1, H, Tq] views of "thd"-ordered [Tq, H, Dv] / [Tq, H] buffers.
     quant: None, "int8", "int8-fp8" or "int8-int8": q and k are quantized per token first (kernels/quant.py: the
@@ -391,7 +393,7 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
         static = dict(
             kv_tiles, scale_log2=scale * LOG2E, seq_q=seq_q, seq_kv=seq_kv, num_heads=heads,
             group_size=heads // kv_heads, mask_block_q=mask_block_q if gather else block_q,
-            mask_block_kv=mask_block_kv if gather else block_kv, seq_bucket=autotune.seq_bucket(max(seq_q, seq_kv)),
+            mask_block_kv=mask_block_kv if gather or kv_valid is not None else block_kv, seq_bucket=autotune.seq_bucket(max(seq_q, seq_kv)),
             **stride_args("q", q, "bhsd"), **stride_args("k", k, "bhsd"), **stride_args("v", v, "bhsd"),
             **stride_args("o", out, "bhsd"), **stride_args("l", lse, "bhs"),
             **stride_args("c", kv_count, "bh"), **stride_args("i", kv_index, "bhq"),
@@ -403,7 +405,7 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
             IS_CAUSAL=bool(is_causal), HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather,
             HAS_KV_VALID=kv_valid is not None, FP32_PRECISION=precision,
             IS_VARLEN=packed, SPLIT_WALK=split_walk(is_causal, even_kv, token_mask, block_mask, kv_valid),
-            FULL_TILES_FIRST=full_tiles_first(block_mask, token_mask, kv_valid, varlen),
+            FULL_TILES_FIRST=full_tiles_first(block_mask is not None, token_mask, kv_valid, varlen),
             QUANT_QK=quant is not None, QUANT_PV=pv_format)
         return launch.LaunchSpec(
             grid=lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), *launch.batch_head_axes(batch, heads)),

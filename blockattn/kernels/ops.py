@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 from .backward import attention_backward
-# blockattn.api reads PV_FORMATS, PV_MIN_TILE_KV and only_block_tests from here
-from .forward import PV_FORMATS, PV_MIN_TILE_KV, attention_forward, only_block_tests, output_buffers  # noqa: F401
+# blockattn.api reads PV_FORMATS, PV_MIN_TILE_KV and full_tiles_first from here
+from .forward import PV_FORMATS, PV_MIN_TILE_KV, attention_forward, full_tiles_first, output_buffers  # noqa: F401
 from .varlen import Varlen
 
 

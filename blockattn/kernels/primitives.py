@@ -131,8 +131,15 @@ def element_keep(q_pos, k_pos, q_first, k_first, seq_q, seq_kv, off_b, off_h,
                             mask=in_bounds, other=0)
         keep = keep & (flags != 0)
     if HAS_KV_VALID:
-        valid = tl.load(KV_VALID + off_b.to(tl.int64) * stride_vb + k_pos // mask_block_kv, mask=in_kv, other=0)
-        keep = keep & ((k_pos % mask_block_kv) < valid)
+        valid_base = KV_VALID + off_b.to(tl.int64) * stride_vb
+        if GATHER_BLOCK_MASK == 0:
+            # The lists are the mask's own blocks, so the key tile lies in one key block: one count, no division
+            # per key (a tile past a ragged end still lies in the last block, so the load stays in range).
+            k_block = k_first // mask_block_kv
+            keep = keep & (k_pos - k_block * mask_block_kv < tl.load(valid_base + k_block))
+        else:
+            valid = tl.load(valid_base + k_pos // mask_block_kv, mask=in_kv, other=0)
+            keep = keep & ((k_pos % mask_block_kv) < valid)
     return keep
 
 
