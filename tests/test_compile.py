@@ -113,3 +113,32 @@ def test_a_compiled_packed_batch_with_its_longest_lengths_has_no_graph_break():
     compiled = torch.compile(blockattn.attention, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
     torch.testing.assert_close(compiled(q, k, v, keep, (32, 16), **kwargs),
                                blockattn.attention(q, k, v, keep, (32, 16), **kwargs), rtol=0, atol=0)
+
+
+def test_compiled_kv_valid_builds_its_lists_in_the_graph():
+    """kv_valid's full-first lists are built on each call from the tensor (BlockSparsity.full_first): under
+    torch.compile that happens inside the graph, with no graph break, and a new kv_valid needs no recompilation
+    and gives eager's results."""
+    seq, block = 200, (32, 128)
+    q, k, v = qkv(2, 2, seq, 32, dtype=torch.float32, seed=4)
+    blocks = blockattn.BlockSparsity.from_mask(random_keep(1, 2, seq, seq, block, density=0.6), block, seq, seq)
+
+    def step(q, k, v, kv_valid):
+        out = blockattn.attention(q, k, v, blocks, kv_valid=kv_valid, backend="triton")
+        return out * 2
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="inductor" if ON_GPU else "aot_eager")
+    for valid in ([[128, 72], [1, 128]], [[0, 128], [128, 5]]):
+        kv_valid = torch.tensor(valid, dtype=torch.int32, device=DEVICE)
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = compiled(*leaves, kv_valid)
+        out.sum().backward()
+        want_leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        want = step(*want_leaves, kv_valid)
+        want.sum().backward()
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        for got, expected in zip(leaves, want_leaves):
+            torch.testing.assert_close(got.grad, expected.grad, rtol=0, atol=0)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
