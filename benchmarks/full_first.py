@@ -7,9 +7,11 @@ Cases:
             with kv_valid's lists over key tiles of 128 and 256 keys (the package's: 64);
   kv_valid  the design shape (B1 H24 S32768 D128, 128x128 blocks, d=0.25) with kv_valid marking 90% of the key
             blocks whole and the rest half real, against the same mask without kv_valid (and key tiles of 128);
-  8x128     torch_npu's 8x128 blocks (B1 H16 S16384, d=0.25), where about 1% of the tiles are full.
+  video64   the same with FastVideo's default tile 4x4x4 (64-token blocks: no key tile to drop);
+  8x128     torch_npu's 8x128 blocks (B1 H16 S16384, d=0.25), where about 1% of the tiles are full;
+  lists     the GPU time of building kv_valid's lists for one call at the design shape.
 
-    python benchmarks/full_first.py [--cases video,kv_valid,8x128]
+    python benchmarks/full_first.py [--cases video,video64,kv_valid,8x128,lists]
 """
 
 from __future__ import annotations
@@ -90,8 +92,8 @@ def both_ways(call, leaves, widths=()) -> dict:
     return out
 
 
-def video_case(device):
-    grid, tile, heads, dim = (21, 45, 80), (4, 8, 8), 12, 128
+def video_case(device, tile=(4, 8, 8)):
+    grid, heads, dim = (21, 45, 80), 12, 128
     layout = TileLayout(grid, tile, device=device)
     topk = max(1, layout.num_tiles // 10)
     gen = torch.Generator(device=device).manual_seed(1)
@@ -102,10 +104,11 @@ def video_case(device):
     whole = (layout.valid == layout.tile_tokens).float().mean().item()
     print(f"video: grid {grid}, tile {tile}, {layout.num_tiles} tiles ({whole:.2f} whole), H{heads} D{dim}, "
           f"top-{topk}")
+    widths = (128, 256) if layout.tile_tokens > 128 else ()
     report("video_sparse_attention", both_ways(lambda: video_sparse_attention(q, k, v, topk, tile, **kwargs),
-                                               (q, k, v), widths=(128, 256)))
+                                               (q, k, v), widths=widths))
     report("video fine branch", both_ways(lambda: blockattn.attention(q, k, v, blocks, kv_valid=layout.valid),
-                                          (q, k, v), widths=(128, 256)))
+                                          (q, k, v), widths=widths))
 
 
 def kv_valid_case(device):
@@ -132,7 +135,22 @@ def narrow_case(device):
     report(f"8x128 {case.label}", both_ways(lambda: blockattn.attention(q, k, v, blocks), (q, k, v)))
 
 
-CASES = {"video": video_case, "kv_valid": kv_valid_case, "8x128": narrow_case}
+def list_cost(device):
+    """Time of building kv_valid's lists for one call (api._kernel_inputs with q lists), which kv_valid's calls pay
+    each time, at the design shape: do_bench's median, in ms."""
+    case = bench.Case(heads=24, kv_heads=24, seq=32768, block=(128, 128), density=0.25)
+    blocks = blockattn.BlockSparsity.from_mask(bench.block_mask(case, device), case.block, case.seq, case.seq)
+    kv_valid = torch.full((1, blocks.num_blocks[1]), 128, dtype=torch.int32, device=device)
+    kv_valid[0, -3:] = 64
+
+    def build():
+        lists, _ = api._kernel_inputs(blocks, False, 16, None, kv_valid, None)
+        return lists.q_lists()
+    print(f"kv_valid's lists at {case.label}: {time_ms(build):.3f} ms per call (do_bench)", flush=True)
+
+
+CASES = {"video": video_case, "video64": lambda device: video_case(device, (4, 4, 4)), "kv_valid": kv_valid_case,
+         "8x128": narrow_case, "lists": list_cost}
 
 
 def main():
