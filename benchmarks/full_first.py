@@ -11,7 +11,7 @@ Cases:
   8x128     torch_npu's 8x128 blocks (B1 H16 S16384, d=0.25), where about 1% of the tiles are full;
   lists     the GPU time of building kv_valid's lists for one call at the design shape.
 
-    python benchmarks/full_first.py [--cases video,video64,kv_valid,8x128,lists]
+    python benchmarks/full_first.py [--cases video,video64,kv_valid,8x128,lists] [--widths 128,256]
 """
 
 from __future__ import annotations
@@ -92,6 +92,9 @@ def both_ways(call, leaves, widths=()) -> dict:
     return out
 
 
+WIDTHS = (128, 256)  # --widths
+
+
 def video_case(device, tile=(4, 8, 8)):
     grid, heads, dim = (21, 45, 80), 12, 128
     layout = TileLayout(grid, tile, device=device)
@@ -104,7 +107,7 @@ def video_case(device, tile=(4, 8, 8)):
     whole = (layout.valid == layout.tile_tokens).float().mean().item()
     print(f"video: grid {grid}, tile {tile}, {layout.num_tiles} tiles ({whole:.2f} whole), H{heads} D{dim}, "
           f"top-{topk}")
-    widths = (128, 256) if layout.tile_tokens > 128 else ()
+    widths = WIDTHS if layout.tile_tokens > 128 else ()
     report("video_sparse_attention", both_ways(lambda: video_sparse_attention(q, k, v, topk, tile, **kwargs),
                                                (q, k, v), widths=widths))
     report("video fine branch", both_ways(lambda: blockattn.attention(q, k, v, blocks, kv_valid=layout.valid),
@@ -156,7 +159,10 @@ CASES = {"video": video_case, "video64": lambda device: video_case(device, (4, 4
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--widths", default="128,256", help="kv_valid key-tile widths the video case also times")
     args = parser.parse_args()
+    global WIDTHS
+    WIDTHS = tuple(int(w) for w in args.widths.split(",") if w)
     print(bench.environment())
     for name in args.cases.split(","):
         CASES[name](torch.device("cuda"))

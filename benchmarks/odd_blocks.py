@@ -48,8 +48,8 @@ def tile_view(tile_q: int, tile_kv: int):
     def forced(sparsity, is_causal, min_tile_kv=16, token_mask=None, kv_valid=None, varlen=None):
         if is_causal:
             sparsity = sparsity.causal()
-        full_first = forward.full_tiles_first(True, token_mask, kv_valid, varlen)
-        tiles = (sparsity.full_first(tile_q, tile_kv, is_causal, kv_valid) if full_first
+        full_first = forward.full_tiles_first(True, False, token_mask, kv_valid, varlen)
+        tiles = (sparsity.full_first(tile_q, tile_kv, is_causal) if full_first
                  else sparsity.tiled(tile_q, tile_kv))
         return tiles, sparsity.mask.to(torch.uint8)
 

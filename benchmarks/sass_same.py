@@ -33,6 +33,9 @@ VARIANTS = [
     ("dkdv", {"IS_VARLEN": True, "HAS_TOKEN_MASK": True, "EVEN_Q": False}, None, False),
     ("fwd", {}, "int8", True), ("fwd", {}, "int8-fp8", False),
     ("fwd", {"GATHER_BLOCK_MASK": 1, "HAS_KV_VALID": True}, "int8-int8", False),
+    # kv_valid over key tiles split from its blocks (api.KV_VALID_TILE_KV): full tiles first, a count per tile
+    ("fwd", {"HAS_KV_VALID": True, "FULL_TILES_FIRST": True, "BLOCK_KV": 64, "EVEN_KV": False}, None, True),
+    ("dkdv", {"HAS_KV_VALID": True, "FULL_TILES_FIRST": True, "BLOCK_KV": 64, "IS_CAUSAL": True}, None, True),
 ]
 
 

@@ -468,20 +468,19 @@ def _kernel_inputs(sparsity: BlockSparsity, is_causal: bool, min_tile_kv: int = 
         sparsity = sparsity.causal()
     block_q, block_kv = sparsity.block_size
     gathered = not (block_q % 16 == 0 and block_kv % min_tile_kv == 0)
-    full_first = _kernel_ops().full_tiles_first(gathered, token_mask, kv_valid, varlen)
     if not gathered:
-        if not full_first:
-            return sparsity, None
-        # (full_first without a gathered mask: kv_valid.) Key tiles of at most KV_VALID_TILE_KV keys that still nest
-        # in the blocks, so that those holding only padding drop out of the lists.
+        # kv_valid's lists go over key tiles of at most KV_VALID_TILE_KV keys that still nest in the blocks, so that
+        # those holding only padding drop out of the lists.
         tile_kv = block_kv
-        while tile_kv > KV_VALID_TILE_KV and tile_kv % (2 * min_tile_kv) == 0:
+        while kv_valid is not None and tile_kv > KV_VALID_TILE_KV and tile_kv % (2 * min_tile_kv) == 0:
             tile_kv //= 2
-        return sparsity.full_first(block_q, tile_kv, is_causal, kv_valid), None
+        if _kernel_ops().full_tiles_first(False, tile_kv < block_kv, token_mask, kv_valid, varlen):
+            return sparsity.full_first(block_q, tile_kv, is_causal, kv_valid), None
+        return sparsity, None
     tile_q, tile_kv = (min(64, _tile_side(sparsity.seq_q)), max(min_tile_kv, min(64, _tile_side(sparsity.seq_kv))))
     mask = sparsity.mask.to(torch.uint8)
-    if full_first:
-        return sparsity.full_first(tile_q, tile_kv, is_causal, kv_valid), mask
+    if _kernel_ops().full_tiles_first(True, False, token_mask, kv_valid, varlen):
+        return sparsity.full_first(tile_q, tile_kv, is_causal), mask
     return sparsity.tiled(tile_q, tile_kv), mask
 
 

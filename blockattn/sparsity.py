@@ -82,12 +82,22 @@ def build_lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _full_first_lists(keep: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """build_lists(keep) with each row's full columns first and the others stored plus the column count C, both
-    groups ascending (so the whole kept part is ascending). keep, full: bool [..., R, C], full within keep."""
+    groups ascending (so the whole kept part is ascending); the dropped columns follow. keep, full: bool
+    [..., R, C], full within keep. Each column's slot comes from running counts, with no sort (these lists are
+    rebuilt on every call that gives kv_valid)."""
     columns = keep.shape[-1]
     column = torch.arange(columns, device=keep.device, dtype=torch.int32)
-    key = torch.where(full, column, column + columns)
-    key = torch.where(keep, key, column + 2 * columns)  # dropped columns last
-    return keep.sum(-1, dtype=torch.int32).contiguous(), torch.sort(key, dim=-1).values.contiguous()
+    partial = keep & ~full
+
+    def running(flags):  # per column, how many of the row's columns up to it have the flag, less one
+        return flags.cumsum(-1, dtype=torch.int32) - 1
+    count = keep.sum(-1, dtype=torch.int32)
+    slot = torch.where(full, running(full),
+                       torch.where(partial, full.sum(-1, keepdim=True, dtype=torch.int32) + running(partial),
+                                   count.unsqueeze(-1) + running(~keep)))
+    index = torch.empty(keep.shape, device=keep.device, dtype=torch.int32)
+    index.scatter_(-1, slot.long(), torch.where(partial, column + columns, column).expand(keep.shape))
+    return count.contiguous(), index
 
 
 def _mask_from_lists(count: torch.Tensor, index: torch.Tensor, columns: int) -> torch.Tensor:
@@ -143,6 +153,7 @@ class BlockSparsity:
             raise ValueError(f"kv_count is on {kv_count.device} but kv_index is on {kv_index.device}")
         self.kv_count, self.kv_index, self._mask = _normal(kv_count), _normal(kv_index), _normal(_mask)
         self._cache: dict = {}
+        self._build_q_lists = None  # full_first's lists build their own q lists, when asked
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -218,7 +229,7 @@ class BlockSparsity:
     def q_lists(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per key block, the count int32 [Bm, Hm, nk] and ascending indices int32 [Bm, Hm, nk, nq] of the
         query blocks that kept it: the transpose of the kv lists, for the dK/dV walk."""
-        return self._derived("q_lists", lambda: build_lists(self.mask.transpose(-1, -2)))
+        return self._derived("q_lists", self._build_q_lists or (lambda: build_lists(self.mask.transpose(-1, -2))))
 
     def causal(self) -> "BlockSparsity":
         """The same mask without the blocks that lie wholly above the diagonal (key > query for every pair,
@@ -283,19 +294,37 @@ class BlockSparsity:
 
     def _full_first(self, tile_q: int, tile_kv: int, is_causal: bool,
                     kv_valid: Optional[torch.Tensor]) -> "BlockSparsity":
-        tiles, full = self._tiled(tile_q, tile_kv)
-        if is_causal:
-            smallest, _ = _difference_range(self.seq_q, self.seq_kv, (tile_q, tile_kv), self.device)  # query - key
-            full = full & (smallest >= 0)
-        keep = tiles.mask
+        keep, full = self._derived(("full_first_masks", tile_q, tile_kv, is_causal),
+                                   lambda: self._full_first_masks(tile_q, tile_kv, is_causal))
         if kv_valid is not None:
             some, every = _real_key_tiles(kv_valid, self.block_size[1], self.seq_kv, tile_kv)
             keep = keep & some[:, None, None, :]
-            full = full & keep & every[:, None, None, :]
+            full = full & every[:, None, None, :] & keep
         kv_count, kv_index = _full_first_lists(keep, full)
         lists = BlockSparsity(kv_count, kv_index, (tile_q, tile_kv), self.seq_q, self.seq_kv, _mask=keep)
-        lists._cache["q_lists"] = _full_first_lists(keep.transpose(-1, -2), full.transpose(-1, -2))
+        lists._build_q_lists = lambda: _full_first_lists(keep.transpose(-1, -2), full.transpose(-1, -2))
         return lists
+
+    def _full_first_masks(self, tile_q: int, tile_kv: int, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kept, full), bool [Bm, Hm, nq', nk'] over tile_q x tile_kv tiles, from the block mask alone: a tile is
+        kept if it overlaps a kept block, full if it lies inside the sequence and inside kept blocks only (and
+        with is_causal wholly at or below the diagonal). Tiles nesting in the blocks repeat the mask."""
+        (block_q, block_kv), device = self.block_size, self.device
+        if block_q % tile_q == 0 and block_kv % tile_kv == 0:
+            nq, nk = math.ceil(self.seq_q / tile_q), math.ceil(self.seq_kv / tile_kv)
+            keep = self.mask.repeat_interleave(block_q // tile_q, -2)[..., :nq, :]
+            keep = keep.repeat_interleave(block_kv // tile_kv, -1)[..., :nk].contiguous()
+            q_first, q_last = _spans(self.seq_q, tile_q, device)
+            k_first, k_last = _spans(self.seq_kv, tile_kv, device)
+            whole = (q_last - q_first + 1 == tile_q)[:, None] & (k_last - k_first + 1 == tile_kv)[None, :]
+            full = keep & whole
+        else:
+            tiles, full = self._tiled(tile_q, tile_kv)
+            keep = tiles.mask
+        if is_causal:
+            smallest, _ = _difference_range(self.seq_q, self.seq_kv, (tile_q, tile_kv), device)  # query - key
+            full = full & (smallest >= 0)
+        return keep, full
 
 
 def _real_key_tiles(kv_valid: torch.Tensor, block_kv: int, seq_kv: int,

@@ -117,8 +117,9 @@ def test_a_compiled_packed_batch_with_its_longest_lengths_has_no_graph_break():
 
 def test_compiled_kv_valid_builds_its_lists_in_the_graph():
     """kv_valid's full-first lists are built on each call from the tensor (BlockSparsity.full_first): under
-    torch.compile that happens inside the graph, with no graph break, and a new kv_valid needs no recompilation
-    and gives eager's results."""
+    torch.compile that happens inside the graph, with no graph break, and a new kv_valid value gives eager's
+    results without a recompilation (the first call fills the BlockSparsity's cache of the mask's own part, after
+    which the graph may compile once more)."""
     seq, block = 200, (32, 128)
     q, k, v = qkv(2, 2, seq, 32, dtype=torch.float32, seed=4)
     blocks = blockattn.BlockSparsity.from_mask(random_keep(1, 2, seq, seq, block, density=0.6), block, seq, seq)
@@ -130,7 +131,8 @@ def test_compiled_kv_valid_builds_its_lists_in_the_graph():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="inductor" if ON_GPU else "aot_eager")
-    for valid in ([[128, 72], [1, 128]], [[0, 128], [128, 5]]):
+    graphs = []
+    for valid in ([[128, 72], [1, 128]], [[0, 128], [128, 5]], [[128, 128], [64, 0]]):
         kv_valid = torch.tensor(valid, dtype=torch.int32, device=DEVICE)
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
         out = compiled(*leaves, kv_valid)
@@ -141,4 +143,5 @@ def test_compiled_kv_valid_builds_its_lists_in_the_graph():
         torch.testing.assert_close(out, want, rtol=0, atol=0)
         for got, expected in zip(leaves, want_leaves):
             torch.testing.assert_close(got.grad, expected.grad, rtol=0, atol=0)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[0] >= 1 and graphs[2] == graphs[1], graphs

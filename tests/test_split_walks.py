@@ -71,8 +71,8 @@ def test_gathered_masks_walk_their_full_tiles_untested(poisoned, monkeypatch, dq
     assert_grads_close(got, want, 1e-2, f"causal={is_causal} dq_mode={dq_mode}")
 
 
-# kv_valid's lists: the blocks themselves, key tiles of 64 inside wider blocks (those with no real key left out),
-# and the tile view of blocks no tile nests in
+# kv_valid's lists: the blocks themselves (every tile tested), key tiles of 64 inside wider blocks (full tiles
+# first, those with no real key left out), and the tile view of blocks no tile nests in (every tile tested)
 KV_VALID_BLOCKS = {"blocks": (128, 64) if ON_GPU else (64, 32), "key tiles": (64, 256) if ON_GPU else (32, 128),
                    "gathered": (100, 100) if ON_GPU else (72, 88)}
 
@@ -80,10 +80,12 @@ KV_VALID_BLOCKS = {"blocks": (128, 64) if ON_GPU else (64, 32), "key tiles": (64
 @pytest.mark.parametrize("dq_mode", ["kernel", "atomic"])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("lists", list(KV_VALID_BLOCKS))
-def test_kv_valid_walks_its_whole_tiles_untested(geometry, pinned, poisoned, monkeypatch, dq_mode, is_causal, lists):
-    """kv_valid (video tiles padded to the block): the kernels walk the kept tiles whose keys are all real first
-    and untested, the rest tested, per batch row (kv_valid [B, nk] over a mask shared by the batch), with ragged
-    lengths, an empty query block, a key block with no real key, and tiles narrower than the blocks (pinned)."""
+def test_kv_valid_matches_the_oracle_on_each_kind_of_list(geometry, pinned, poisoned, monkeypatch, dq_mode, is_causal,
+                                                          lists):
+    """kv_valid (video tiles padded to the block) per batch row (kv_valid [B, nk] over a mask shared by the batch),
+    with ragged lengths, an empty query block, a key block with no real key, a block with one real key, and tiles
+    narrower than the blocks (pinned). Over key tiles split from the blocks, the kernels walk the kept tiles whose
+    keys are all real first and untested and the rest tested; otherwise every tile is tested."""
     monkeypatch.setattr(backward, "DQ_MODE_DEFAULT", dq_mode)
     g = geometry
     block = KV_VALID_BLOCKS[lists]
@@ -107,12 +109,15 @@ def test_kv_valid_walks_its_whole_tiles_untested(geometry, pinned, poisoned, mon
 
 def test_full_tiles_first_where_some_tiles_need_tests_and_the_lists_can_say_which():
     """forward.full_tiles_first decides FULL_TILES_FIRST (and blockattn.api the lists to match): a gathered block
-    mask or kv_valid, with no token mask or packed batch beside them."""
+    mask without kv_valid, or kv_valid over key tiles split from its blocks, with no token mask or packed batch
+    beside them."""
     mask = torch.ones(1, dtype=torch.uint8)
-    assert forward.full_tiles_first(True, None, None, None)
-    assert forward.full_tiles_first(False, None, mask, None)
-    assert forward.full_tiles_first(True, None, mask, None)
-    assert not forward.full_tiles_first(False, None, None, None)
-    for gathered, kv_valid in ((True, None), (False, mask), (True, mask)):
-        assert not forward.full_tiles_first(gathered, mask, kv_valid, None)
-        assert not forward.full_tiles_first(gathered, None, kv_valid, object())
+    assert forward.full_tiles_first(True, False, None, None, None)
+    assert forward.full_tiles_first(False, True, None, mask, None)
+    assert not forward.full_tiles_first(False, False, None, mask, None)  # kv_valid over the blocks themselves
+    assert not forward.full_tiles_first(True, False, None, mask, None)  # kv_valid and a gathered mask
+    assert not forward.full_tiles_first(False, False, None, None, None)
+    assert not forward.full_tiles_first(False, True, None, None, None)
+    for gathered, key_tiles, kv_valid in ((True, False, None), (False, True, mask)):
+        assert not forward.full_tiles_first(gathered, key_tiles, mask, kv_valid, None)
+        assert not forward.full_tiles_first(gathered, key_tiles, None, kv_valid, object())

@@ -14,7 +14,8 @@ from .forward import (LOG2E, TUNING_KEY, fp32_precision, head_dims, optional_ten
                       strides)
 from .varlen import Varlen
 from .primitives import (batch_and_head, dot, element_keep, first_entry_at_or_after, gather_mode, kv_list_start,
-                         kv_list_tiles, kv_walk_split, load_tile_or_box, query_tile_program, sequence_span)
+                         kv_list_tiles, kv_walk_split, load_tile_or_box, needs_element_tests, query_tile_program,
+                         sequence_span)
 
 # How the backward produces dQ:
 #   "kernel": a separate dQ kernel walks the kv lists and recomputes P and dP (7 tile products per tile pair in
@@ -100,8 +101,7 @@ def _dq_walk(lo, hi, dq, q, do, lse2, delta, start_m, offs_m, index_row, block_o
              FP32_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr):
     """Steps lo..hi of the dQ kernel's walk over a kv list (entries: the blocks plus block_offset): dq [BM, BD]
     (unscaled) after them; the flags say which element tests these steps need."""
-    MASKED: tl.constexpr = ((not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK != 0
-                            or HAS_KV_VALID)
+    MASKED: tl.constexpr = needs_element_tests(EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK, HAS_KV_VALID)
     for it in range(lo, hi):
         start_n, offs_n, k, v = kv_list_tiles(
             it, index_row, block_offset, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base, stride_ks,
@@ -227,8 +227,7 @@ def _dkdv_walk(lo, hi, first, dk, dv, k, v, start_n, offs_n, offs_m0, offs_d, of
     outside DQ_MODE "kernel", their dQ shares added to DQ_ACC); the flags say which element tests these steps
     need."""
     TILES_PER_BLOCK: tl.constexpr = BLOCK_Q // BLOCK_M
-    MASKED: tl.constexpr = ((not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK != 0
-                            or HAS_KV_VALID)
+    MASKED: tl.constexpr = needs_element_tests(EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK, HAS_KV_VALID)
     for step in range(lo, hi):
         it = step + first
         it = tl.where(it >= hi, it - (hi - lo), it)
@@ -485,7 +484,8 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
             HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather, HAS_KV_VALID=kv_valid is not None,
             FP32_PRECISION=fp32_precision(q.dtype, attention_bwd_dq_kernel), IS_VARLEN=packed,
             SPLIT_WALK=forward.split_walk(is_causal, even_kv, token_mask, block_mask, kv_valid),
-            FULL_TILES_FIRST=forward.full_tiles_first(block_mask is not None, token_mask, kv_valid, varlen))
+            FULL_TILES_FIRST=forward.full_tiles_first(block_mask is not None, mask_block_kv > block_kv, token_mask,
+                                                      kv_valid, varlen))
 
     if need_dq and not accumulate:
         def build_dq() -> launch.LaunchSpec:

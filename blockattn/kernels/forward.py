@@ -12,7 +12,7 @@ import triton.language as tl
 from . import autotune, buffers, launch, tma
 from .quant import quantize_columns, quantize_rows
 from .primitives import (dot, element_keep, gather_mode, int32_to_float, kv_list_start, kv_list_tiles, kv_walk_split,
-                         query_tile_program, round_to_int8, to_float8)
+                         needs_element_tests, query_tile_program, round_to_int8, to_float8)
 from .varlen import Varlen
 
 LOG2E = 1.4426950408889634
@@ -51,18 +51,19 @@ def _log2_pv_max(QUANT_PV: tl.constexpr):
     return log2_max
 
 
-def full_first_lists(token_mask, varlen) -> bool:
-    """The tile lists can carry the full/partial split (DESIGN.md): no token mask (its elements vary inside any
-    tile) and not a packed batch (each sequence ends elsewhere while the lists are shared). blockattn.api builds
-    full-first lists (BlockSparsity.full_first) where this holds and full_tiles_first turns the kernels' flag on."""
-    return token_mask is None and varlen is None
-
-
-def full_tiles_first(gathered: bool, token_mask, kv_valid, varlen) -> bool:
-    """The kernels' FULL_TILES_FIRST flag: some tiles need element tests and others none, because of a gathered
-    block mask (gathered: the lists are its tile view) or kv_valid, and full_first_lists holds; the lists then hold
-    the full tiles first."""
-    return (gathered or kv_valid is not None) and full_first_lists(token_mask, varlen)
+def full_tiles_first(gathered: bool, key_tiles: bool, token_mask, kv_valid, varlen) -> bool:
+    """The kernels' FULL_TILES_FIRST flag, which blockattn.api asks too to build the lists to match
+    (BlockSparsity.full_first): no token mask (its elements vary inside any tile) and not a packed batch (each
+    sequence ends elsewhere while the lists are shared), and either a gathered block mask (gathered: the lists are
+    its tile view, cached on the BlockSparsity) without kv_valid, or kv_valid with the lists over key tiles split
+    from its wider blocks (key_tiles), so that padding-only tiles drop out. kv_valid's lists are rebuilt on every
+    call; over unsplit blocks or a gathered view that cost more than the untested walk saved (BENCHMARKS.md,
+    fourteenth session), so those keep the plain lists and test every tile."""
+    if token_mask is not None or varlen is not None:
+        return False
+    if kv_valid is None:
+        return gathered
+    return key_tiles and not gathered
 
 
 @triton.jit
@@ -83,8 +84,7 @@ def _forward_walk(lo, hi, m_i, l_i, acc, q, start_m, offs_m, index_row, block_of
     vector [BM] (each query's scale times scale * log2(e)) instead of a scalar. QUANT_PV "fp8": V is float8 e4m3
     and P is too, scaled by FP8_MAX; "int8": V is int8 and P is too, scaled by INT8_MAX and rounded to an integer
     (l_i and acc carry that factor)."""
-    MASKED: tl.constexpr = ((not EVEN_KV) or IS_CAUSAL or HAS_TOKEN_MASK or GATHER_BLOCK_MASK != 0
-                            or HAS_KV_VALID)
+    MASKED: tl.constexpr = needs_element_tests(EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK, HAS_KV_VALID)
     for it in range(lo, hi):
         start_n, offs_n, k, v = kv_list_tiles(
             it, index_row, block_offset, seq_kv, kv_start, off_b, off_hkv, K_DESC, V_DESC, k_base, v_base, stride_ks,
@@ -405,7 +405,8 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
             IS_CAUSAL=bool(is_causal), HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather,
             HAS_KV_VALID=kv_valid is not None, FP32_PRECISION=precision,
             IS_VARLEN=packed, SPLIT_WALK=split_walk(is_causal, even_kv, token_mask, block_mask, kv_valid),
-            FULL_TILES_FIRST=full_tiles_first(block_mask is not None, token_mask, kv_valid, varlen),
+            FULL_TILES_FIRST=full_tiles_first(block_mask is not None, mask_block_kv > block_kv, token_mask, kv_valid,
+                                              varlen),
             QUANT_QK=quant is not None, QUANT_PV=pv_format)
         return launch.LaunchSpec(
             grid=lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), *launch.batch_head_axes(batch, heads)),

@@ -78,6 +78,12 @@ def gather_mode(block_mask, block_q: int, block_kv: int, mask_block_q: int, mask
     return GATHER_ELEMENTS.value
 
 
+@triton.constexpr_function
+def needs_element_tests(even_kv, is_causal, has_token_mask, gather_block_mask, has_kv_valid):
+    """Whether a walk's steps need element_keep at all (the walks' flags of that name); without, a plain loop."""
+    return (not even_kv) or is_causal or has_token_mask or gather_block_mask != 0 or has_kv_valid
+
+
 @triton.jit
 def element_keep(q_pos, k_pos, q_first, k_first, seq_q, seq_kv, off_b, off_h,
                  TOKEN_MASK, stride_tb, stride_th, stride_tq, stride_tk,
