@@ -6,8 +6,9 @@ lengths, an empty query block, and NaN-poisoned outputs."""
 import pytest
 import torch
 
+from blockattn import BlockSparsity, api
 from blockattn.kernels import backward, forward
-from conftest import ON_GPU, check_against_oracle, expand, mostly_whole_kv_valid, qkv, random_keep, real_keys
+from conftest import DEVICE, ON_GPU, check_against_oracle, expand, mostly_whole_kv_valid, qkv, random_keep, real_keys
 from test_backward import assert_grads_close, grads, oracle_grads, upstream
 import blockattn
 
@@ -121,3 +122,25 @@ def test_full_tiles_first_where_some_tiles_need_tests_and_the_lists_can_say_whic
     for gathered, key_tiles, kv_valid in ((True, False, None), (False, True, mask)):
         assert not forward.full_tiles_first(gathered, key_tiles, mask, kv_valid, None)
         assert not forward.full_tiles_first(gathered, key_tiles, None, kv_valid, object())
+
+
+@pytest.mark.parametrize("block, min_tile_kv, tile_kv", [((64, 256), 16, 64), ((64, 96), 16, 48), ((32, 128), 32, 64),
+                                                         ((64, 80), 16, None), ((64, 64), 16, None),
+                                                         ((32, 64), 32, None)])
+def test_kv_valid_lists_split_wider_blocks_into_key_tiles(block, min_tile_kv, tile_kv):
+    """api._kernel_inputs with kv_valid: key blocks wider than 64 are listed in key tiles of at most 64 that nest
+    in them (the block halved while the halves stay multiples of the narrowest key tile), full tiles first; other
+    blocks (None) keep the BlockSparsity's own lists, as every call without kv_valid does."""
+    seq = 300
+    sparsity = BlockSparsity.from_mask(random_keep(1, 2, seq, seq, block), block, seq, seq)
+    kv_valid = torch.full((1, sparsity.num_blocks[1]), block[1], dtype=torch.int32, device=DEVICE)
+    lists, gathered = api._kernel_inputs(sparsity, False, min_tile_kv, None, kv_valid, None)
+    assert gathered is None
+    if tile_kv is None:
+        assert lists is sparsity
+    else:
+        assert tuple(lists.block_size) == (block[0], tile_kv)
+        nk = -(-seq // tile_kv)
+        listed = lists.kv_index.gather(-1, (lists.kv_count - 1).clamp_min(0).long().unsqueeze(-1))
+        assert (listed >= nk).any(), "the ragged last key tile is listed as tested, after the full ones"
+    assert api._kernel_inputs(sparsity, False, min_tile_kv)[0] is sparsity
