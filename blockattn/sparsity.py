@@ -251,16 +251,16 @@ class BlockSparsity:
 
     def full_first(self, tile_q: int, tile_kv: int, is_causal: bool,
                    kv_valid: Optional[torch.Tensor] = None) -> "BlockSparsity":
-        """The kernels' full-first lists (kernels/README.md) over tile_q x tile_kv tiles (the blocks themselves, or
-        tiled()'s view for block shapes no tile nests in): each kv list holds first, in ascending order, the *full*
-        tiles, whose every element is visible (inside the sequence, inside kept blocks only, with is_causal wholly
-        at or below the diagonal, and with kv_valid only keys below their block's valid count), so none needs a
-        test; then the other kept tiles, each stored plus the tile count nk, ascending too. The q lists
-        (q_lists()) hold the same with nq.
+        """The kernels' full-first lists (kernels/README.md) over tile_q x tile_kv tiles (the blocks themselves,
+        tiles nested in them, or tiled()'s view for block shapes no tile nests in): each kv list holds first, in
+        ascending order, the *full* tiles, whose every element is visible (inside the sequence, inside kept blocks
+        only, with is_causal wholly at or below the diagonal, and with kv_valid only keys below their block's valid
+        count), so none needs a test; then the other kept tiles, each stored plus the tile count nk, ascending too.
+        The q lists (q_lists(), built when first asked) hold the same with nq.
 
         kv_valid: int32 [Bv, nk] as attention() takes it (keys per key block that are real). Tiles with no real key
-        are left out (they add nothing), the lists have Bv batch rows, and they are built on each call rather than
-        cached, since kv_valid changes between calls.
+        are left out (they add nothing), the lists have max(Bm, Bv) batch rows, and they are built on each call
+        rather than cached, since kv_valid changes between calls (the mask-only part is cached).
         Kernel input only: these lists are not a BlockSparsity's usual ones."""
         if kv_valid is not None:
             with _outside_inference_mode():
