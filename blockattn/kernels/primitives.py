@@ -139,8 +139,9 @@ def element_keep(q_pos, k_pos, q_first, k_first, seq_q, seq_kv, off_b, off_h,
     if HAS_KV_VALID:
         valid_base = KV_VALID + off_b.to(tl.int64) * stride_vb
         if GATHER_BLOCK_MASK == 0:
-            # The lists are the mask's own blocks, so the key tile lies in one key block: one count, no division
-            # per key (a tile past a ragged end still lies in the last block, so the load stays in range).
+            # The lists are the mask's own blocks or key tiles nested in them (api._kernel_inputs), so the key tile
+            # lies in one key block: one count, no division per key (a tile past a ragged end still lies in the
+            # last block, so the load stays in range).
             k_block = k_first // mask_block_kv
             keep = keep & (k_pos - k_block * mask_block_kv < tl.load(valid_base + k_block))
         else:
