@@ -336,6 +336,23 @@ def site_key(block_q: int, block_kv: int, scale: float, is_causal: bool, token_m
             launch.MAX_GRID_AXIS)
 
 
+def warp_specialized_plan(q, k, v, block_q: int, block_kv: int, is_causal: bool, token_mask, block_mask, kv_valid,
+                          varlen, quant):
+    """(module, plan) when the warp-specialized Gluon forward (kernels/forward_ws.py) runs this call, else None:
+    compiled Triton on a CUDA tensor, descriptor loads allowed (tma.TMA_LOADS), a Triton with Gluon's Hopper ops,
+    and forward_ws.plan's conditions."""
+    if not q.is_cuda or not tma.TMA_LOADS or autotune.is_interpreted(attention_fwd_kernel):
+        return None
+    try:
+        from . import forward_ws
+    except ImportError:  # a Triton without Gluon's Hopper module
+        return None
+    chosen = forward_ws.plan(q, k, v, block_q, block_kv, is_causal=is_causal, token_mask=token_mask,
+                             block_mask=block_mask, kv_valid=kv_valid, varlen=varlen, quant=quant,
+                             min_work=tma.MIN_DESCRIPTOR_WORK)
+    return None if chosen is None else (forward_ws, chosen)
+
+
 def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, scale: float,
                       token_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                       block_mask: Optional[torch.Tensor] = None, mask_block_q: int = 0, mask_block_kv: int = 0,
@@ -356,6 +373,12 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
     share back; "int8-fp8" / "int8-int8" also round V per channel and P to float8 e4m3 / int8 for P @ V."""
     packed = varlen is not None
     out, lse = output_buffers(q, v.shape[-1], packed)
+    warp_specialized = warp_specialized_plan(q, k, v, block_q, block_kv, is_causal, token_mask, block_mask, kv_valid,
+                                             varlen, quant)
+    if warp_specialized is not None:
+        module, chosen = warp_specialized
+        module.attention_forward_ws(q, k, v, kv_count, kv_index, block_q, block_kv, scale * LOG2E, out, lse, chosen)
+        return out, lse
     q_scale = k_scale = row_dot = v_scale = None
     pv_format = PV_FORMATS.get(quant)
     if pv_format is not None:

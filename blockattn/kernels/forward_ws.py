@@ -1,0 +1,299 @@
+"""The warp-specialized forward for Hopper, written in Gluon: FlashAttention-3's structure over blockattn's kv lists.
+
+One program takes a 128-row query tile of one (batch, head). A loader warp reads the tile's two 64-row halves of Q
+and then each kept key tile's K and V into a ring of shared-memory stages through TMA; two consumer warpgroups each
+own one half, with their scores and accumulator in registers (wgmma). Each consumer issues the next key tile's
+Q K^T together with this tile's P V, so the tensor cores run both while it computes the softmax of the tile before
+(kernels/README.md, "The warp-specialized forward"). Measured on the H200 at B1 H24 S32768 D128, density 0.25:
+5.22 ms against 6.08 ms for the Triton forward and 7.76 ms for FlexAttention (BENCHMARKS.md, fifteenth session).
+
+It covers the plain walk only: no element tests (no causal diagonal, token mask, kv_valid, gathered block mask,
+sequence end inside a key tile), bf16 or fp16, head dim 128, blocks whose query side holds whole 128-row tiles.
+`plan()` says whether a call qualifies; forward.attention_forward runs the Triton forward otherwise. Triton's
+interpreter cannot run Gluon, so on the CPU the tests compile this kernel for sm_90 without running it; the GPU
+tests run it against the fp64 oracle.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from . import launch
+
+# Whether attention_forward may take this kernel (benchmarks switch it off to time the Triton forward).
+ENABLED = True
+# Query rows per consumer warpgroup (4 warps x 16 rows of a wgmma) and per program (two consumers).
+CONSUMER_ROWS = 64
+TILE_Q = 2 * CONSUMER_ROWS
+HEAD_DIM = 128
+# Key tile width -> ring stages: as many as Hopper's 227 KiB of shared memory per program allows (Q takes 32 KiB,
+# a stage 2 * width * 128 * 2 bytes). 128 keys x 3 stages measured 5.22 ms against 5.88 with 2 stages; 64 keys
+# (128x64 blocks) x 4 stages 5.81 ms against 5.92 with 5 (d=0.25).
+STAGES = {128: 3, 64: 4}
+# Registers per thread for a consumer warpgroup and for the loader (setmaxnreg; the default partition, the first
+# consumer, gets what the 168-register launch bound leaves: 168 * 12 warps = 240 + 240 + 24 per warpgroup).
+CONSUMER_REGS = 240
+LOADER_REGS = 24
+MAX_REGS = 168
+
+_ROWS = gl.constexpr(CONSUMER_ROWS)
+_LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _program(heads, group_size, BLOCK_Q: gl.constexpr):
+    """(off_b, off_h, off_hkv, start_m, q_block) of this program; the head order of primitives.query_tile_program
+    (consecutive programs take different kv heads)."""
+    pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)
+    off_b = pid_bh // heads
+    kv_heads = heads // group_size
+    slot = pid_bh % heads
+    off_h = (slot % kv_heads) * group_size + slot // kv_heads
+    start_m = gl.program_id(0) * (2 * _ROWS)
+    return off_b, off_h, off_h // group_size, start_m, start_m // BLOCK_Q
+
+
+@gluon.jit
+def _consumer(Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
+              KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
+              stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+              HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr):
+    """Query rows HALF*64 .. HALF*64+63 of the program's tile: the online softmax over the kv list, then Out
+    [B, H, Sq, 128] and Lse fp32 [B, H, Sq] (natural log; -inf and zeros for a row whose list is empty)."""
+    off_b, off_h, off_hkv, start_m, q_block = _program(heads, group_size, BLOCK_Q)
+    total = gl.load(KV_COUNT + off_b * stride_cb + off_h * stride_ch + q_block) * (BLOCK_KV // BLOCK_N)
+    dtype: gl.constexpr = Q_DESC.dtype
+    HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    m_i = gl.full([_ROWS], float("-inf"), gl.float32, row_s)  # running max of scaled scores, log2 units
+    l_i = gl.zeros([_ROWS], gl.float32, row_s)
+    acc = gl.zeros([_ROWS, HEAD_DIM], gl.float32, o_layout)
+    s_zero = gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout)
+    q = q_smem.index(HALF).reshape([_ROWS, HEAD_DIM])
+    mbarrier.wait(q_ready, 0)
+    if total > 0:
+        mbarrier.wait(k_ready.index(0), 0)
+        qk = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero, use_acc=False,
+                           is_async=True)
+        qk = warpgroup_mma_wait(0, deps=(qk, ))
+        m_i = gl.max(qk, 1) * scale_log2
+        p = gl.exp2(qk * scale_log2 - m_i[:, None])
+        l_i = gl.sum(p, 1)
+        p_prev = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(1, total):
+            stage = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            qk = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                               use_acc=False, is_async=True)
+            acc = warpgroup_mma(p_prev, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            qk = warpgroup_mma_wait(1, deps=(qk, ))  # this tile's scores; the previous tile's P V may still run
+            m_new = gl.maximum(m_i, gl.max(qk, 1) * scale_log2)
+            p = gl.exp2(qk * scale_log2 - m_new[:, None])
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            p_next = gl.convert_layout(p.to(dtype), p_layout)
+            # p_prev rides through the wait so its registers stay untouched until the product reading them is done
+            acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+            mbarrier.arrive(kv_empty.index(prev), count=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p_prev = p_next
+            m_i = m_new
+        last = (total - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((total - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p_prev, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+        mbarrier.arrive(kv_empty.index(last), count=1)
+
+    seen = l_i > 0
+    l_safe = gl.where(seen, l_i, 1.0)
+    out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    lse = gl.where(seen, (m_i + gl.log2(l_safe)) / _LOG2E, float("-inf"))
+    first_row = start_m + HALF * _ROWS
+    rows_o = first_row + gl.arange(0, _ROWS, row_o)
+    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
+    o_ptrs = (Out + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
+              + rows_o.to(gl.int64)[:, None] * stride_os + cols[None, :])
+    gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(rows_o < seq_q)[:, None])
+    rows_s = first_row + gl.arange(0, _ROWS, row_s)
+    gl.store(Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows_s, lse,
+             mask=rows_s < seq_q)
+
+
+@gluon.jit
+def _loader(Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
+            KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
+            stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+            HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.constexpr,
+            STAGES: gl.constexpr):
+    """One warp: the tile's two halves of Q, then each kept key tile's K and V into the ring, a stage once both
+    consumers have released it. (Same parameters as _consumer: Gluon's worker partitions share one signature.)"""
+    off_b, off_h, off_hkv, start_m, q_block = _program(heads, group_size, BLOCK_Q)
+    TILES_PER_BLOCK: gl.constexpr = BLOCK_KV // BLOCK_N
+    total = gl.load(KV_COUNT + off_b * stride_cb + off_h * stride_ch + q_block) * TILES_PER_BLOCK
+    index_row = KV_INDEX + off_b.to(gl.int64) * stride_ib + off_h.to(gl.int64) * stride_ih + q_block * stride_iq
+    mbarrier.expect(q_ready, 2 * Q_DESC.block_type.nbytes)
+    tma.async_copy_global_to_shared(Q_DESC, [off_b, off_h, start_m, 0], q_ready, q_smem.index(0))
+    tma.async_copy_global_to_shared(Q_DESC, [off_b, off_h, start_m + _ROWS, 0], q_ready, q_smem.index(1))
+    for j in range(total):
+        stage = j % STAGES
+        row = gl.load(index_row + j // TILES_PER_BLOCK) * BLOCK_KV + (j % TILES_PER_BLOCK) * BLOCK_N
+        # a fresh barrier counts as released in the phase before its first: the first round of stages goes at once
+        mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(stage), K_DESC.block_type.nbytes)
+        tma.async_copy_global_to_shared(K_DESC, [off_b, off_hkv, row, 0], k_ready.index(stage), k_smem.index(stage))
+        mbarrier.expect(v_ready.index(stage), V_DESC.block_type.nbytes)
+        tma.async_copy_global_to_shared(V_DESC, [off_b, off_hkv, row, 0], v_ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX, scale_log2, seq_q, heads,
+                            group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+                            stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                            BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.constexpr,
+                            STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    """Grid (cdiv(Sq, 128), launch.batch_head_axes(B, H)). Q_DESC / K_DESC / V_DESC: Gluon host descriptors of
+    q [B, H, Sq, 128], k and v [B, Hkv, Sk, 128] with boxes [1, 1, 64, 128] / [1, 1, BLOCK_N, 128]; KV_COUNT int32
+    [Bm, Hm, nq], KV_INDEX int32 [Bm, Hm, nq, L] (size-1 mask dims with stride 0), every listed block's keys below
+    Sk; Out [B, H, Sq, 128] (last dim contiguous), Lse fp32 [B, H, Sq] (last dim contiguous)."""
+    q_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2] + Q_DESC.block_type.shape, Q_DESC.layout)
+    k_smem = gl.allocate_shared_memory(K_DESC.dtype, [STAGES] + K_DESC.block_type.shape, K_DESC.layout)
+    v_smem = gl.allocate_shared_memory(V_DESC.dtype, [STAGES] + V_DESC.block_type.shape, V_DESC.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a stage
+    fence_async_shared()
+    FIRST: gl.constexpr = 0
+    SECOND: gl.constexpr = 1
+    # Gluon 3.6 wants each partition's arguments spelled out (a tuple built by concatenation loses its constexprs).
+    gl.warp_specialize([
+        (_consumer, (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
+                     KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib,
+                     stride_ih, stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                     FIRST, BLOCK_Q, BLOCK_KV, BLOCK_N, STAGES)),
+        (_consumer, (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
+                     KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib,
+                     stride_ih, stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                     SECOND, BLOCK_Q, BLOCK_KV, BLOCK_N, STAGES)),
+        (_loader, (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
+                   KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib,
+                   stride_ih, stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                   FIRST, BLOCK_Q, BLOCK_KV, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+
+class Plan(NamedTuple):
+    """The kernel's key tile width and ring stages for a qualifying call."""
+    block_n: int
+    stages: int
+
+
+def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_kv: int, *, is_causal: bool,
+         token_mask, block_mask, kv_valid, varlen, quant, min_work: int) -> Optional[Plan]:
+    """The plan when this kernel can run the forward of q [B, H, Sq, D], k / v [B, Hkv, Sk, D] over lists at
+    (block_q, block_kv), else None (the Triton forward runs): ENABLED, a Hopper GPU (compute capability 9.0, for
+    wgmma), and qualifies()."""
+    if not ENABLED or q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return None
+    return qualifies(q, k, v, block_q, block_kv, is_causal=is_causal, token_mask=token_mask, block_mask=block_mask,
+                     kv_valid=kv_valid, varlen=varlen, quant=quant, min_work=min_work)
+
+
+def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_kv: int, *, is_causal: bool,
+              token_mask, block_mask, kv_valid, varlen, quant, min_work: int) -> Optional[Plan]:
+    """plan()'s conditions on the call, whatever the device: no element tests (not is_causal, no token_mask,
+    block_mask, kv_valid or varlen, Sk a multiple of block_kv); no quant; bf16 or fp16 for all three; D = Dv = 128;
+    block_q a multiple of 128 and block_kv of 64; at least min_work of dense work (B * H * Sq * Sk * D: below it a
+    call is host-bound, and the Triton forward's launch plans cost less host time); every tensor's last dim
+    contiguous, its other strides and its start 16-byte aligned (TMA's rule). The plan: 128-key tiles when they
+    nest in block_kv, else 64."""
+    if is_causal or any(x is not None for x in (token_mask, block_mask, kv_valid, varlen, quant)):
+        return None
+    if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype):
+        return None
+    batch, heads, seq_q, dim = q.shape
+    seq_kv = k.shape[2]
+    if dim != HEAD_DIM or v.shape[-1] != HEAD_DIM or block_q % TILE_Q or block_kv % 64 or seq_kv % block_kv:
+        return None
+    if batch * heads * seq_q * seq_kv * dim < min_work:
+        return None
+    for t in (q, k, v):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+            return None
+    block_n = 128 if block_kv % 128 == 0 else 64
+    return Plan(block_n, STAGES[block_n])
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    """A Gluon host descriptor of t [B, H, S, D] with [1, 1, rows, D] boxes; rows past S read as zeros."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    box = [1, 1, rows, t.shape[-1]]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), box,
+                            gl.NVMMASharedLayout.get_default_for(box, dtype))
+
+
+def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, scale_log2: float, out, lse,
+                         chosen: Plan) -> None:
+    """Run the kernel into out [B, H, Sq, 128] and lse fp32 [B, H, Sq] (plan() said chosen)."""
+    batch, heads, seq_q, _ = q.shape
+    grid = (triton.cdiv(seq_q, TILE_Q), *launch.batch_head_axes(batch, heads))
+    attention_fwd_ws_kernel[grid](
+        _descriptor(q, CONSUMER_ROWS), _descriptor(k, chosen.block_n), _descriptor(v, chosen.block_n), out, lse,
+        kv_count, kv_index, scale_log2, seq_q, heads, heads // k.shape[1],
+        kv_count.stride(0), kv_count.stride(1), kv_index.stride(0), kv_index.stride(1), kv_index.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        BLOCK_Q=block_q, BLOCK_KV=block_kv, BLOCK_N=chosen.block_n, STAGES=chosen.stages,
+        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAX_REGS)
+
+
+def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat16):
+    """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
+    kernel for lists at (block_q, block_kv), with the launch's tile choice (plan()) and register settings."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    block_n = 128 if block_kv % 128 == 0 else 64
+    name, gl_dtype = ("bf16", gl.bfloat16) if dtype == torch.bfloat16 else ("fp16", gl.float16)
+
+    def desc(rows):
+        box = [1, 1, rows, HEAD_DIM]
+        layout = gl.NVMMASharedLayout.get_default_for(box, gl_dtype)
+        return f"tensordesc<{name}[{','.join(map(str, box))}],{layout!r}>"
+
+    constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, BLOCK_N=block_n, STAGES=STAGES[block_n],
+                     CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
+    signature = {}
+    for param in attention_fwd_ws_kernel.params:
+        if param.name in constants:
+            signature[param.name] = "constexpr"
+        elif param.name.endswith("_DESC"):
+            signature[param.name] = desc(CONSUMER_ROWS if param.name == "Q_DESC" else block_n)
+        else:
+            signature[param.name] = {"Out": f"*{name}", "Lse": "*fp32", "KV_COUNT": "*i32", "KV_INDEX": "*i32",
+                                     "scale_log2": "fp32"}.get(param.name, "i32")
+    source = GluonASTSource(attention_fwd_ws_kernel, signature, constants)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAX_REGS))

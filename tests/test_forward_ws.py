@@ -1,0 +1,177 @@
+"""The warp-specialized Gluon forward (kernels/forward_ws.py): which calls it takes, that it compiles for sm_90
+with its register split and within shared memory (on any machine), and on a GPU its output, LSE and the backward
+through them against the fp64 oracle. On the CPU the same cases must take the Triton forward (the interpreter
+cannot run Gluon) and meet the same oracle."""
+
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+import torch
+import triton
+
+import blockattn
+from blockattn.kernels import forward, forward_ws
+from conftest import DEVICE, ON_GPU, check_against_oracle, expand, oracle, qkv, random_keep
+
+
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, device="meta", dtype=dtype)
+
+
+QUALIFYING = dict(block_q=128, block_kv=128, is_causal=False, token_mask=None, block_mask=None, kv_valid=None,
+                  varlen=None, quant=None, min_work=0)
+
+
+def _qualifies(q=None, k=None, v=None, **changes):
+    q = q if q is not None else _meta(2, 4, 1000, 128)
+    k = k if k is not None else _meta(2, 2, 1024, 128)
+    v = v if v is not None else k
+    args = {**QUALIFYING, **changes}
+    return forward_ws.qualifies(q, k, v, args.pop("block_q"), args.pop("block_kv"), **args)
+
+
+def test_qualifying_calls_and_their_tiles():
+    assert _qualifies() == forward_ws.Plan(128, 3)
+    assert _qualifies(block_kv=64) == forward_ws.Plan(64, 4)
+    assert _qualifies(block_q=256, block_kv=256) == forward_ws.Plan(128, 3)
+    wide = _meta(2, 2, 1152, 128)
+    assert _qualifies(k=wide, block_kv=192) == forward_ws.Plan(64, 4)  # 128-key tiles do not nest in 192
+    assert _qualifies(q=_meta(2, 4, 1000, 128, dtype=torch.float16), k=_meta(2, 2, 1024, 128, dtype=torch.float16))
+    # bshd storage seen as bhsd: strides (S*H*D, D, H*D, 1), all 16-byte multiples
+    bshd = _meta(2, 1024, 4, 128).transpose(1, 2)
+    assert _qualifies(q=bshd, k=bshd) == forward_ws.Plan(128, 3)
+
+
+@pytest.mark.parametrize("change", [
+    dict(is_causal=True), dict(token_mask=object()), dict(block_mask=object()), dict(kv_valid=object()),
+    dict(varlen=object()), dict(quant="int8"), dict(block_q=64), dict(block_kv=32), dict(block_kv=96),
+    dict(min_work=2 * 4 * 1000 * 1024 * 128 + 1)])
+def test_calls_it_declines(change):
+    assert _qualifies(**change) is None, change
+
+
+@pytest.mark.parametrize("tensors", ["fp32", "mixed dtypes", "head dim 64", "value dim 64", "ragged keys",
+                                     "unaligned stride", "strided last dim", "unaligned start"])
+def test_tensors_it_declines(tensors):
+    q, k = _meta(2, 4, 1000, 128), _meta(2, 2, 1024, 128)
+    v = k
+    if tensors == "fp32":
+        q, k, v = (t.float() for t in (q, k, v))
+    elif tensors == "mixed dtypes":
+        v = _meta(2, 2, 1024, 128, dtype=torch.float16)
+    elif tensors == "head dim 64":
+        q, k, v = _meta(2, 4, 1000, 64), _meta(2, 2, 1024, 64), _meta(2, 2, 1024, 64)
+    elif tensors == "value dim 64":
+        v = _meta(2, 2, 1024, 64)
+    elif tensors == "ragged keys":  # the sequence's end inside a key block needs element tests
+        k = v = _meta(2, 2, 1000, 128)
+    elif tensors == "unaligned stride":  # rows 129 elements apart: 258 bytes, not a multiple of 16
+        k = v = _meta(2, 2, 1024, 129)[..., :128]
+    elif tensors == "strided last dim":
+        k = v = _meta(2, 2, 1024, 256)[..., ::2]
+    elif tensors == "unaligned start":
+        k = v = torch.empty(2 * 2 * 1024 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 2, 1024, 128)
+    assert _qualifies(q=q, k=k, v=v) is None, tensors
+
+
+def test_switched_off_or_off_hopper_it_declines(monkeypatch):
+    q = torch.empty(1, 2, 256, 128, device=DEVICE, dtype=torch.bfloat16)
+    args = {**QUALIFYING}
+    block_q, block_kv = args.pop("block_q"), args.pop("block_kv")
+    on_hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+    assert (forward_ws.plan(q, q, q, block_q, block_kv, **args) is not None) == on_hopper
+    monkeypatch.setattr(forward_ws, "ENABLED", False)
+    assert forward_ws.plan(q, q, q, block_q, block_kv, **args) is None
+
+
+def _resource_usage(compiled) -> str:
+    """cuobjdump's resource line (registers, local memory: spills) for a compiled kernel's cubin."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
+    return next(line for line in usage.splitlines() if "REG:" in line)
+
+
+@pytest.mark.parametrize("blocks, dtype", [((128, 128), torch.bfloat16), ((128, 64), torch.float16)])
+def test_compiles_for_sm90_with_its_register_split(blocks, dtype):
+    compiled = forward_ws.compile_sm90(*blocks, dtype)
+    ptx = compiled.asm["ptx"]
+    counts = set(int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))
+    assert {forward_ws.CONSUMER_REGS, forward_ws.LOADER_REGS} <= counts, counts
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    assert compiled.metadata.shared <= 227 * 1024
+    usage = _resource_usage(compiled)
+    assert "LOCAL:0" in usage, f"registers spill: {usage}"
+
+
+# ---------------------------------------------------------------- against the oracle
+
+CASES = {
+    # name: (batch, heads, kv_heads, seq_q, seq_kv, block, dtype, layout)
+    "128x128 bf16": (2, 4, 4, 2048, 2048, (128, 128), torch.bfloat16, "bhsd"),
+    "128x64 fp16, query tail": (1, 4, 4, 1000, 1024, (128, 64), torch.float16, "bhsd"),
+    "256x256 gqa": (1, 8, 2, 1024, 1024, (256, 256), torch.bfloat16, "bhsd"),
+    "bshd layout": (2, 2, 2, 1536, 1024, (128, 128), torch.bfloat16, "bshd"),
+}
+
+
+@pytest.fixture
+def warp_specialized_calls(monkeypatch) -> list:
+    """The plans the Gluon forward ran with from here on."""
+    calls = []
+    run = forward_ws.attention_forward_ws
+
+    def spy(*args):
+        calls.append(args[-1])
+        return run(*args)
+    monkeypatch.setattr(forward_ws, "attention_forward_ws", spy)
+    return calls
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_against_the_oracle_with_empty_rows(case, poisoned, warp_specialized_calls):
+    batch, heads, kv_heads, seq_q, seq_kv, block, dtype, layout = CASES[case]
+    if not ON_GPU:  # the interpreter's share: two query blocks (a tail kept), two key blocks, two heads at most
+        seq_q, seq_kv = 2 * block[0] - seq_q % 128 // 8, 2 * block[1]
+        heads, kv_heads = min(heads, 2 * kv_heads, 4), min(kv_heads, 2)
+    q, k, v = qkv(batch, heads, seq_q, 128, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
+    keep = random_keep(batch, heads, seq_q, seq_kv, block, density=0.3)
+    keep[:, :, 1] = False  # a query block that keeps nothing: zeros and LSE -inf
+    keep[0, 0] = False  # a head that keeps nothing at all
+    args = (q, k, v) if layout == "bhsd" else tuple(t.transpose(1, 2).contiguous().transpose(1, 2)
+                                                    for t in (q, k, v))
+    q, k, v = args
+    out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, backend="triton")
+    expected_plan = forward_ws.Plan(128, 3) if block[1] % 128 == 0 else forward_ws.Plan(64, 4)
+    assert warp_specialized_calls == ([expected_plan] if ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+                                      else [])
+    check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv))
+
+
+def test_backward_through_its_output_and_lse(warp_specialized_calls):
+    batch, heads, seq = (2, 4, 1024) if ON_GPU else (1, 2, 256)
+    block = (128, 128)
+    q, k, v = (t.requires_grad_() for t in qkv(batch, heads, seq, 128))
+    keep = random_keep(batch, heads, seq, seq, block, density=0.3)
+    keep[:, :, 1] = False
+    out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, backend="triton")
+    assert len(warp_specialized_calls) == int(ON_GPU and torch.cuda.get_device_capability() == (9, 0))
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    grad_out = torch.randn(out.shape, generator=gen, device=DEVICE).to(out.dtype)
+
+    def loss(out, lse, grad_out):  # the LSE enters the loss too: its gradient flows back through the saved LSE
+        return (out * grad_out).sum() + 0.5 * torch.where(torch.isinf(lse), 0, lse).sum()
+
+    grads = torch.autograd.grad(loss(out.float(), lse, grad_out.float()), (q, k, v))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want_grads = torch.autograd.grad(loss(*oracle(*leaves, expand(keep, block, seq, seq)), grad_out.double()),
+                                     leaves)
+    for name, got, ref in zip("qkv", grads, want_grads):
+        assert torch.isfinite(got).all(), f"d{name} not finite"
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, f"d{name} relative error {err:.2e}"
