@@ -257,6 +257,8 @@ def main():
     parser.add_argument("--variants", nargs="+", default=["128,3,1,0", "128,3,1,1", "128,3,0,1", "64,4,1,0"],
                         help="BLOCK_N,stages,overlap,pingpong (a BLOCK_N wider than the key block is skipped)")
     parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--package", action="store_true", help="also time the package's kernel (forward_ws) launched "
+                        "directly and through blockattn.attention, beside this file's kernel")
     args = parser.parse_args()
     variants = [tuple(int(x) for x in v.split(",")) for v in args.variants]
     if args.compile_only:
@@ -271,6 +273,8 @@ def main():
         return
 
     import torch
+
+    import blockattn
     from blockattn.bench import Case, _runners, _time_ms, block_mask
     device = torch.device("cuda")
     for dim in args.dim:
@@ -280,7 +284,6 @@ def main():
                 case = Case(heads=args.heads, seq=args.seq, dim=dim, block=block, density=density)
                 keep = block_mask(case, device)
                 runners = _runners(case, keep, device)
-                import blockattn
                 blocks = blockattn.BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
                 gen = torch.Generator(device=device).manual_seed(0)
                 q, k, v = (torch.randn(1, case.heads, case.seq, dim, device=device, dtype=torch.bfloat16,
@@ -294,23 +297,37 @@ def main():
                 print(f"== {case.label}: package {times['blockattn']:.3f} ms "
                       f"({flops / times['blockattn'] / 1e9:.0f} TFLOP/s), flex {times['flex']:.3f} ms "
                       f"({flops / times['flex'] / 1e9:.0f})", flush=True)
+                if args.package:
+                    from blockattn.kernels import forward_ws
+                    chosen = forward_ws.plan(q, k, v, *case.block, is_causal=False, token_mask=None, block_mask=None,
+                                             kv_valid=None, varlen=None, quant=None, min_work=0)
+                    out_ws = torch.empty_like(q)
+                    lse_ws = torch.empty(q.shape[:3], device=device, dtype=torch.float32)
+                    direct = (lambda: forward_ws.attention_forward_ws(
+                        q, k, v, blocks.kv_count, blocks.kv_index, *case.block, dim ** -0.5 * LOG2E.value, out_ws,
+                        lse_ws, chosen))
+                    direct()
+                    err = (out_ws.float() - expected.float()).abs().max().item()
+                    for label, fn in (("package kernel, direct", direct),
+                                      ("blockattn.attention", lambda: blockattn.attention(q, k, v, blocks))):
+                        ms = _time_ms(fn)
+                        print(f"{label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s, "
+                              f"{times['flex'] / ms:.2f}x flex) max err {err:.1e}", flush=True)
                 for block_n, stages, overlap, pingpong in variants:
                     if block[1] % block_n:
                         continue
                     label = f"gluon BN={block_n} stages={stages} overlap={overlap} pingpong={pingpong}"
                     run = (lambda: gluon_forward(q, k, v, blocks, block_n, stages, bool(overlap), bool(pingpong)))
-                    if True:
-                        if True:
-                            try:
-                                out, lse = run()
-                                err = (out.float() - expected.float()).abs().max().item()
-                                lse_err = (lse - expected_lse).abs().max().item()
-                                ms = _time_ms(run)
-                                print(f"{label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s, "
-                                      f"{times['flex'] / ms:.2f}x flex, {times['blockattn'] / ms:.2f}x package) "
-                                      f"max err {err:.1e} lse err {lse_err:.1e}", flush=True)
-                            except Exception as error:
-                                print(f"{label}: failed {type(error).__name__}: {str(error)[:300]}", flush=True)
+                    try:
+                        out, lse = run()
+                        err = (out.float() - expected.float()).abs().max().item()
+                        lse_err = (lse - expected_lse).abs().max().item()
+                        ms = _time_ms(run)
+                        print(f"{label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s, "
+                              f"{times['flex'] / ms:.2f}x flex, {times['blockattn'] / ms:.2f}x package) "
+                              f"max err {err:.1e} lse err {lse_err:.1e}", flush=True)
+                    except Exception as error:  # a variant that does not compile or fit is a result too
+                        print(f"{label}: failed {type(error).__name__}: {str(error)[:300]}", flush=True)
 
 
 if __name__ == "__main__":

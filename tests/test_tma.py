@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import blockattn
-from blockattn.kernels import backward, forward, launch, tma
+from blockattn.kernels import backward, forward, forward_ws, launch, tma
 from conftest import DEVICE, ON_GPU, assert_one_ulp, check_against_oracle, expand, qkv, random_keep
 
 # (seq_q, seq_kv, head dim, query heads, kv heads, causal): ragged tails, a head dim under its padded width (40 ->
@@ -21,6 +21,8 @@ CASES = {
 
 def run(q, k, v, keep, block, is_causal, tma_loads, monkeypatch):
     monkeypatch.setattr(tma, "TMA_LOADS", tma_loads)
+    # the Triton kernels' two ways of reading tiles: the Gluon forward (descriptors only; test_forward_ws.py) stays out
+    monkeypatch.setattr(forward_ws, "ENABLED", False)
     monkeypatch.setattr(tma, "DKDV_TMA_LOADS", True)  # the default; pinned so the dK/dV descriptor path stays covered
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     out, lse = blockattn.attention(*leaves, keep, block, is_causal=is_causal, return_lse=True, backend="triton")

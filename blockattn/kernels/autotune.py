@@ -18,7 +18,8 @@ of those compiles within the GPU's shared memory). Every candidate must nest in 
 tile height divides ``block_q`` and its tile width divides ``block_kv``; candidates that do not are dropped, and
 if none is left a ValueError names these variables. Setting one value for each pins the autotuner to one tile
 (tests do this for bitwise comparisons). Under ``TRITON_INTERPRET=1`` the first candidate that nests runs, without
-benchmarking.
+benchmarking. They tune the Triton kernels only: the warp-specialized forward (``forward_ws.py``), which takes the
+forward's plain walks on Hopper, has one fixed tile.
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 
 One program takes a 128-row query tile of one (batch, head). A loader warp reads the tile's two 64-row halves of Q
 and then each kept key tile's K and V into a ring of shared-memory stages through TMA; two consumer warpgroups each
-own one half, with their scores and accumulator in registers (wgmma). Each consumer issues the next key tile's
-Q K^T together with this tile's P V, so the tensor cores run both while it computes the softmax of the tile before
-(kernels/README.md, "The warp-specialized forward"). Measured on the H200 at B1 H24 S32768 D128, density 0.25:
-5.22 ms against 6.08 ms for the Triton forward and 7.76 ms for FlexAttention (BENCHMARKS.md, fifteenth session).
+own one half, with their scores and accumulator in registers (wgmma). Each consumer issues a key tile's Q K^T
+together with the previous tile's P V and computes the softmax of the new scores while that P V still runs
+(kernels/README.md, "The warp-specialized forward"). Measured on the H200 at B1 H24 S32768 D128, density 0.25, 128x128
+blocks: 5.33 ms against about 6.1 ms for the Triton forward and 7.82 ms for FlexAttention (BENCHMARKS.md, fifteenth
+session; the figures move by up to 7% with what ran just before, through the GPU's power limit).
 
 It covers the plain walk only: no element tests (no causal diagonal, token mask, kv_valid, gathered block mask,
 sequence end inside a key tile), bf16 or fp16, head dim 128, blocks whose query side holds whole 128-row tiles.
@@ -33,10 +34,13 @@ ENABLED = True
 CONSUMER_ROWS = 64
 TILE_Q = 2 * CONSUMER_ROWS
 HEAD_DIM = 128
-# Key tile width -> ring stages: as many as Hopper's 227 KiB of shared memory per program allows (Q takes 32 KiB,
-# a stage 2 * width * 128 * 2 bytes). 128 keys x 3 stages measured 5.22 ms against 5.88 with 2 stages; 64 keys
-# (128x64 blocks) x 4 stages 5.81 ms against 5.92 with 5 (d=0.25).
-STAGES = {128: 3, 64: 4}
+# Keys per tile of the walk. A key block of 128 keys or a multiple fills it with 128-key boxes; any other multiple
+# of 64 (128x64 blocks) with two 64-key sub tiles, of consecutive list entries or of one block: the 128x64 design
+# case (d=0.25) ran 5.48 ms so against 5.89 ms with 64-key tiles (and 4 stages), in one process.
+TILE_N = 128
+# Ring stages: as many as Hopper's 227 KiB of shared memory per program allows (Q takes 32 KiB, a stage 64 KiB);
+# 3 stages measured 5.22 ms against 5.88 with 2.
+STAGES = 3
 # Registers per thread for a consumer warpgroup and for the loader (setmaxnreg; the default partition, the first
 # consumer, gets what the 168-register launch bound leaves: 168 * 12 warps = 240 + 240 + 24 per warpgroup).
 CONSUMER_REGS = 240
@@ -44,6 +48,7 @@ LOADER_REGS = 24
 MAX_REGS = 168
 
 _ROWS = gl.constexpr(CONSUMER_ROWS)
+_TILE_N = gl.constexpr(TILE_N)
 _LOG2E = gl.constexpr(1.4426950408889634)
 
 
@@ -61,17 +66,28 @@ def _program(heads, group_size, BLOCK_Q: gl.constexpr):
 
 
 @gluon.jit
+def _sub_tile(ring, stage, part, SUB_N: gl.constexpr):
+    """Rows part*SUB_N .. of stage `stage` of a ring [STAGES, 128, D], as the [1, 1, SUB_N, D] box a TMA fills."""
+    tile = ring.index(stage)
+    return tile.reshape([1, 1, tile.shape[0], tile.shape[1]]).slice(part * SUB_N, SUB_N, dim=2)
+
+
+@gluon.jit
 def _consumer(Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
               KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
               stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-              HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.constexpr,
+              HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
               STAGES: gl.constexpr):
     """Query rows HALF*64 .. HALF*64+63 of the program's tile: the online softmax over the kv list, then Out
     [B, H, Sq, 128] and Lse fp32 [B, H, Sq] (natural log; -inf and zeros for a row whose list is empty)."""
     off_b, off_h, off_hkv, start_m, q_block = _program(heads, group_size, BLOCK_Q)
-    total = gl.load(KV_COUNT + off_b * stride_cb + off_h * stride_ch + q_block) * (BLOCK_KV // BLOCK_N)
+    PARTS: gl.constexpr = _TILE_N // SUB_N
+    sub_tiles = gl.load(KV_COUNT + off_b * stride_cb + off_h * stride_ch + q_block) * (BLOCK_KV // SUB_N)
+    # key tiles of 128 keys, PARTS sub tiles each; with two parts the last holds one when sub_tiles is odd
+    total = (sub_tiles + PARTS - 1) // PARTS
     dtype: gl.constexpr = Q_DESC.dtype
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
+    BLOCK_N: gl.constexpr = _TILE_N
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -85,13 +101,17 @@ def _consumer(Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, 
     l_i = gl.zeros([_ROWS], gl.float32, row_s)
     acc = gl.zeros([_ROWS, HEAD_DIM], gl.float32, o_layout)
     s_zero = gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout)
+    # the columns of a last key tile that holds one sub tile: its second half repeats the first (finite data)
+    half_tile = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))[None, :] >= SUB_N
+    odd = (sub_tiles % PARTS) != 0
     q = q_smem.index(HALF).reshape([_ROWS, HEAD_DIM])
     mbarrier.wait(q_ready, 0)
     if total > 0:
         mbarrier.wait(k_ready.index(0), 0)
-        qk = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero, use_acc=False,
-                           is_async=True)
+        qk = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
+        if odd and total == 1:
+            qk = gl.where(half_tile, float("-inf"), qk)
         m_i = gl.max(qk, 1) * scale_log2
         p = gl.exp2(qk * scale_log2 - m_i[:, None])
         l_i = gl.sum(p, 1)
@@ -101,10 +121,11 @@ def _consumer(Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, 
             prev = (j - 1) % STAGES
             mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
             mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-            qk = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
-                               use_acc=False, is_async=True)
-            acc = warpgroup_mma(p_prev, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
             qk = warpgroup_mma_wait(1, deps=(qk, ))  # this tile's scores; the previous tile's P V may still run
+            if odd and j == total - 1:
+                qk = gl.where(half_tile, float("-inf"), qk)
             m_new = gl.maximum(m_i, gl.max(qk, 1) * scale_log2)
             p = gl.exp2(qk * scale_log2 - m_new[:, None])
             alpha = gl.exp2(m_i - m_new)
@@ -118,7 +139,7 @@ def _consumer(Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, 
             m_i = m_new
         last = (total - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((total - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p_prev, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        acc = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
         mbarrier.arrive(kv_empty.index(last), count=1)
 
@@ -141,41 +162,49 @@ def _consumer(Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, 
 def _loader(Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
             KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
             stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-            HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.constexpr,
+            HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
             STAGES: gl.constexpr):
     """One warp: the tile's two halves of Q, then each kept key tile's K and V into the ring, a stage once both
     consumers have released it. (Same parameters as _consumer: Gluon's worker partitions share one signature.)"""
     off_b, off_h, off_hkv, start_m, q_block = _program(heads, group_size, BLOCK_Q)
-    TILES_PER_BLOCK: gl.constexpr = BLOCK_KV // BLOCK_N
-    total = gl.load(KV_COUNT + off_b * stride_cb + off_h * stride_ch + q_block) * TILES_PER_BLOCK
+    SUBS_PER_BLOCK: gl.constexpr = BLOCK_KV // SUB_N
+    PARTS: gl.constexpr = _TILE_N // SUB_N
+    sub_tiles = gl.load(KV_COUNT + off_b * stride_cb + off_h * stride_ch + q_block) * SUBS_PER_BLOCK
     index_row = KV_INDEX + off_b.to(gl.int64) * stride_ib + off_h.to(gl.int64) * stride_ih + q_block * stride_iq
     mbarrier.expect(q_ready, 2 * Q_DESC.block_type.nbytes)
     tma.async_copy_global_to_shared(Q_DESC, [off_b, off_h, start_m, 0], q_ready, q_smem.index(0))
     tma.async_copy_global_to_shared(Q_DESC, [off_b, off_h, start_m + _ROWS, 0], q_ready, q_smem.index(1))
-    for j in range(total):
+    for j in range((sub_tiles + PARTS - 1) // PARTS):
         stage = j % STAGES
-        row = gl.load(index_row + j // TILES_PER_BLOCK) * BLOCK_KV + (j % TILES_PER_BLOCK) * BLOCK_N
         # a fresh barrier counts as released in the phase before its first: the first round of stages goes at once
         mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(stage), K_DESC.block_type.nbytes)
-        tma.async_copy_global_to_shared(K_DESC, [off_b, off_hkv, row, 0], k_ready.index(stage), k_smem.index(stage))
-        mbarrier.expect(v_ready.index(stage), V_DESC.block_type.nbytes)
-        tma.async_copy_global_to_shared(V_DESC, [off_b, off_hkv, row, 0], v_ready.index(stage), v_smem.index(stage))
+        mbarrier.expect(k_ready.index(stage), PARTS * K_DESC.block_type.nbytes)
+        mbarrier.expect(v_ready.index(stage), PARTS * V_DESC.block_type.nbytes)
+        for part in gl.static_range(PARTS):
+            sub = gl.minimum(PARTS * j + part, sub_tiles - 1)  # an odd count's last tile repeats its sub tile
+            row = gl.load(index_row + sub // SUBS_PER_BLOCK) * BLOCK_KV + (sub % SUBS_PER_BLOCK) * SUB_N
+            tma.async_copy_global_to_shared(K_DESC, [off_b, off_hkv, row, 0], k_ready.index(stage),
+                                            _sub_tile(k_smem, stage, part, SUB_N))
+            tma.async_copy_global_to_shared(V_DESC, [off_b, off_hkv, row, 0], v_ready.index(stage),
+                                            _sub_tile(v_smem, stage, part, SUB_N))
 
 
 @gluon.jit
 def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX, scale_log2, seq_q, heads,
                             group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
                             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                            BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.constexpr,
+                            BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
                             STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (cdiv(Sq, 128), launch.batch_head_axes(B, H)). Q_DESC / K_DESC / V_DESC: Gluon host descriptors of
-    q [B, H, Sq, 128], k and v [B, Hkv, Sk, 128] with boxes [1, 1, 64, 128] / [1, 1, BLOCK_N, 128]; KV_COUNT int32
+    q [B, H, Sq, 128], k and v [B, Hkv, Sk, 128] with boxes [1, 1, 64, 128] / [1, 1, SUB_N, 128]; KV_COUNT int32
     [Bm, Hm, nq], KV_INDEX int32 [Bm, Hm, nq, L] (size-1 mask dims with stride 0), every listed block's keys below
     Sk; Out [B, H, Sq, 128] (last dim contiguous), Lse fp32 [B, H, Sq] (last dim contiguous)."""
     q_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2] + Q_DESC.block_type.shape, Q_DESC.layout)
-    k_smem = gl.allocate_shared_memory(K_DESC.dtype, [STAGES] + K_DESC.block_type.shape, K_DESC.layout)
-    v_smem = gl.allocate_shared_memory(V_DESC.dtype, [STAGES] + V_DESC.block_type.shape, V_DESC.layout)
+    HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
+    # a stage: one [128, D] key tile, which the loader fills with 128 // SUB_N boxes of SUB_N keys (_sub_tile)
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_TILE_N, HEAD_DIM], K_DESC.dtype)
+    k_smem = gl.allocate_shared_memory(K_DESC.dtype, [STAGES, _TILE_N, HEAD_DIM], tile_layout)
+    v_smem = gl.allocate_shared_memory(V_DESC.dtype, [STAGES, _TILE_N, HEAD_DIM], tile_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -193,23 +222,22 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX
         (_consumer, (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
                      KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib,
                      stride_ih, stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                     FIRST, BLOCK_Q, BLOCK_KV, BLOCK_N, STAGES)),
+                     FIRST, BLOCK_Q, BLOCK_KV, SUB_N, STAGES)),
         (_consumer, (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
                      KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib,
                      stride_ih, stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                     SECOND, BLOCK_Q, BLOCK_KV, BLOCK_N, STAGES)),
+                     SECOND, BLOCK_Q, BLOCK_KV, SUB_N, STAGES)),
         (_loader, (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
                    KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib,
                    stride_ih, stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                   FIRST, BLOCK_Q, BLOCK_KV, BLOCK_N, STAGES)),
+                   FIRST, BLOCK_Q, BLOCK_KV, SUB_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 
 class Plan(NamedTuple):
-    """The kernel's key tile width and ring stages for a qualifying call."""
-    block_n: int
-    stages: int
+    """The kernel's sub tile height (keys per TMA box: 128, or 64 when 128 does not divide the key block)."""
+    sub_n: int
 
 
 def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_kv: int, *, is_causal: bool,
@@ -244,8 +272,7 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, b
     for t in (q, k, v):
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
             return None
-    block_n = 128 if block_kv % 128 == 0 else 64
-    return Plan(block_n, STAGES[block_n])
+    return Plan(TILE_N if block_kv % TILE_N == 0 else 64)
 
 
 def _descriptor(t: torch.Tensor, rows: int):
@@ -260,14 +287,15 @@ def _descriptor(t: torch.Tensor, rows: int):
 def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, scale_log2: float, out, lse,
                          chosen: Plan) -> None:
     """Run the kernel into out [B, H, Sq, 128] and lse fp32 [B, H, Sq] (plan() said chosen)."""
+    from .forward import stride_args  # (forward imports this module lazily: no cycle)
     batch, heads, seq_q, _ = q.shape
     grid = (triton.cdiv(seq_q, TILE_Q), *launch.batch_head_axes(batch, heads))
     attention_fwd_ws_kernel[grid](
-        _descriptor(q, CONSUMER_ROWS), _descriptor(k, chosen.block_n), _descriptor(v, chosen.block_n), out, lse,
+        _descriptor(q, CONSUMER_ROWS), _descriptor(k, chosen.sub_n), _descriptor(v, chosen.sub_n), out, lse,
         kv_count, kv_index, scale_log2, seq_q, heads, heads // k.shape[1],
-        kv_count.stride(0), kv_count.stride(1), kv_index.stride(0), kv_index.stride(1), kv_index.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        BLOCK_Q=block_q, BLOCK_KV=block_kv, BLOCK_N=chosen.block_n, STAGES=chosen.stages,
+        # the lists' size-1 batch and head dims broadcast: stride 0
+        **stride_args("c", kv_count, "bh"), **stride_args("i", kv_index, "bhq"), **stride_args("o", out, "bhs"),
+        **stride_args("l", lse, "bh"), BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=chosen.sub_n, STAGES=STAGES,
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAX_REGS)
 
 
@@ -276,7 +304,7 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     kernel for lists at (block_q, block_kv), with the launch's tile choice (plan()) and register settings."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    block_n = 128 if block_kv % 128 == 0 else 64
+    sub_n = TILE_N if block_kv % TILE_N == 0 else 64
     name, gl_dtype = ("bf16", gl.bfloat16) if dtype == torch.bfloat16 else ("fp16", gl.float16)
 
     def desc(rows):
@@ -284,14 +312,14 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
         layout = gl.NVMMASharedLayout.get_default_for(box, gl_dtype)
         return f"tensordesc<{name}[{','.join(map(str, box))}],{layout!r}>"
 
-    constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, BLOCK_N=block_n, STAGES=STAGES[block_n],
+    constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, STAGES=STAGES,
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
     signature = {}
     for param in attention_fwd_ws_kernel.params:
         if param.name in constants:
             signature[param.name] = "constexpr"
         elif param.name.endswith("_DESC"):
-            signature[param.name] = desc(CONSUMER_ROWS if param.name == "Q_DESC" else block_n)
+            signature[param.name] = desc(CONSUMER_ROWS if param.name == "Q_DESC" else sub_n)
         else:
             signature[param.name] = {"Out": f"*{name}", "Lse": "*fp32", "KV_COUNT": "*i32", "KV_INDEX": "*i32",
                                      "scale_log2": "fp32"}.get(param.name, "i32")

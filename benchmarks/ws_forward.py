@@ -1,0 +1,59 @@
+"""The forward with and without the warp-specialized Gluon kernel (kernels/forward_ws.py), and FlexAttention on the
+same block mask, in one process: ms and effective TFLOP/s per case, and each ratio to FlexAttention.
+
+    python benchmarks/ws_forward.py                       # the design cases, D=128, densities 1 .. 0.1
+    python benchmarks/ws_forward.py --cases short gqa     # B8 H16 S2048/4096 d=0.5; GQA 32/8 S16384
+"""
+
+import argparse
+
+import torch
+
+import blockattn
+from blockattn.bench import Case, _runners, _time_ms, block_mask
+from blockattn.kernels import forward_ws
+
+SUITES = {
+    "design": [Case(block=block, density=d) for block in ((128, 128), (128, 64)) for d in (1.0, 0.5, 0.25, 0.1)],
+    "short": [Case(batch=8, heads=16, kv_heads=16, seq=s, density=0.5) for s in (2048, 4096)],
+    "gqa": [Case(heads=32, kv_heads=kv, seq=16384, density=d) for kv in (8, 32) for d in (0.5, 0.1)],
+    "blocks": [Case(block=block, density=0.25) for block in ((256, 256), (128, 192), (256, 64))],
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=["design"], choices=list(SUITES))
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    print("| case | Triton forward ms | warp-specialized ms | flex ms | Triton vs flex | warp-specialized vs flex |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for case in [c for name in args.cases for c in SUITES[name]]:
+        keep = block_mask(case, device)
+        blocks = blockattn.BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
+        gen = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(case.batch, case.heads, case.seq, case.dim, device=device, dtype=torch.bfloat16,
+                        generator=gen)
+        k, v = (torch.randn(case.batch, case.kv_heads, case.seq, case.dim, device=device, dtype=torch.bfloat16,
+                            generator=gen) for _ in range(2))
+        flops = 4.0 * case.batch * case.heads * case.seq * case.seq * case.dim * blocks.density()
+        times = {}
+        outs = {}
+        for enabled in (False, True):
+            forward_ws.ENABLED = enabled
+            outs[enabled] = blockattn.attention(q, k, v, blocks)
+            times[enabled] = _time_ms(lambda: blockattn.attention(q, k, v, blocks))
+        forward_ws.ENABLED = True
+        flex = _runners(case, keep, device)["flex"][0]
+        times["flex"] = _time_ms(lambda: flex(q, k, v))
+        gap = (outs[True].float() - outs[False].float()).abs().max().item()
+
+        def cell(ms):
+            return f"{ms:.3f} ({flops / ms / 1e9:.0f})"
+        print(f"| {case.label} | {cell(times[False])} | {cell(times[True])} | {cell(times['flex'])} | "
+              f"{times['flex'] / times[False]:.2f}x | {times['flex'] / times[True]:.2f}x | max gap {gap:.1e}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
