@@ -73,13 +73,14 @@ def _sub_tile(ring, stage, part, SUB_N: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
-              KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
-              stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-              HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
+def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
               STAGES: gl.constexpr):
     """Query rows HALF*64 .. HALF*64+63 of the program's tile: the online softmax over the kv list, then Out
-    [B, H, Sq, 128] and Lse fp32 [B, H, Sq] (natural log; -inf and zeros for a row whose list is empty)."""
+    [B, H, Sq, 128] and Lse fp32 [B, H, Sq] (natural log; -inf and zeros for a row whose list is empty). shared:
+    the kernel's arguments and buffers, as attention_fwd_ws_kernel packs them."""
+    (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse, KV_COUNT,
+     KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, stride_ob,
+     stride_oh, stride_os, stride_lb, stride_lh) = shared
     off_b, off_h, off_hkv, start_m, q_block = _program(heads, group_size, BLOCK_Q)
     PARTS: gl.constexpr = _TILE_N // SUB_N
     sub_tiles = gl.load(KV_COUNT + off_b * stride_cb + off_h * stride_ch + q_block) * (BLOCK_KV // SUB_N)
@@ -159,13 +160,13 @@ def _consumer(Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, 
 
 
 @gluon.jit
-def _loader(Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
-            KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
-            stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-            HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
+def _loader(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
             STAGES: gl.constexpr):
     """One warp: the tile's two halves of Q, then each kept key tile's K and V into the ring, a stage once both
     consumers have released it. (Same parameters as _consumer: Gluon's worker partitions share one signature.)"""
+    (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse, KV_COUNT,
+     KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, stride_ob,
+     stride_oh, stride_os, stride_lb, stride_lh) = shared
     off_b, off_h, off_hkv, start_m, q_block = _program(heads, group_size, BLOCK_Q)
     SUBS_PER_BLOCK: gl.constexpr = BLOCK_KV // SUB_N
     PARTS: gl.constexpr = _TILE_N // SUB_N
@@ -217,20 +218,13 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX
     fence_async_shared()
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
-    # Gluon 3.6 wants each partition's arguments spelled out (a tuple built by concatenation loses its constexprs).
+    shared = (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse, KV_COUNT,
+              KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+              stride_ob, stride_oh, stride_os, stride_lb, stride_lh)
     gl.warp_specialize([
-        (_consumer, (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
-                     KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib,
-                     stride_ih, stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                     FIRST, BLOCK_Q, BLOCK_KV, SUB_N, STAGES)),
-        (_consumer, (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
-                     KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib,
-                     stride_ih, stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                     SECOND, BLOCK_Q, BLOCK_KV, SUB_N, STAGES)),
-        (_loader, (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
-                   KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib,
-                   stride_ih, stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                   FIRST, BLOCK_Q, BLOCK_KV, SUB_N, STAGES)),
+        (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, STAGES)),
+        (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, STAGES)),
+        (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
