@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import blockattn
-from blockattn.kernels import forward_ws
+from blockattn.kernels import forward, forward_ws
 from conftest import DEVICE, ON_GPU, check_against_oracle, expand, oracle, qkv, random_keep
 
 
@@ -81,14 +81,21 @@ def test_switched_off_or_off_hopper_it_declines(monkeypatch):
     block_q, block_kv = args.pop("block_q"), args.pop("block_kv")
     on_hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
     assert (forward_ws.plan(q, q, q, block_q, block_kv, **args) is not None) == on_hopper
+    dispatch = (q, q, q, block_q, block_kv, False, None, None, None, None, None)
+    assert (forward.warp_specialized_plan(*dispatch) is not None) == on_hopper
+    real_version = forward._triton_version
+    monkeypatch.setattr(forward, "_triton_version", lambda: (3, 5))  # an older Gluon: not even imported
+    assert forward.warp_specialized_plan(*dispatch) is None
+    monkeypatch.setattr(forward, "_triton_version", real_version)
     monkeypatch.setattr(forward_ws, "ENABLED", False)
     assert forward_ws.plan(q, q, q, block_q, block_kv, **args) is None
+    assert forward.warp_specialized_plan(*dispatch) is None
 
 
 _COMPILE_AHEAD = """
 import json, os, re, subprocess, sys, tempfile
 import torch, triton
-from blockattn.kernels import forward_ws
+from blockattn.kernels import forward, forward_ws
 compiled = forward_ws.compile_sm90(int(sys.argv[1]), int(sys.argv[2]), getattr(torch, sys.argv[3]))
 ptx = compiled.asm["ptx"]
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")

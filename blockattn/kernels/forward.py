@@ -336,17 +336,28 @@ def site_key(block_q: int, block_kv: int, scale: float, is_causal: bool, token_m
             launch.MAX_GRID_AXIS)
 
 
+# The oldest Triton the warp-specialized forward is known to compile and run with (3.6 on the H200; 3.8 compiles it
+# for sm_90 in CI): Gluon's warp_specialize and TMA calls took other forms before.
+GLUON_MIN_TRITON = (3, 6)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_version() -> tuple[int, int]:
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
 def warp_specialized_plan(q, k, v, block_q: int, block_kv: int, is_causal: bool, token_mask, block_mask, kv_valid,
                           varlen, quant):
     """(module, plan) when the warp-specialized Gluon forward (kernels/forward_ws.py) runs this call, else None:
-    compiled Triton on a CUDA tensor, descriptor loads allowed (tma.TMA_LOADS), a Triton with Gluon's Hopper ops,
-    and forward_ws.plan's conditions."""
+    compiled Triton on a CUDA tensor, descriptor loads allowed (tma.TMA_LOADS), a Triton from GLUON_MIN_TRITON on
+    (Gluon's API changed before it), and forward_ws.plan's conditions."""
     if not q.is_cuda or not tma.TMA_LOADS or autotune.is_interpreted(attention_fwd_kernel):
         return None
-    try:
-        from . import forward_ws
-    except ImportError:  # a Triton without Gluon's Hopper module
+    if _triton_version() < GLUON_MIN_TRITON:
         return None
+    from . import forward_ws
+
     chosen = forward_ws.plan(q, k, v, block_q, block_kv, is_causal=is_causal, token_mask=token_mask,
                              block_mask=block_mask, kv_valid=kv_valid, varlen=varlen, quant=quant,
                              min_work=tma.MIN_DESCRIPTOR_WORK)
