@@ -9,6 +9,7 @@ session). Contiguous bf16 [1, H, S, D] inputs, S a multiple of 128, no element t
 
     python benchmarks/exp_gluon_fwd.py --dim 128 --density 0.25          # on the GPU: check and time
     python benchmarks/exp_gluon_fwd.py --compile-only                     # no GPU: compile for sm_90, print usage
+    python benchmarks/exp_gluon_fwd.py --causal --density 0.5 --variants 128,3,1,0 64,4,1,0   # causal (untimed yet)
 """
 
 import argparse
@@ -28,9 +29,11 @@ HALF_M = gl.constexpr(CONSUMER_ROWS)  # query rows per consumer warpgroup (one w
 def _consumer(Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out, Lse,
               KV_COUNT, KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq,
               HALF: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+              STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
     """Rows HALF*64 .. HALF*64+63 of the program's 128-row query block: the online softmax over its kv list."""
     pid_m = gl.program_id(0)
+    if CAUSAL:  # the longest lists first, so the short ones fill the tail
+        pid_m = gl.num_programs(0) - 1 - pid_m
     bh = gl.program_id(1)
     h = bh % heads
     TILES: gl.constexpr = BLOCK_KV // BLOCK_N
@@ -49,12 +52,20 @@ def _consumer(Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, 
     acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
     q = q_smem.index(HALF)
+    # CAUSAL (overlap path only): the list is ascending and its last block is the diagonal one, whose tiles (the
+    # last TILES of the walk) take the test key <= query; every other tile lies wholly below the diagonal
+    rows = pid_m * (2 * HALF_M) + HALF * HALF_M + gl.arange(0, HALF_M, row_s)
+    cols = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+    last_block = gl.load(KV_INDEX + h * stride_ih + pid_m * stride_iq + gl.maximum(total // TILES - 1, 0))
     mbarrier.wait(q_ready, 0)
     if OVERLAP:
         if total > 0:
             mbarrier.wait(k_ready.index(0), 0)
             qk = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             qk = warpgroup_mma_wait(0, deps=(qk, ))
+            if CAUSAL and total <= TILES:
+                keys = last_block * BLOCK_KV + cols
+                qk = gl.where(keys[None, :] <= rows[:, None], qk, float("-inf"))
             m_i = gl.max(qk, 1) * scale_log2
             p = gl.exp2(qk * scale_log2 - m_i[:, None])
             l_i = gl.sum(p, 1)
@@ -71,6 +82,9 @@ def _consumer(Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, 
                 if PINGPONG:
                     mbarrier.arrive(turn.index(1 - HALF), count=1)
                 qk = warpgroup_mma_wait(1, deps=(qk, ))  # this tile's scores; the previous P V may still run
+                if CAUSAL and j >= total - TILES:
+                    keys = last_block * BLOCK_KV + (j % TILES) * BLOCK_N + cols
+                    qk = gl.where(keys[None, :] <= rows[:, None], qk, float("-inf"))
                 m_new = gl.maximum(m_i, gl.max(qk, 1) * scale_log2)
                 p = gl.exp2(qk * scale_log2 - m_new[:, None])
                 alpha = gl.exp2(m_i - m_new)
@@ -124,9 +138,11 @@ def _consumer(Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, 
 def _loader(Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out, Lse,
             KV_COUNT, KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq,
             HALF: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-            STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+            STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
     """One warp: the query block's two halves, then each kept K and V tile into the ring (waits for a free stage)."""
     pid_m = gl.program_id(0)
+    if CAUSAL:  # the longest lists first, so the short ones fill the tail
+        pid_m = gl.num_programs(0) - 1 - pid_m
     bh = gl.program_id(1)
     h = bh % heads
     TILES: gl.constexpr = BLOCK_KV // BLOCK_N
@@ -151,7 +167,8 @@ def _loader(Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_
 def gluon_fwd_kernel(Q_DESC, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX, scale_log2, seq, heads,
                      stride_ch, stride_ih, stride_iq,
                      BLOCK_KV: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     LOADER_REGS: gl.constexpr):
     """Grid (S / 128, H): one 128-row query block of one head. Out bf16 [H*S, D], Lse fp32 [H*S]."""
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, HALF_M, HEAD_DIM], Q_DESC.layout)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], K_DESC.layout)
@@ -174,13 +191,13 @@ def gluon_fwd_kernel(Q_DESC, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX, scale
     gl.warp_specialize([
         (_consumer, (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out, Lse,
                      KV_COUNT, KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq,
-                     FIRST, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG)),
+                     FIRST, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
         (_consumer, (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out, Lse,
                      KV_COUNT, KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq,
-                     SECOND, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG)),
+                     SECOND, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
         (_loader, (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out, Lse,
                    KV_COUNT, KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq,
-                   FIRST, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG)),
+                   FIRST, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -190,8 +207,10 @@ def _layouts(block_n, dim):
 
 
 def gluon_forward(q, k, v, blocks, block_n=128, stages=2, overlap=True, pingpong=False, maxnreg=168, consumer_regs=240,
-                  loader_regs=24):
-    """q, k, v bf16 [1, H, S, D] contiguous; blocks: a BlockSparsity with 128-row query blocks."""
+                  loader_regs=24, causal=False):
+    """q, k, v bf16 [1, H, S, D] contiguous; blocks: a BlockSparsity with 128-row query blocks (causal: square
+    blocks, each list ending at its diagonal block)."""
+    assert not causal or overlap, "causal: overlap path only"
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     _, heads, seq, dim = q.shape
@@ -209,11 +228,12 @@ def gluon_forward(q, k, v, blocks, block_n=128, stages=2, overlap=True, pingpong
         qd, kd, vd, out, lse, count, index, dim ** -0.5 * LOG2E.value, seq, heads,
         count.stride(1), index.stride(1), index.stride(2),
         BLOCK_KV=block_kv, BLOCK_N=block_n, HEAD_DIM=dim, STAGES=stages, OVERLAP=overlap, PINGPONG=pingpong,
-        CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4, maxnreg=maxnreg)
+        CAUSAL=causal, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4, maxnreg=maxnreg)
     return out, lse
 
 
-def compile_only(dim, block_n, stages, overlap, pingpong=False, maxnreg=168, consumer_regs=240, loader_regs=24, block_kv=128):
+def compile_only(dim, block_n, stages, overlap, pingpong=False, maxnreg=168, consumer_regs=240, loader_regs=24, block_kv=128,
+                 causal=False):
     """Compile for sm_90 without a GPU; returns the compiled kernel (n_regs, n_spills, asm)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -224,7 +244,7 @@ def compile_only(dim, block_n, stages, overlap, pingpong=False, maxnreg=168, con
                      Out="*bf16", Lse="*fp32", KV_COUNT="*i32", KV_INDEX="*i32", scale_log2="fp32", seq="i32",
                      heads="i32", stride_ch="i32", stride_ih="i32", stride_iq="i32")
     constants = dict(BLOCK_KV=block_kv, BLOCK_N=block_n, HEAD_DIM=dim, STAGES=stages, OVERLAP=overlap,
-                     PINGPONG=pingpong,
+                     PINGPONG=pingpong, CAUSAL=causal,
                      CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs)
     signature.update(dict.fromkeys(constants, "constexpr"))
     src = GluonASTSource(gluon_fwd_kernel, signature, constants)
@@ -257,6 +277,9 @@ def main():
     parser.add_argument("--variants", nargs="+", default=["128,3,1,0", "128,3,1,1", "128,3,0,1", "64,4,1,0"],
                         help="BLOCK_N,stages,overlap,pingpong (a BLOCK_N wider than the key block is skipped)")
     parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--causal", action="store_true", help="causal attention over the block-causal mask: the "
+                        "package's forward with is_causal (the Triton kernel), FlexAttention with its full/partial "
+                        "split, and this file's kernel testing the diagonal block's tiles (overlap variants only)")
     parser.add_argument("--package", action="store_true", help="also time the package's kernel (forward_ws) launched "
                         "directly and through blockattn.attention, beside this file's kernel")
     args = parser.parse_args()
@@ -266,7 +289,7 @@ def main():
             for block_n, stages, overlap, pingpong in variants:
                 label = f"D={dim} BN={block_n} stages={stages} overlap={overlap} pingpong={pingpong}"
                 try:
-                    kernel = compile_only(dim, block_n, stages, bool(overlap), bool(pingpong))
+                    kernel = compile_only(dim, block_n, stages, bool(overlap), bool(pingpong), causal=args.causal)
                     print(f"{label}: {resource_usage(kernel)}", flush=True)
                 except Exception as error:
                     print(f"{label}: failed {type(error).__name__}: {str(error)[:2000]}", flush=True)
@@ -281,7 +304,8 @@ def main():
         for blocks_arg in args.blocks:
             block = tuple(int(x) for x in blocks_arg.split("x"))
             for density in args.density:
-                case = Case(heads=args.heads, seq=args.seq, dim=dim, block=block, density=density)
+                case = Case(heads=args.heads, seq=args.seq, dim=dim, block=block, density=density,
+                            pattern="causal" if args.causal else "random")
                 keep = block_mask(case, device)
                 runners = _runners(case, keep, device)
                 blocks = blockattn.BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
@@ -289,7 +313,7 @@ def main():
                 q, k, v = (torch.randn(1, case.heads, case.seq, dim, device=device, dtype=torch.bfloat16,
                                        generator=gen) for _ in range(3))
                 flops = 4.0 * case.heads * case.seq * case.seq * dim * blocks.density()
-                expected, expected_lse = blockattn.attention(q, k, v, blocks, return_lse=True)
+                expected, expected_lse = blockattn.attention(q, k, v, blocks, return_lse=True, is_causal=args.causal)
                 times = {}
                 for name in ("blockattn", "flex"):
                     fn = runners[name][0]
@@ -297,7 +321,7 @@ def main():
                 print(f"== {case.label}: package {times['blockattn']:.3f} ms "
                       f"({flops / times['blockattn'] / 1e9:.0f} TFLOP/s), flex {times['flex']:.3f} ms "
                       f"({flops / times['flex'] / 1e9:.0f})", flush=True)
-                if args.package:
+                if args.package and not args.causal:
                     from blockattn.kernels import forward_ws
                     chosen = forward_ws.plan(q, k, v, *case.block, is_causal=False, token_mask=None, block_mask=None,
                                              kv_valid=None, varlen=None, quant=None, min_work=0)
@@ -317,7 +341,10 @@ def main():
                     if block[1] % block_n:
                         continue
                     label = f"gluon BN={block_n} stages={stages} overlap={overlap} pingpong={pingpong}"
-                    run = (lambda: gluon_forward(q, k, v, blocks, block_n, stages, bool(overlap), bool(pingpong)))
+                    if args.causal and not overlap:
+                        continue
+                    run = (lambda: gluon_forward(q, k, v, blocks, block_n, stages, bool(overlap), bool(pingpong),
+                                                 causal=args.causal))
                     try:
                         out, lse = run()
                         err = (out.float() - expected.float()).abs().max().item()
