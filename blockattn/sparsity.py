@@ -247,7 +247,7 @@ class BlockSparsity:
 
         This serves block shapes that no kernel tile nests in (8x128, 100x100): the kernel walks these tile
         lists and tests each element against the original block mask."""
-        return self._derived(("tiled", tile_q, tile_kv), lambda: self._tiled(tile_q, tile_kv)[0])
+        return self._derived(("tiled", tile_q, tile_kv), lambda: self._tiled(tile_q, tile_kv))
 
     def full_first(self, tile_q: int, tile_kv: int, is_causal: bool,
                    kv_valid: Optional[torch.Tensor] = None) -> "BlockSparsity":
@@ -268,8 +268,14 @@ class BlockSparsity:
         return self._derived(("full_first", tile_q, tile_kv, bool(is_causal)),
                              lambda: self._full_first(tile_q, tile_kv, bool(is_causal), None))
 
-    def _tiled(self, tile_q: int, tile_kv: int) -> tuple["BlockSparsity", torch.Tensor]:
-        """(tiled()'s BlockSparsity, bool [Bm, Hm, nq', nk']: the tiles inside the sequence and kept blocks)."""
+    def _tiled(self, tile_q: int, tile_kv: int) -> "BlockSparsity":
+        tile_keep, _ = self._tile_masks(tile_q, tile_kv)
+        count, index = build_lists(tile_keep)
+        return BlockSparsity(count, index, (tile_q, tile_kv), self.seq_q, self.seq_kv, _mask=tile_keep)
+
+    def _tile_masks(self, tile_q: int, tile_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kept, full), bool [Bm, Hm, nq', nk'] over tile_q x tile_kv tiles of any shape: kept if the tile
+        overlaps a kept block, full if it lies inside the sequence and inside kept blocks only."""
         block_q, block_kv = self.block_size
         device = self.device
         keep = self.mask.to(torch.int32)
@@ -289,8 +295,7 @@ class BlockSparsity:
         kept = corner(q_hi, k_hi) - corner(q_lo, k_hi) - corner(q_hi, k_lo) + corner(q_lo, k_lo)
         tile_keep = kept > 0
         full = (kept == (q_hi - q_lo)[:, None] * (k_hi - k_lo)[None, :]) & q_whole[:, None] & k_whole[None, :]
-        count, index = build_lists(tile_keep)
-        return BlockSparsity(count, index, (tile_q, tile_kv), self.seq_q, self.seq_kv, _mask=tile_keep), full
+        return tile_keep, full
 
     def _full_first(self, tile_q: int, tile_kv: int, is_causal: bool,
                     kv_valid: Optional[torch.Tensor]) -> "BlockSparsity":
@@ -319,8 +324,7 @@ class BlockSparsity:
             whole = (q_last - q_first + 1 == tile_q)[:, None] & (k_last - k_first + 1 == tile_kv)[None, :]
             full = keep & whole
         else:
-            tiles, full = self._tiled(tile_q, tile_kv)
-            keep = tiles.mask
+            keep, full = self._tile_masks(tile_q, tile_kv)
         if is_causal:
             smallest, _ = _difference_range(self.seq_q, self.seq_kv, (tile_q, tile_kv), device)  # query - key
             full = full & (smallest >= 0)
