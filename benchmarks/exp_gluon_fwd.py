@@ -26,18 +26,24 @@ HALF_M = gl.constexpr(CONSUMER_ROWS)  # query rows per consumer warpgroup (one w
 
 
 @gluon.jit
-def _consumer(Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out, Lse,
-              KV_COUNT, KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq,
-              HALF: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
-    """Rows HALF*64 .. HALF*64+63 of the program's 128-row query block: the online softmax over its kv list."""
+def _list_start(KV_COUNT, heads, stride_ch, BLOCK_KV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(pid_m, bh, h, total) of this program: its query block, (batch 1) head, and key tiles in its list."""
     pid_m = gl.program_id(0)
     if CAUSAL:  # the longest lists first, so the short ones fill the tail
         pid_m = gl.num_programs(0) - 1 - pid_m
     bh = gl.program_id(1)
     h = bh % heads
+    return pid_m, bh, h, gl.load(KV_COUNT + h * stride_ch + pid_m) * (BLOCK_KV // BLOCK_N)
+
+
+@gluon.jit
+def _consumer(shared, HALF: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
+    """Rows HALF*64 .. HALF*64+63 of the program's 128-row query block: the online softmax over its kv list."""
+    (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out, Lse, KV_COUNT,
+     KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq) = shared
+    pid_m, bh, h, total = _list_start(KV_COUNT, heads, stride_ch, BLOCK_KV, BLOCK_N, CAUSAL)
     TILES: gl.constexpr = BLOCK_KV // BLOCK_N
-    total = gl.load(KV_COUNT + h * stride_ch + pid_m) * TILES
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -135,18 +141,13 @@ def _consumer(Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, 
 
 
 @gluon.jit
-def _loader(Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out, Lse,
-            KV_COUNT, KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq,
-            HALF: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+def _loader(shared, HALF: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
             STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
     """One warp: the query block's two halves, then each kept K and V tile into the ring (waits for a free stage)."""
-    pid_m = gl.program_id(0)
-    if CAUSAL:  # the longest lists first, so the short ones fill the tail
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    bh = gl.program_id(1)
-    h = bh % heads
+    (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out, Lse, KV_COUNT,
+     KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq) = shared
+    pid_m, bh, h, total = _list_start(KV_COUNT, heads, stride_ch, BLOCK_KV, BLOCK_N, CAUSAL)
     TILES: gl.constexpr = BLOCK_KV // BLOCK_N
-    total = gl.load(KV_COUNT + h * stride_ch + pid_m) * TILES
     index_row = KV_INDEX + h * stride_ih + pid_m * stride_iq
     q_row = bh * seq + pid_m * (2 * HALF_M)
     mbarrier.expect(q_ready, 2 * Q_DESC.block_type.nbytes)
@@ -188,16 +189,13 @@ def gluon_fwd_kernel(Q_DESC, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX, scale
     fence_async_shared()
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
+    # the partitions' shared arguments as one tuple (Gluon's worker partitions share one signature)
+    shared = (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out, Lse,
+              KV_COUNT, KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq)
     gl.warp_specialize([
-        (_consumer, (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out, Lse,
-                     KV_COUNT, KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq,
-                     FIRST, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
-        (_consumer, (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out, Lse,
-                     KV_COUNT, KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq,
-                     SECOND, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
-        (_loader, (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out, Lse,
-                   KV_COUNT, KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq,
-                   FIRST, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
+        (_consumer, (shared, FIRST, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
+        (_consumer, (shared, SECOND, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
+        (_loader, (shared, FIRST, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
