@@ -229,7 +229,11 @@ class BlockSparsity:
     def q_lists(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per key block, the count int32 [Bm, Hm, nk] and ascending indices int32 [Bm, Hm, nk, nq] of the
         query blocks that kept it: the transpose of the kv lists, for the dK/dV walk."""
-        return self._derived("q_lists", self._build_q_lists or (lambda: build_lists(self.mask.transpose(-1, -2))))
+        # "is None", not "or": Dynamo in torch 2.11 cannot take the truth value of a closure (a graph break).
+        build = self._build_q_lists
+        if build is None:
+            build = lambda: build_lists(self.mask.transpose(-1, -2))  # noqa: E731
+        return self._derived("q_lists", build)
 
     def causal(self) -> "BlockSparsity":
         """The same mask without the blocks that lie wholly above the diagonal (key > query for every pair,
