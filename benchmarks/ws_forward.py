@@ -3,6 +3,7 @@ same block mask, in one process: ms and effective TFLOP/s per case, and each rat
 
     python benchmarks/ws_forward.py                       # the design cases, D=128, densities 1 .. 0.1
     python benchmarks/ws_forward.py --cases short gqa     # B8 H16 S2048/4096 d=0.5; GQA 32/8 S16384
+    python benchmarks/ws_forward.py --cases causal        # is_causal over the block-causal mask, and SDPA causal
 """
 
 import argparse
@@ -18,6 +19,9 @@ SUITES = {
     "short": [Case(batch=8, heads=16, kv_heads=16, seq=s, density=0.5) for s in (2048, 4096)],
     "gqa": [Case(heads=32, kv_heads=kv, seq=16384, density=d) for kv in (8, 32) for d in (0.5, 0.1)],
     "blocks": [Case(block=block, density=0.25) for block in ((256, 256), (128, 192), (256, 64))],
+    # 128x64 is blocks=None's default block shape, so also what a plain causal call runs
+    "causal": [Case(pattern="causal", block=block, density=0.5) for block in ((128, 128), (128, 64))]
+    + [Case(batch=8, heads=16, kv_heads=16, seq=4096, pattern="causal", density=0.5)],
 }
 
 
@@ -37,16 +41,23 @@ def main():
         k, v = (torch.randn(case.batch, case.kv_heads, case.seq, case.dim, device=device, dtype=torch.bfloat16,
                             generator=gen) for _ in range(2))
         flops = 4.0 * case.batch * case.heads * case.seq * case.seq * case.dim * blocks.density()
+        causal = case.pattern == "causal"
         times = {}
         outs = {}
         for enabled in (False, True):
             forward_ws.ENABLED = enabled
-            outs[enabled] = blockattn.attention(q, k, v, blocks)
-            times[enabled] = _time_ms(lambda: blockattn.attention(q, k, v, blocks))
+            outs[enabled] = blockattn.attention(q, k, v, blocks, is_causal=causal)
+            times[enabled] = _time_ms(lambda: blockattn.attention(q, k, v, blocks, is_causal=causal))
         forward_ws.ENABLED = True
-        flex = _runners(case, keep, device)["flex"][0]
-        times["flex"] = _time_ms(lambda: flex(q, k, v))
+        runners = _runners(case, keep, device)
+        times["flex"] = _time_ms(lambda: runners["flex"][0](q, k, v))
         gap = (outs[True].float() - outs[False].float()).abs().max().item()
+        if causal:  # cuDNN's causal forward: the dense baseline a language model would otherwise run
+            sdpa = torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
+            with sdpa:
+                ms = _time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                                       enable_gqa=True))
+            print(f"cuDNN SDPA causal {case.label}: {ms:.3f} ms", flush=True)
 
         def cell(ms):
             return f"{ms:.3f} ({flops / ms / 1e9:.0f})"

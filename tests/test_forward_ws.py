@@ -35,6 +35,8 @@ def test_qualifying_calls_and_their_tiles():
     assert _qualifies() == forward_ws.Plan(128)
     assert _qualifies(block_kv=64) == forward_ws.Plan(64)
     assert _qualifies(block_q=256, block_kv=256) == forward_ws.Plan(128)
+    assert _qualifies(is_causal=True) == forward_ws.Plan(128, causal=True)
+    assert _qualifies(block_kv=64, is_causal=True) == forward_ws.Plan(64, causal=True)
     wide = _meta(2, 2, 1152, 128)
     assert _qualifies(k=wide, block_kv=192) == forward_ws.Plan(64)  # 128-key tiles do not nest in 192
     assert _qualifies(q=_meta(2, 4, 1000, 128, dtype=torch.float16), k=_meta(2, 2, 1024, 128, dtype=torch.float16))
@@ -44,7 +46,7 @@ def test_qualifying_calls_and_their_tiles():
 
 
 @pytest.mark.parametrize("change", [
-    dict(is_causal=True), dict(token_mask=object()), dict(block_mask=object()), dict(kv_valid=object()),
+    dict(token_mask=object()), dict(block_mask=object()), dict(kv_valid=object()),
     dict(varlen=object()), dict(quant="int8"), dict(block_q=64), dict(block_kv=32), dict(block_kv=96),
     dict(min_work=2 * 4 * 1000 * 1024 * 128 + 1)])
 def test_calls_it_declines(change):
@@ -96,7 +98,8 @@ _COMPILE_AHEAD = """
 import json, os, re, subprocess, sys, tempfile
 import torch, triton
 from blockattn.kernels import forward, forward_ws
-compiled = forward_ws.compile_sm90(int(sys.argv[1]), int(sys.argv[2]), getattr(torch, sys.argv[3]))
+compiled = forward_ws.compile_sm90(int(sys.argv[1]), int(sys.argv[2]), getattr(torch, sys.argv[3]),
+                                   causal=bool(int(sys.argv[4])))
 ptx = compiled.asm["ptx"]
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -110,11 +113,13 @@ print(json.dumps(dict(
 """
 
 
-@pytest.mark.parametrize("blocks, dtype", [((128, 128), "bfloat16"), ((128, 64), "float16")])
-def test_compiles_for_sm90_with_its_register_split(blocks, dtype):
+@pytest.mark.parametrize("blocks, dtype, causal", [((128, 128), "bfloat16", False), ((128, 64), "float16", False),
+                                                   ((128, 64), "bfloat16", True)])
+def test_compiles_for_sm90_with_its_register_split(blocks, dtype, causal):
     # In a process of its own: under the interpreter (this suite on a CPU) Gluon's helpers are not compilable.
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _COMPILE_AHEAD, str(blocks[0]), str(blocks[1]), dtype],
+    result = subprocess.run([sys.executable, "-c", _COMPILE_AHEAD, str(blocks[0]), str(blocks[1]), dtype,
+                             str(int(causal))],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -154,12 +159,55 @@ def warp_specialized_calls(monkeypatch) -> list:
     return calls
 
 
+CAUSAL_CASES = {
+    # Sq < Sk: top-left alignment, the query tail ends inside its tile
+    "128x128 causal, query tail": (1, 4, 4, 1000, 1024, (128, 128), torch.bfloat16, "bhsd"),
+    # the default block shape: two 64-key blocks a key tile, both crossing the diagonal
+    "128x64 causal gqa": (2, 4, 2, 1024, 1024, (128, 64), torch.float16, "bhsd"),
+    # a 256-row block: its first 128-row tile walks a key tile wholly above its diagonal
+    "256x256 causal": (1, 4, 4, 1024, 1024, (256, 256), torch.bfloat16, "bhsd"),
+    # key tiles pairing sub tiles of different blocks, which cross the diagonal at different rows
+    "128x192 causal": (1, 2, 2, 1152, 1152, (128, 192), torch.bfloat16, "bhsd"),
+    # Sq > Sk: the last query tiles see every key and test none
+    "more queries than keys": (1, 2, 2, 1536, 512, (128, 128), torch.bfloat16, "bshd"),
+}
+
+
+def _interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block):
+    """On the CPU (Triton's interpreter): two blocks a side plus the same query tail, two heads at most."""
+    if ON_GPU:
+        return heads, kv_heads, seq_q, seq_kv
+    return min(heads, 2 * kv_heads, 4), min(kv_heads, 2), 2 * block[0] + seq_q % block[0], 2 * block[1]
+
+
+def _expected_calls(plan) -> list:
+    return [plan] if ON_GPU and torch.cuda.get_device_capability() == (9, 0) else []
+
+
+@pytest.mark.parametrize("case", list(CAUSAL_CASES))
+def test_causal_against_the_oracle(case, poisoned, warp_specialized_calls):
+    """Causal calls, with rows that see no key inside a tile whose other rows do (the last query block keeps one
+    key block, which starts halfway down it) and a query block that keeps nothing."""
+    batch, heads, kv_heads, seq_q, seq_kv, block, dtype, layout = CAUSAL_CASES[case]
+    heads, kv_heads, seq_q, seq_kv = _interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
+    q, k, v = qkv(batch, heads, seq_q, 128, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    keep = random_keep(batch, heads, seq_q, seq_kv, block, density=0.6)
+    nq, nk = keep.shape[-2:]
+    keep[:, :, 1] = False
+    last = nq - 1
+    keep[:, :, last] = False
+    keep[:, :, last, min(nk - 1, (last * block[0] + block[0] // 2) // block[1])] = True
+    out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=True, backend="triton")
+    assert warp_specialized_calls == _expected_calls(forward_ws.Plan(128 if block[1] % 128 == 0 else 64, True))
+    check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=True)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_against_the_oracle_with_empty_rows(case, poisoned, warp_specialized_calls):
     batch, heads, kv_heads, seq_q, seq_kv, block, dtype, layout = CASES[case]
-    if not ON_GPU:  # the interpreter's share: two blocks a side plus the same query tail, two heads at most
-        seq_q, seq_kv = 2 * block[0] + seq_q % block[0], 2 * block[1]
-        heads, kv_heads = min(heads, 2 * kv_heads, 4), min(kv_heads, 2)
+    heads, kv_heads, seq_q, seq_kv = _interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
     q, k, v = qkv(batch, heads, seq_q, 128, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
     one_mask = case.startswith("one mask")
     keep = random_keep(1 if one_mask else batch, 1 if one_mask else heads, seq_q, seq_kv, block, density=0.3)
@@ -171,19 +219,18 @@ def test_against_the_oracle_with_empty_rows(case, poisoned, warp_specialized_cal
     q, k, v = args
     out, lse = blockattn.attention(q, k, v, keep[0, 0] if one_mask else keep, block, return_lse=True,
                                    backend="triton")
-    expected_plan = forward_ws.Plan(128 if block[1] % 128 == 0 else 64)
-    assert warp_specialized_calls == ([expected_plan] if ON_GPU and torch.cuda.get_device_capability() == (9, 0)
-                                      else [])
+    assert warp_specialized_calls == _expected_calls(forward_ws.Plan(128 if block[1] % 128 == 0 else 64))
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv))
 
 
-def test_backward_through_its_output_and_lse(warp_specialized_calls):
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_backward_through_its_output_and_lse(is_causal, warp_specialized_calls):
     batch, heads, seq = (2, 4, 1024) if ON_GPU else (1, 2, 256)
     block = (128, 128)
     q, k, v = (t.requires_grad_() for t in qkv(batch, heads, seq, 128))
     keep = random_keep(batch, heads, seq, seq, block, density=0.3)
     keep[:, :, 1] = False
-    out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, backend="triton")
+    out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=is_causal, backend="triton")
     assert len(warp_specialized_calls) == int(ON_GPU and torch.cuda.get_device_capability() == (9, 0))
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     grad_out = torch.randn(out.shape, generator=gen, device=DEVICE).to(out.dtype)
@@ -193,8 +240,8 @@ def test_backward_through_its_output_and_lse(warp_specialized_calls):
 
     grads = torch.autograd.grad(loss(out.float(), lse, grad_out.float()), (q, k, v))
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    want_grads = torch.autograd.grad(loss(*oracle(*leaves, expand(keep, block, seq, seq)), grad_out.double()),
-                                     leaves)
+    want_grads = torch.autograd.grad(
+        loss(*oracle(*leaves, expand(keep, block, seq, seq), is_causal=is_causal), grad_out.double()), leaves)
     for name, got, ref in zip("qkv", grads, want_grads):
         assert torch.isfinite(got).all(), f"d{name} not finite"
         err = ((got.double() - ref).norm() / ref.norm()).item()

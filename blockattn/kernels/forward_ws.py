@@ -8,8 +8,10 @@ together with the previous tile's P V and computes the softmax of the new scores
 blocks: 5.33 ms against about 6.1 ms for the Triton forward and 7.82 ms for FlexAttention (BENCHMARKS.md, fifteenth
 session; the figures move by up to 7% with what ran just before, through the GPU's power limit).
 
-It covers the plain walk only: no element tests (no causal diagonal, token mask, kv_valid, gathered block mask,
-sequence end inside a key tile), bf16 or fp16, head dim 128, blocks whose query side holds whole 128-row tiles.
+It covers the plain walk and the causal one: no other element tests (no token mask, kv_valid, gathered block
+mask, sequence end inside a key tile), bf16 or fp16, head dim 128, blocks whose query side holds whole 128-row
+tiles. Under is_causal the key tiles from the first block that reaches past the program's first row on take the
+test key <= query, and the longest lists run first.
 `plan()` says whether a call qualifies; forward.attention_forward runs the Triton forward otherwise. Triton's
 interpreter cannot run Gluon, so on the CPU the tests compile this kernel for sm_90 without running it; the GPU
 tests run it against the fp64 oracle.
@@ -53,16 +55,70 @@ _LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
-def _program(heads, group_size, BLOCK_Q: gl.constexpr):
-    """(off_b, off_h, off_hkv, start_m, q_block) of this program; the head order of primitives.query_tile_program
-    (consecutive programs take different kv heads)."""
+def _program(shared, BLOCK_Q: gl.constexpr, CAUSAL: gl.constexpr):
+    """(off_b, off_h, off_hkv, start_m, q_block, index_row, count) of this program: its place, with the head order
+    of primitives.query_tile_program (consecutive programs take different kv heads), and its kv list (the pointer
+    to its first entry, and its count of key blocks). CAUSAL: the last query tiles, whose lists are the longest,
+    run first, so that the short ones fill the grid's tail."""
+    (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse, KV_COUNT,
+     KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, stride_ob,
+     stride_oh, stride_os, stride_lb, stride_lh) = shared
     pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)
     off_b = pid_bh // heads
     kv_heads = heads // group_size
     slot = pid_bh % heads
     off_h = (slot % kv_heads) * group_size + slot // kv_heads
-    start_m = gl.program_id(0) * (2 * _ROWS)
-    return off_b, off_h, off_h // group_size, start_m, start_m // BLOCK_Q
+    pid_m = gl.program_id(0)
+    if CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * (2 * _ROWS)
+    q_block = start_m // BLOCK_Q
+    count = gl.load(KV_COUNT + off_b * stride_cb + off_h * stride_ch + q_block)
+    index_row = KV_INDEX + off_b.to(gl.int64) * stride_ib + off_h.to(gl.int64) * stride_ih + q_block * stride_iq
+    return off_b, off_h, off_h // group_size, start_m, q_block, index_row, count
+
+
+@gluon.jit
+def _first_tested_tile(index_row, count, start_m, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr):
+    """The first key tile of the walk that needs the causal test: the one holding the list's first block that
+    reaches past the program's first query row (key block start_m // BLOCK_KV or later). Earlier blocks lie wholly
+    below the diagonal, and the list is ascending, so the scan goes back from its end over the few crossing ones."""
+    crossing = start_m // BLOCK_KV
+    entry = count
+    scanning = count > 0
+    while scanning:
+        later = gl.load(index_row + gl.maximum(entry - 1, 0)) >= crossing
+        entry = entry - later.to(gl.int32)
+        scanning = later & (entry > 0)
+    return entry * (BLOCK_KV // SUB_N) // (_TILE_N // SUB_N)
+
+
+@gluon.jit
+def _scores_masked(qk, j, tiles, sub_tiles, odd, first_tested, index_row, rows, BLOCK_KV: gl.constexpr,
+                   SUB_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Key tile j's scores qk fp32 [64, 128] with -inf where no key is: the repeated half of an odd count's last
+    tile, and under CAUSAL (from first_tested on) the keys past each query row (rows int32 [64])."""
+    cols = gl.arange(0, _TILE_N, gl.SliceLayout(0, qk.type.layout))
+    if odd and j == tiles - 1:
+        qk = gl.where(cols[None, :] >= SUB_N, float("-inf"), qk)
+    if CAUSAL:
+        if j >= first_tested:
+            # each column's key, from its sub tile's list entry (as the loader placed it)
+            SUBS_PER_BLOCK: gl.constexpr = BLOCK_KV // SUB_N
+            sub = gl.minimum((_TILE_N // SUB_N) * j + cols // SUB_N, sub_tiles - 1)
+            keys = (gl.load(index_row + sub // SUBS_PER_BLOCK) * BLOCK_KV + (sub % SUBS_PER_BLOCK) * SUB_N
+                    + cols % SUB_N)
+            qk = gl.where(keys[None, :] <= rows[:, None], qk, float("-inf"))
+    return qk
+
+
+@gluon.jit
+def _exp_offset(m, CAUSAL: gl.constexpr):
+    """The running max m as the exponentials' offset: under CAUSAL a row may have seen no key yet (m = -inf), and
+    0 then keeps exp2(-inf - offset) at 0 instead of NaN."""
+    if CAUSAL:
+        m = gl.where(m == float("-inf"), 0.0, m)
+    return m
 
 
 @gluon.jit
@@ -74,18 +130,22 @@ def _sub_tile(ring, stage, part, SUB_N: gl.constexpr):
 
 @gluon.jit
 def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
-              STAGES: gl.constexpr):
-    """Query rows HALF*64 .. HALF*64+63 of the program's tile: the online softmax over the kv list, then Out
-    [B, H, Sq, 128] and Lse fp32 [B, H, Sq] (natural log; -inf and zeros for a row whose list is empty). shared:
-    the kernel's arguments and buffers, as attention_fwd_ws_kernel packs them."""
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Query rows HALF*64 .. HALF*64+63 of the program's tile: the online softmax over the kv list (CAUSAL: keys
+    up to each row's own position only), then Out [B, H, Sq, 128] and Lse fp32 [B, H, Sq] (natural log; -inf and
+    zeros for a row with no key). shared: the kernel's arguments and buffers, as attention_fwd_ws_kernel packs
+    them."""
     (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse, KV_COUNT,
      KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, stride_ob,
      stride_oh, stride_os, stride_lb, stride_lh) = shared
-    off_b, off_h, off_hkv, start_m, q_block = _program(heads, group_size, BLOCK_Q)
+    off_b, off_h, off_hkv, start_m, q_block, index_row, count = _program(shared, BLOCK_Q, CAUSAL)
     PARTS: gl.constexpr = _TILE_N // SUB_N
-    sub_tiles = gl.load(KV_COUNT + off_b * stride_cb + off_h * stride_ch + q_block) * (BLOCK_KV // SUB_N)
+    sub_tiles = count * (BLOCK_KV // SUB_N)
     # key tiles of 128 keys, PARTS sub tiles each; with two parts the last holds one when sub_tiles is odd
     total = (sub_tiles + PARTS - 1) // PARTS
+    first_tested = total
+    if CAUSAL:
+        first_tested = _first_tested_tile(index_row, count, start_m, BLOCK_KV, SUB_N)
     dtype: gl.constexpr = Q_DESC.dtype
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
     BLOCK_N: gl.constexpr = _TILE_N
@@ -102,19 +162,19 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
     l_i = gl.zeros([_ROWS], gl.float32, row_s)
     acc = gl.zeros([_ROWS, HEAD_DIM], gl.float32, o_layout)
     s_zero = gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout)
-    # the columns of a last key tile that holds one sub tile: its second half repeats the first (finite data)
-    half_tile = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))[None, :] >= SUB_N
+    # a last key tile that holds one sub tile: its second half repeats the first (finite data), masked
     odd = (sub_tiles % PARTS) != 0
+    first_row = start_m + HALF * _ROWS
+    rows_s = first_row + gl.arange(0, _ROWS, row_s)
     q = q_smem.index(HALF).reshape([_ROWS, HEAD_DIM])
     mbarrier.wait(q_ready, 0)
     if total > 0:
         mbarrier.wait(k_ready.index(0), 0)
         qk = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
-        if odd and total == 1:
-            qk = gl.where(half_tile, float("-inf"), qk)
+        qk = _scores_masked(qk, 0, total, sub_tiles, odd, first_tested, index_row, rows_s, BLOCK_KV, SUB_N, CAUSAL)
         m_i = gl.max(qk, 1) * scale_log2
-        p = gl.exp2(qk * scale_log2 - m_i[:, None])
+        p = gl.exp2(qk * scale_log2 - _exp_offset(m_i, CAUSAL)[:, None])
         l_i = gl.sum(p, 1)
         p_prev = gl.convert_layout(p.to(dtype), p_layout)
         for j in range(1, total):
@@ -125,11 +185,12 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
             qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
             qk = warpgroup_mma_wait(1, deps=(qk, ))  # this tile's scores; the previous tile's P V may still run
-            if odd and j == total - 1:
-                qk = gl.where(half_tile, float("-inf"), qk)
+            qk = _scores_masked(qk, j, total, sub_tiles, odd, first_tested, index_row, rows_s, BLOCK_KV, SUB_N,
+                                CAUSAL)
             m_new = gl.maximum(m_i, gl.max(qk, 1) * scale_log2)
-            p = gl.exp2(qk * scale_log2 - m_new[:, None])
-            alpha = gl.exp2(m_i - m_new)
+            offset = _exp_offset(m_new, CAUSAL)
+            p = gl.exp2(qk * scale_log2 - offset[:, None])
+            alpha = gl.exp2(m_i - offset)
             l_i = l_i * alpha + gl.sum(p, 1)
             p_next = gl.convert_layout(p.to(dtype), p_layout)
             # p_prev rides through the wait so its registers stay untouched until the product reading them is done
@@ -148,30 +209,27 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
     l_safe = gl.where(seen, l_i, 1.0)
     out = acc / gl.convert_layout(l_safe, row_o)[:, None]
     lse = gl.where(seen, (m_i + gl.log2(l_safe)) / _LOG2E, float("-inf"))
-    first_row = start_m + HALF * _ROWS
     rows_o = first_row + gl.arange(0, _ROWS, row_o)
     cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
     o_ptrs = (Out + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
               + rows_o.to(gl.int64)[:, None] * stride_os + cols[None, :])
     gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(rows_o < seq_q)[:, None])
-    rows_s = first_row + gl.arange(0, _ROWS, row_s)
     gl.store(Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows_s, lse,
              mask=rows_s < seq_q)
 
 
 @gluon.jit
 def _loader(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
-            STAGES: gl.constexpr):
+            STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """One warp: the tile's two halves of Q, then each kept key tile's K and V into the ring, a stage once both
     consumers have released it. (Same parameters as _consumer: Gluon's worker partitions share one signature.)"""
     (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse, KV_COUNT,
      KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, stride_ob,
      stride_oh, stride_os, stride_lb, stride_lh) = shared
-    off_b, off_h, off_hkv, start_m, q_block = _program(heads, group_size, BLOCK_Q)
+    off_b, off_h, off_hkv, start_m, q_block, index_row, count = _program(shared, BLOCK_Q, CAUSAL)
     SUBS_PER_BLOCK: gl.constexpr = BLOCK_KV // SUB_N
     PARTS: gl.constexpr = _TILE_N // SUB_N
-    sub_tiles = gl.load(KV_COUNT + off_b * stride_cb + off_h * stride_ch + q_block) * SUBS_PER_BLOCK
-    index_row = KV_INDEX + off_b.to(gl.int64) * stride_ib + off_h.to(gl.int64) * stride_ih + q_block * stride_iq
+    sub_tiles = count * SUBS_PER_BLOCK
     mbarrier.expect(q_ready, 2 * Q_DESC.block_type.nbytes)
     tma.async_copy_global_to_shared(Q_DESC, [off_b, off_h, start_m, 0], q_ready, q_smem.index(0))
     tma.async_copy_global_to_shared(Q_DESC, [off_b, off_h, start_m + _ROWS, 0], q_ready, q_smem.index(1))
@@ -195,11 +253,13 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX
                             group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
                             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                             BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
-                            STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            LOADER_REGS: gl.constexpr):
     """Grid (cdiv(Sq, 128), launch.batch_head_axes(B, H)). Q_DESC / K_DESC / V_DESC: Gluon host descriptors of
     q [B, H, Sq, 128], k and v [B, Hkv, Sk, 128] with boxes [1, 1, 64, 128] / [1, 1, SUB_N, 128]; KV_COUNT int32
     [Bm, Hm, nq], KV_INDEX int32 [Bm, Hm, nq, L] (size-1 mask dims with stride 0), every listed block's keys below
-    Sk; Out [B, H, Sq, 128] (last dim contiguous), Lse fp32 [B, H, Sq] (last dim contiguous)."""
+    Sk (CAUSAL: the lists of BlockSparsity.causal(), ascending); Out [B, H, Sq, 128] (last dim contiguous), Lse
+    fp32 [B, H, Sq] (last dim contiguous)."""
     q_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2] + Q_DESC.block_type.shape, Q_DESC.layout)
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
     # a stage: one [128, D] key tile, which the loader fills with 128 // SUB_N boxes of SUB_N keys (_sub_tile)
@@ -222,16 +282,18 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX
               KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
               stride_ob, stride_oh, stride_os, stride_lb, stride_lh)
     gl.warp_specialize([
-        (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, STAGES)),
-        (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, STAGES)),
-        (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, STAGES)),
+        (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, STAGES, CAUSAL)),
+        (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, STAGES, CAUSAL)),
+        (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 
 class Plan(NamedTuple):
-    """The kernel's sub tile height (keys per TMA box: 128, or 64 when 128 does not divide the key block)."""
+    """The kernel's sub tile height (keys per TMA box: 128, or 64 when 128 does not divide the key block), and
+    whether it tests the causal diagonal."""
     sub_n: int
+    causal: bool = False
 
 
 def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_kv: int, *, is_causal: bool,
@@ -247,13 +309,13 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_
 
 def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_kv: int, *, is_causal: bool,
               token_mask, block_mask, kv_valid, varlen, quant, min_work: int) -> Optional[Plan]:
-    """plan()'s conditions on the call, whatever the device: no element tests (not is_causal, no token_mask,
+    """plan()'s conditions on the call, whatever the device: no element tests but the causal one (no token_mask,
     block_mask, kv_valid or varlen, Sk a multiple of block_kv); no quant; bf16 or fp16 for all three; D = Dv = 128;
     block_q a multiple of 128 and block_kv of 64; at least min_work of dense work (B * H * Sq * Sk * D: below it a
     call is host-bound, and the Triton forward's launch plans cost less host time); every tensor's last dim
     contiguous, its other strides and its start 16-byte aligned (TMA's rule). The plan: 128-key tiles when they
     nest in block_kv, else 64."""
-    if is_causal or any(x is not None for x in (token_mask, block_mask, kv_valid, varlen, quant)):
+    if any(x is not None for x in (token_mask, block_mask, kv_valid, varlen, quant)):
         return None
     if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype):
         return None
@@ -266,7 +328,7 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, b
     for t in (q, k, v):
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
             return None
-    return Plan(TILE_N if block_kv % TILE_N == 0 else 64)
+    return Plan(TILE_N if block_kv % TILE_N == 0 else 64, is_causal)
 
 
 def _descriptor(t: torch.Tensor, rows: int):
@@ -290,10 +352,10 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
         # the lists' size-1 batch and head dims broadcast: stride 0
         **stride_args("c", kv_count, "bh"), **stride_args("i", kv_index, "bhq"), **stride_args("o", out, "bhs"),
         **stride_args("l", lse, "bh"), BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=chosen.sub_n, STAGES=STAGES,
-        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAX_REGS)
+        CAUSAL=chosen.causal, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAX_REGS)
 
 
-def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat16):
+def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat16, causal: bool = False):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for lists at (block_q, block_kv), with the launch's tile choice (plan()) and register settings."""
     from triton.backends.compiler import GPUTarget
@@ -306,7 +368,7 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
         layout = gl.NVMMASharedLayout.get_default_for(box, gl_dtype)
         return f"tensordesc<{name}[{','.join(map(str, box))}],{layout!r}>"
 
-    constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, STAGES=STAGES,
+    constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, STAGES=STAGES, CAUSAL=causal,
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
     signature = {}
     for param in attention_fwd_ws_kernel.params:
