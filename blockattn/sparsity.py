@@ -74,17 +74,33 @@ def build_lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     keep: bool [..., R, C]. Returns count int32 [..., R] and index int32 [..., R, C] (contiguous); entries of
     ``index`` past ``count`` are the dropped columns, ascending: kernels never read them.
     """
+    if _in_one_launch(keep):  # the same lists: every kept column counts as full
+        return _full_first_lists(keep, keep)
     count = keep.sum(-1, dtype=torch.int32)
     # A stable sort on "dropped" puts the kept columns first, each group in ascending order.
     index = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices.to(torch.int32)
     return count.contiguous(), index.contiguous()
 
 
+def _in_one_launch(keep: torch.Tensor) -> bool:
+    """Whether the lists over keep come from the list kernel (kernels/lists.py): on a CUDA tensor, except while
+    torch.compile traces (there the PyTorch operations go into the graph, and Inductor fuses them)."""
+    return keep.is_cuda and not torch.compiler.is_compiling()
+
+
 def _full_first_lists(keep: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """build_lists(keep) with each row's full columns first and the others stored plus the column count C, both
     groups ascending (so the whole kept part is ascending); the dropped columns follow. keep, full: bool
     [..., R, C], full within keep. Each column's slot comes from running counts, with no sort (these lists are
-    rebuilt on every call that gives kv_valid)."""
+    rebuilt on every call that gives kv_valid; on a GPU they take one kernel launch)."""
+    if _in_one_launch(keep):
+        from .kernels import lists  # (imports Triton)
+        return lists.full_first_lists(keep, full)
+    return _full_first_lists_by_operations(keep, full)
+
+
+def _full_first_lists_by_operations(keep: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """_full_first_lists in PyTorch operations (the CPU's, and torch.compile's)."""
     columns = keep.shape[-1]
     column = torch.arange(columns, device=keep.device, dtype=torch.int32)
     partial = keep & ~full
