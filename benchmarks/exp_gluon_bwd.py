@@ -1,0 +1,287 @@
+"""Experiment: a warp-specialized Gluon backward for Hopper, FlashAttention-3's structure over blockattn's q lists:
+dK, dV and dQ in one kernel, five tile products per step where the package's two Triton kernels run seven.
+
+One program takes one 128-key block of one head. A loader warp reads its K and V once, then each listed query
+block's 64-row tiles of Q and dO into a ring of shared-memory stages (TMA). Two consumer warpgroups own 64 keys
+each. Per query tile, a consumer computes S^T = K Q^T and dP^T = V dO^T for its keys, P^T and dS^T in registers,
+adds P^T dO into dV and dS^T Q into dK (registers as the A operand), and stores dS^T (bf16) into shared memory.
+Once both halves are there, each consumer computes half of dQ's columns, dS K[:, half], and adds it into an fp32
+dQ buffer with atomics. Contiguous bf16 [1, H, S, 128] inputs, S a multiple of 128, 128x128 blocks, MHA, no
+element tests.
+
+    python benchmarks/exp_gluon_bwd.py --compile-only            # no GPU: compile for sm_90, print resources
+    python benchmarks/exp_gluon_bwd.py --density 0.25 0.1        # on the GPU: check against the package, time
+"""
+
+import argparse
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+ROWS = 64     # query rows per step
+KEYS = 128    # keys per program (the key block); each consumer owns KEYS // 2
+_ROWS = gl.constexpr(ROWS)
+_HALF = gl.constexpr(KEYS // 2)
+_LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _place(shared, BLOCK_Q: gl.constexpr):
+    """(off_h, key_block, steps, index_row): the program's head and key block, its count of 64-row query tiles,
+    and the pointer to its q list."""
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_ready, q_ready, q_empty,
+     ds_ready, DQ, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq, stride_ch, stride_ih, stride_ik) = shared
+    key_block = gl.program_id(0)
+    off_h = gl.program_id(1)
+    count = gl.load(Q_COUNT + off_h * stride_ch + key_block)
+    index_row = Q_INDEX + off_h.to(gl.int64) * stride_ih + key_block * stride_ik
+    return off_h, key_block, count * (BLOCK_Q // _ROWS), index_row
+
+
+@gluon.jit
+def _first_row(index_row, step, BLOCK_Q: gl.constexpr):
+    """The first query row of step `step`: list entry step // (BLOCK_Q // 64), its 64-row tile step % (...)."""
+    TILES: gl.constexpr = BLOCK_Q // _ROWS
+    return gl.load(index_row + step // TILES) * BLOCK_Q + (step % TILES) * _ROWS
+
+
+@gluon.jit
+def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, DQ_MODE: gl.constexpr):
+    """Keys W*64 .. W*64+63 of the program's block: dK and dV over the q list, and dQ's columns W*64 .. of each
+    step. DQ fp32 [H * S, D] (zeroed; gets dS K without the softmax scale), DK / DV [H * S, D]. DQ_MODE (a
+    diagnosis of where the time goes; only 0 gives dQ): 0 the product and its atomics, 1 the product without
+    the atomics, 2 neither (dK and dV alone, four products)."""
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_ready, q_ready, q_empty,
+     ds_ready, DQ, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq, stride_ch, stride_ih, stride_ik) = shared
+    off_h, key_block, steps, index_row = _place(shared, BLOCK_Q)
+    dtype: gl.constexpr = Q_DESC.dtype
+    D: gl.constexpr = Q_DESC.block_type.shape[1]
+    # [64 keys, 64 rows] scores and dQ's [64 rows, 64 columns]; [64 keys, D] gradients
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, 64, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    along_rows: gl.constexpr = gl.SliceLayout(0, st_layout)
+    dk = gl.zeros([_HALF, D], gl.float32, acc_layout)
+    dv = gl.zeros([_HALF, D], gl.float32, acc_layout)
+    st_zero = gl.zeros([_HALF, _ROWS], gl.float32, st_layout)
+    k_half = k_smem.slice(W * _HALF, _HALF, dim=0)       # [64 keys, D]
+    v_half = v_smem.slice(W * _HALF, _HALF, dim=0)
+    k_columns = k_smem.slice(W * _HALF, _HALF, dim=1)    # [128 keys, 64 of D]: dQ's columns of this consumer
+    head_rows = off_h * seq
+    dq_offsets = (gl.arange(0, _ROWS, gl.SliceLayout(1, st_layout))[:, None] * D
+                  + W * _HALF + gl.arange(0, _HALF, gl.SliceLayout(0, st_layout))[None, :])
+    mbarrier.wait(kv_ready, 0)
+    for step in range(steps):
+        stage = step % STAGES
+        row0 = _first_row(index_row, step, BLOCK_Q)
+        rows = head_rows + row0 + gl.arange(0, _ROWS, along_rows)
+        lse = gl.load(LSE + rows) * _LOG2E
+        lse = gl.where(lse == float("-inf"), float("inf"), lse)  # a row with no key: P = 0
+        delta = gl.load(DELTA + rows)
+        mbarrier.wait(q_ready.index(stage), (step // STAGES) & 1)
+        q_tile = q_smem.index(stage)
+        do_tile = do_smem.index(stage)
+        st = warpgroup_mma(k_half, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_half, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(1, deps=(st, ))
+        pt = gl.exp2(st * scale_log2 - lse[None, :])
+        dpt = warpgroup_mma_wait(0, deps=(dpt, ))
+        dst = (pt * (dpt - delta[None, :])).to(dtype)
+        pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+        dst_op = gl.convert_layout(dst, op_layout)
+        dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+        dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
+        if DQ_MODE == 2:
+            dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+            mbarrier.arrive(q_empty.index(stage), count=1)
+        else:
+            # dS^T's half into shared memory; dQ needs both halves (its product runs over all 128 keys)
+            buf = step % 2
+            ds_smem.index(buf).slice(W * _HALF, _HALF, dim=0).store(dst)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            mbarrier.wait(ds_ready.index(buf), (step // 2) & 1)
+            dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_columns, st_zero, use_acc=False,
+                               is_async=True)
+            dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_op, dst_op))
+            mbarrier.arrive(q_empty.index(stage), count=1)
+            # a scalar base and constant offsets, so that the adds need no 64-bit address per element
+            dq_base = DQ + (head_rows + row0).to(gl.int64) * D
+            if DQ_MODE == 0:
+                gl.atomic_add(dq_base + dq_offsets, dq, sem="relaxed")
+            else:  # keep the product: one add per program at most, for row 0 only when dQ is NaN
+                gl.atomic_add(dq_base + dq_offsets, dq, mask=dq != dq, sem="relaxed")
+    key_rows = head_rows + key_block * (2 * _HALF) + W * _HALF + gl.arange(0, _HALF, gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
+    offsets = key_rows.to(gl.int64)[:, None] * D + cols[None, :]
+    gl.store(DK + offsets, (dk * (scale_log2 / _LOG2E)).to(DK.dtype.element_ty))
+    gl.store(DV + offsets, dv.to(DV.dtype.element_ty))
+
+
+@gluon.jit
+def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, DQ_MODE: gl.constexpr):
+    """One warp: the block's K and V, then each step's Q and dO tiles into the ring, a stage once both consumers
+    have released it."""
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_ready, q_ready, q_empty,
+     ds_ready, DQ, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq, stride_ch, stride_ih, stride_ik) = shared
+    off_h, key_block, steps, index_row = _place(shared, BLOCK_Q)
+    head_rows = off_h * seq
+    mbarrier.expect(kv_ready, K_DESC.block_type.nbytes + V_DESC.block_type.nbytes)
+    tma.async_copy_global_to_shared(K_DESC, [head_rows + key_block * (2 * _HALF), 0], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(V_DESC, [head_rows + key_block * (2 * _HALF), 0], kv_ready, v_smem)
+    for step in range(steps):
+        stage = step % STAGES
+        mbarrier.wait(q_empty.index(stage), ((step // STAGES) & 1) ^ 1)
+        row = head_rows + _first_row(index_row, step, BLOCK_Q)
+        mbarrier.expect(q_ready.index(stage), Q_DESC.block_type.nbytes + DO_DESC.block_type.nbytes)
+        tma.async_copy_global_to_shared(Q_DESC, [row, 0], q_ready.index(stage), q_smem.index(stage))
+        tma.async_copy_global_to_shared(DO_DESC, [row, 0], q_ready.index(stage), do_smem.index(stage))
+
+
+@gluon.jit
+def gluon_bwd_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq,
+                     stride_ch, stride_ih, stride_ik, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
+                     DQ_MODE: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    """Grid (S / 128, H). Descriptors over [H * S, D]: Q / dO with [64, D] boxes, K / V with [128, D]; LSE
+    (natural log) and DELTA (rowsum(dO * O)) fp32 [H * S]; Q_COUNT int32 [1, H, nk], Q_INDEX int32 [1, H, nk, nq]."""
+    D: gl.constexpr = Q_DESC.block_type.shape[1]
+    q_smem = gl.allocate_shared_memory(Q_DESC.dtype, [STAGES, _ROWS, D], Q_DESC.layout)
+    do_smem = gl.allocate_shared_memory(DO_DESC.dtype, [STAGES, _ROWS, D], DO_DESC.layout)
+    k_smem = gl.allocate_shared_memory(K_DESC.dtype, [2 * _HALF, D], K_DESC.layout)
+    v_smem = gl.allocate_shared_memory(V_DESC.dtype, [2 * _HALF, D], V_DESC.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * _HALF, _ROWS], Q_DESC.dtype)
+    ds_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2, 2 * _HALF, _ROWS], ds_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=2)
+    fence_async_shared()
+    shared = (Q_DESC, K_DESC, V_DESC, DO_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_ready, q_ready, q_empty,
+              ds_ready, DQ, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq, stride_ch, stride_ih, stride_ik)
+    FIRST: gl.constexpr = 0
+    SECOND: gl.constexpr = 1
+    gl.warp_specialize([
+        (_consumer, (shared, FIRST, BLOCK_Q, STAGES, DQ_MODE)),
+        (_consumer, (shared, SECOND, BLOCK_Q, STAGES, DQ_MODE)),
+        (_loader, (shared, FIRST, BLOCK_Q, STAGES, DQ_MODE)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+def _layouts(dim):
+    return (gl.NVMMASharedLayout.get_default_for([ROWS, dim], gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for([KEYS, dim], gl.bfloat16))
+
+
+def gluon_backward(q, k, v, out, lse, grad_out, blocks, stages=2, dq_mode=0, maxnreg=168, consumer_regs=240,
+                   loader_regs=24):
+    """Gradients (dq, dk, dv) of attention over blocks (128x128) for q, k, v, out, grad_out bf16 [1, H, S, D]
+    contiguous and lse fp32 [1, H, S] (natural log, the forward's)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    _, heads, seq, dim = q.shape
+    assert blocks.block_size == (KEYS, KEYS) and seq % KEYS == 0
+    q_layout, kv_layout = _layouts(dim)
+
+    def desc(t, rows, layout):
+        flat = t.reshape(-1, dim)
+        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, dim], layout)
+    delta = (grad_out.float() * out.float()).sum(-1)
+    dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    count, index = blocks.q_lists()
+    scale = dim ** -0.5
+    gluon_bwd_kernel[(seq // KEYS, heads)](
+        desc(q, ROWS, q_layout), desc(k, KEYS, kv_layout), desc(v, KEYS, kv_layout), desc(grad_out, ROWS, q_layout),
+        dq, dk, dv, lse, delta, count, index, scale * _LOG2E.value, seq, count.stride(1), index.stride(1),
+        index.stride(2), BLOCK_Q=blocks.block_size[0], STAGES=stages, DQ_MODE=dq_mode, CONSUMER_REGS=consumer_regs,
+        LOADER_REGS=loader_regs, num_warps=4, maxnreg=maxnreg)
+    return (dq * scale).to(q.dtype), dk, dv
+
+
+def compile_only(dim=128, stages=2, dq_mode=0, maxnreg=168, consumer_regs=240, loader_regs=24):
+    """Compile for sm_90 without a GPU; returns the compiled kernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    q_layout, kv_layout = _layouts(dim)
+    signature = dict(Q_DESC=f"tensordesc<bf16[{ROWS},{dim}],{q_layout!r}>",
+                     K_DESC=f"tensordesc<bf16[{KEYS},{dim}],{kv_layout!r}>",
+                     V_DESC=f"tensordesc<bf16[{KEYS},{dim}],{kv_layout!r}>",
+                     DO_DESC=f"tensordesc<bf16[{ROWS},{dim}],{q_layout!r}>",
+                     DQ="*fp32", DK="*bf16", DV="*bf16", LSE="*fp32", DELTA="*fp32", Q_COUNT="*i32", Q_INDEX="*i32",
+                     scale_log2="fp32", seq="i32", stride_ch="i32", stride_ih="i32", stride_ik="i32")
+    constants = dict(BLOCK_Q=KEYS, STAGES=stages, DQ_MODE=dq_mode, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs)
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    source = GluonASTSource(gluon_bwd_kernel, signature, constants)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--density", type=float, nargs="+", default=[0.25])
+    parser.add_argument("--seq", type=int, default=32768)
+    parser.add_argument("--heads", type=int, default=24)
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--dq-modes", type=int, nargs="+", default=[0],
+                        help="0: dQ's product and atomics; 1: the product only; 2: neither (timing diagnosis)")
+    parser.add_argument("--compile-only", action="store_true")
+    args = parser.parse_args()
+    variants = [(stages, mode) for stages in args.stages for mode in args.dq_modes]
+    if args.compile_only:
+        from exp_gluon_fwd import resource_usage
+        for stages, mode in variants:
+            try:
+                print(f"stages={stages} dq_mode={mode}: {resource_usage(compile_only(stages=stages, dq_mode=mode))}",
+                      flush=True)
+            except Exception as error:
+                print(f"stages={stages} dq_mode={mode}: failed {type(error).__name__}: {str(error)[:3000]}",
+                      flush=True)
+        return
+
+    import torch
+
+    import blockattn
+    from blockattn.bench import Case, _runners, _time_ms, block_mask
+    device = torch.device("cuda")
+    for density in args.density:
+        case = Case(heads=args.heads, seq=args.seq, density=density)
+        keep = block_mask(case, device)
+        blocks = blockattn.BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(1, case.heads, case.seq, 128, device=device, dtype=torch.bfloat16, generator=gen)
+                   .requires_grad_() for _ in range(3))
+        grad = torch.randn(q.shape, device=device, dtype=torch.bfloat16, generator=gen)
+        flops = 2.5 * 4.0 * case.heads * case.seq * case.seq * 128 * blocks.density()  # 5 products credited
+        out, lse = blockattn.attention(q, k, v, blocks, return_lse=True)
+        want = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+        times = {"package": _time_ms(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))}
+        flex = _runners(case, keep, device)["flex"][0]
+        flex_out = flex(q, k, v)
+        times["flex"] = _time_ms(lambda: torch.autograd.grad(flex_out, (q, k, v), grad, retain_graph=True))
+        line = ", ".join(f"{name} {ms:.3f} ms ({flops / ms / 1e9:.0f})" for name, ms in times.items())
+        print(f"== {case.label} backward: {line}", flush=True)
+        saved = (q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), grad)
+        for stages, mode in variants:
+            try:
+                got = gluon_backward(*saved, blocks, stages=stages, dq_mode=mode)
+                errors = [((g.float() - w.float()).norm() / w.float().norm()).item() for g, w in zip(got, want)]
+                ms = _time_ms(lambda: gluon_backward(*saved, blocks, stages=stages, dq_mode=mode))
+                print(f"gluon stages={stages} dq_mode={mode}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s, "
+                      f"{times['flex'] / ms:.2f}x flex, {times['package'] / ms:.2f}x package); relative error "
+                      f"dq {errors[0]:.1e} dk {errors[1]:.1e} dv {errors[2]:.1e}", flush=True)
+            except Exception as error:
+                print(f"gluon stages={stages} dq_mode={mode}: failed {type(error).__name__}: {str(error)[:2000]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
