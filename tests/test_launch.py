@@ -10,7 +10,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from blockattn.kernels import autotune, backward, forward, launch
+from blockattn.kernels import autotune, backward, forward, launch, lists
 from conftest import DEVICE, ON_GPU, check_against_oracle, expand, kernel, oracle, qkv, random_keep, rel_error
 
 ARG_NAMES = ("X", "X_DESC", "Out", "n", "BLOCK")
@@ -188,7 +188,8 @@ def test_repeated_calls_with_fresh_tensors_stay_exact(geometry, poisoned, monkey
             assert rel_error(g, w) < 2e-2, f"d{name} off the oracle (seed {seed}): {rel_error(g, w):.3e}"
     kernels = {key[0] for key in launch.plans()}
     # In dQ mode "kernel" the dQ kernel computes the row terms; the accumulating modes run the preprocess for them.
-    expected = {forward.attention_fwd_kernel, backward.attention_bwd_dkdv_kernel} | (
+    # (and on a GPU the list kernel, which builds each call's lists from its mask)
+    expected = {forward.attention_fwd_kernel, backward.attention_bwd_dkdv_kernel, lists.full_first_lists_kernel} | (
         {backward.attention_bwd_dq_kernel} if dq_mode == "kernel" else {backward.attention_bwd_preprocess_kernel})
     assert kernels == (expected if ON_GPU else set()), "plans on a GPU for every kernel; none under the interpreter"
 

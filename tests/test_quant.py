@@ -9,7 +9,7 @@ import torch
 
 import blockattn
 from blockattn import reference
-from blockattn.kernels import forward, launch, ops
+from blockattn.kernels import forward, launch, lists, ops
 from blockattn.kernels.quant import quantize_columns, quantize_columns_kernel, quantize_rows, quantize_rows_kernel
 from conftest import (DEVICE, ON_GPU, check_against_oracle, expand, make_generator, mostly_whole_kv_valid, oracle,
                       qkv, random_keep, rel_error)
@@ -181,7 +181,9 @@ def test_repeated_quantized_calls_relaunch_and_stay_exact(geometry, poisoned, mo
                 want = oracle(*dequantized(q, k)[:2], v_hat, visible)[0]
                 assert rel_error(out, want) < 0.05, f"seed {seed}: {rel_error(out, want):.3e}"
     kernels = {key[0] for key in launch.plans()}
-    expected = {forward.attention_fwd_kernel, quantize_rows_kernel, quantize_columns_kernel}
+    # (and the list kernel, which builds each call's lists from its mask)
+    expected = {forward.attention_fwd_kernel, quantize_rows_kernel, quantize_columns_kernel,
+                lists.full_first_lists_kernel}
     assert kernels == (expected if ON_GPU else set())
 
 
