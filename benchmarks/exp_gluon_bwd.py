@@ -11,6 +11,11 @@ element tests.
 
     python benchmarks/exp_gluon_bwd.py --compile-only            # no GPU: compile for sm_90, print resources
     python benchmarks/exp_gluon_bwd.py --density 0.25 0.1        # on the GPU: check against the package, time
+    python benchmarks/exp_gluon_bwd.py --stages 2 --dq-modes 0 3 1 2   # dQ in the step, a step later, diagnoses
+
+Measured on the H200 (BENCHMARKS.md, sixteenth session), dQ mode 0: correct (relative error 2e-4) but 21.94 ms at
+density 0.25, against 19.46 for the package's backward and 21.04 for FlexAttention's. Mode 3 (dQ a step later, so
+the consumers need not meet every step) compiles for sm_90 with the same resources and has not run yet.
 """
 
 import argparse
@@ -33,7 +38,8 @@ def _place(shared, BLOCK_Q: gl.constexpr):
     """(off_h, key_block, steps, index_row): the program's head and key block, its count of 64-row query tiles,
     and the pointer to its q list."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_ready, q_ready, q_empty,
-     ds_ready, DQ, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq, stride_ch, stride_ih, stride_ik) = shared
+     ds_ready, ds_empty, DQ, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq, stride_ch, stride_ih,
+     stride_ik) = shared
     key_block = gl.program_id(0)
     off_h = gl.program_id(1)
     count = gl.load(Q_COUNT + off_h * stride_ch + key_block)
@@ -51,11 +57,14 @@ def _first_row(index_row, step, BLOCK_Q: gl.constexpr):
 @gluon.jit
 def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, DQ_MODE: gl.constexpr):
     """Keys W*64 .. W*64+63 of the program's block: dK and dV over the q list, and dQ's columns W*64 .. of each
-    step. DQ fp32 [H * S, D] (zeroed; gets dS K without the softmax scale), DK / DV [H * S, D]. DQ_MODE (a
-    diagnosis of where the time goes; only 0 gives dQ): 0 the product and its atomics, 1 the product without
-    the atomics, 2 neither (dK and dV alone, four products)."""
+    step. DQ fp32 [H * S, D] (zeroed; gets dS K without the softmax scale), DK / DV [H * S, D]. DQ_MODE: 0 the
+    product and its atomics in the step; 3 the same one step later (dQ of step i-1 during step i, so that the two
+    consumers need not wait for each other's half of this step's dS: they may drift up to a step apart, one's
+    exponentials beside the other's products); as a diagnosis of where the time goes, without a correct dQ, 1 the
+    product without the atomics and 2 neither (dK and dV alone, four products)."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_ready, q_ready, q_empty,
-     ds_ready, DQ, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq, stride_ch, stride_ih, stride_ik) = shared
+     ds_ready, ds_empty, DQ, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq, stride_ch, stride_ih,
+     stride_ik) = shared
     off_h, key_block, steps, index_row = _place(shared, BLOCK_Q)
     dtype: gl.constexpr = Q_DESC.dtype
     D: gl.constexpr = Q_DESC.block_type.shape[1]
@@ -76,6 +85,7 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constex
     dq_offsets = (gl.arange(0, _ROWS, gl.SliceLayout(1, st_layout))[:, None] * D
                   + W * _HALF + gl.arange(0, _HALF, gl.SliceLayout(0, st_layout))[None, :])
     mbarrier.wait(kv_ready, 0)
+    prev_row0 = 0
     for step in range(steps):
         stage = step % STAGES
         row0 = _first_row(index_row, step, BLOCK_Q)
@@ -99,6 +109,25 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constex
         if DQ_MODE == 2:
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
             mbarrier.arrive(q_empty.index(stage), count=1)
+        elif DQ_MODE == 3:
+            buf = step % 2
+            prev = 1 - buf
+            has_prev = step > 0
+            # the buffer's last readers (dQ of step - 2, in both consumers) are done; a fresh barrier passes
+            mbarrier.wait(ds_empty.index(buf), ((step // 2) & 1) ^ 1)
+            ds_smem.index(buf).slice(W * _HALF, _HALF, dim=0).store(dst)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            # dQ of the step before (at step 0 a product that is dropped: one code path for the waits)
+            mbarrier.wait(ds_ready.index(prev), ((step - 1) // 2) & 1, pred=has_prev)
+            dq = warpgroup_mma(ds_smem.index(prev).permute((1, 0)), k_columns, st_zero, use_acc=False,
+                               is_async=True)
+            dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_op, dst_op))
+            mbarrier.arrive(ds_empty.index(prev), count=1, pred=has_prev)
+            mbarrier.arrive(q_empty.index(stage), count=1)
+            if has_prev:  # (step 0's product read a buffer nothing was written to for it: dropped)
+                gl.atomic_add(DQ + (head_rows + prev_row0).to(gl.int64) * D + dq_offsets, dq, sem="relaxed")
+            prev_row0 = row0
         else:
             # dS^T's half into shared memory; dQ needs both halves (its product runs over all 128 keys)
             buf = step % 2
@@ -116,6 +145,14 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constex
                 gl.atomic_add(dq_base + dq_offsets, dq, sem="relaxed")
             else:  # keep the product: one add per program at most, for row 0 only when dQ is NaN
                 gl.atomic_add(dq_base + dq_offsets, dq, mask=dq != dq, sem="relaxed")
+    if DQ_MODE == 3:
+        if steps > 0:  # the last step's dQ
+            last = (steps - 1) % 2
+            mbarrier.wait(ds_ready.index(last), ((steps - 1) // 2) & 1)
+            dq = warpgroup_mma(ds_smem.index(last).permute((1, 0)), k_columns, st_zero, use_acc=False,
+                               is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq, ))
+            gl.atomic_add(DQ + (head_rows + prev_row0).to(gl.int64) * D + dq_offsets, dq, sem="relaxed")
     key_rows = head_rows + key_block * (2 * _HALF) + W * _HALF + gl.arange(0, _HALF, gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
     offsets = key_rows.to(gl.int64)[:, None] * D + cols[None, :]
@@ -128,7 +165,8 @@ def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr
     """One warp: the block's K and V, then each step's Q and dO tiles into the ring, a stage once both consumers
     have released it."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_ready, q_ready, q_empty,
-     ds_ready, DQ, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq, stride_ch, stride_ih, stride_ik) = shared
+     ds_ready, ds_empty, DQ, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq, stride_ch, stride_ih,
+     stride_ik) = shared
     off_h, key_block, steps, index_row = _place(shared, BLOCK_Q)
     head_rows = off_h * seq
     mbarrier.expect(kv_ready, K_DESC.block_type.nbytes + V_DESC.block_type.nbytes)
@@ -160,15 +198,17 @@ def gluon_bwd_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ, DK, DV, LSE, DELTA, Q_
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)
+        mbarrier.init(ds_empty.index(i), count=2)
     fence_async_shared()
     shared = (Q_DESC, K_DESC, V_DESC, DO_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_ready, q_ready, q_empty,
-              ds_ready, DQ, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq, stride_ch, stride_ih, stride_ik)
+              ds_ready, ds_empty, DQ, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq, stride_ch, stride_ih, stride_ik)
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
     gl.warp_specialize([
@@ -233,7 +273,8 @@ def main():
     parser.add_argument("--heads", type=int, default=24)
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--dq-modes", type=int, nargs="+", default=[0],
-                        help="0: dQ's product and atomics; 1: the product only; 2: neither (timing diagnosis)")
+                        help="0: dQ's product and atomics; 3: the same a step later; 1: the product only; "
+                        "2: neither (1 and 2: timing diagnosis, no correct dQ)")
     parser.add_argument("--compile-only", action="store_true")
     args = parser.parse_args()
     variants = [(stages, mode) for stages in args.stages for mode in args.dq_modes]
