@@ -4,6 +4,7 @@ same block mask, in one process: ms and effective TFLOP/s per case, and each rat
     python benchmarks/ws_forward.py                       # the design cases, D=128, densities 1 .. 0.1
     python benchmarks/ws_forward.py --cases short gqa     # B8 H16 S2048/4096 d=0.5; GQA 32/8 S16384
     python benchmarks/ws_forward.py --cases causal        # is_causal over the block-causal mask, and SDPA causal
+    python benchmarks/ws_forward.py --cases skewed        # target 6 on the warp-specialized forward
 """
 
 import argparse
@@ -19,6 +20,8 @@ SUITES = {
     "short": [Case(batch=8, heads=16, kv_heads=16, seq=s, density=0.5) for s in (2048, 4096)],
     "gqa": [Case(heads=32, kv_heads=kv, seq=16384, density=d) for kv in (8, 32) for d in (0.5, 0.1)],
     "blocks": [Case(block=block, density=0.25) for block in ((256, 256), (128, 192), (256, 64))],
+    # target 6: a few query blocks keep everything, most little, against the uniform mask of the same density
+    "skewed": [Case(density=0.25, pattern="skewed"), Case(density=0.25)],
     # 128x64 is blocks=None's default block shape, so also what a plain causal call runs
     "causal": [Case(pattern="causal", block=block, density=0.5) for block in ((128, 128), (128, 64))]
     + [Case(batch=8, heads=16, kv_heads=16, seq=4096, pattern="causal", density=0.5)],
