@@ -84,8 +84,12 @@ def build_lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _in_one_launch(keep: torch.Tensor) -> bool:
     """Whether the lists over keep come from the list kernel (kernels/lists.py): on a CUDA tensor, except while
-    torch.compile traces (there the PyTorch operations go into the graph, and Inductor fuses them)."""
-    return keep.is_cuda and not torch.compiler.is_compiling()
+    torch.compile traces (there the PyTorch operations go into the graph, and Inductor fuses them) or a CUDA graph
+    captures (the kernel's first launch compiles and loads it, which a capture may not allow; the operations are
+    captured as they always were)."""
+    # is_compiling first: torch.compile cannot trace is_current_stream_capturing (a graph break)
+    return (keep.is_cuda and not torch.compiler.is_compiling()
+            and not torch.cuda.is_current_stream_capturing())
 
 
 def _full_first_lists(keep: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
