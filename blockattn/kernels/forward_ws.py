@@ -56,7 +56,7 @@ _LOG2E = gl.constexpr(1.4426950408889634)
 
 @gluon.jit
 def _program(shared, BLOCK_Q: gl.constexpr, CAUSAL: gl.constexpr):
-    """(off_b, off_h, off_hkv, start_m, q_block, index_row, count) of this program: its place, with the head order
+    """(off_b, off_h, off_hkv, start_m, index_row, count) of this program: its place, with the head order
     of primitives.query_tile_program (consecutive programs take different kv heads), and its kv list (the pointer
     to its first entry, and its count of key blocks). CAUSAL: the last query tiles, whose lists are the longest,
     run first, so that the short ones fill the grid's tail."""
@@ -75,7 +75,7 @@ def _program(shared, BLOCK_Q: gl.constexpr, CAUSAL: gl.constexpr):
     q_block = start_m // BLOCK_Q
     count = gl.load(KV_COUNT + off_b * stride_cb + off_h * stride_ch + q_block)
     index_row = KV_INDEX + off_b.to(gl.int64) * stride_ib + off_h.to(gl.int64) * stride_ih + q_block * stride_iq
-    return off_b, off_h, off_h // group_size, start_m, q_block, index_row, count
+    return off_b, off_h, off_h // group_size, start_m, index_row, count
 
 
 @gluon.jit
@@ -138,7 +138,7 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
     (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse, KV_COUNT,
      KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, stride_ob,
      stride_oh, stride_os, stride_lb, stride_lh) = shared
-    off_b, off_h, off_hkv, start_m, q_block, index_row, count = _program(shared, BLOCK_Q, CAUSAL)
+    off_b, off_h, off_hkv, start_m, index_row, count = _program(shared, BLOCK_Q, CAUSAL)
     PARTS: gl.constexpr = _TILE_N // SUB_N
     sub_tiles = count * (BLOCK_KV // SUB_N)
     # key tiles of 128 keys, PARTS sub tiles each; with two parts the last holds one when sub_tiles is odd
@@ -226,7 +226,7 @@ def _loader(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.cons
     (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse, KV_COUNT,
      KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, stride_ob,
      stride_oh, stride_os, stride_lb, stride_lh) = shared
-    off_b, off_h, off_hkv, start_m, q_block, index_row, count = _program(shared, BLOCK_Q, CAUSAL)
+    off_b, off_h, off_hkv, start_m, index_row, count = _program(shared, BLOCK_Q, CAUSAL)
     SUBS_PER_BLOCK: gl.constexpr = BLOCK_KV // SUB_N
     PARTS: gl.constexpr = _TILE_N // SUB_N
     sub_tiles = count * SUBS_PER_BLOCK

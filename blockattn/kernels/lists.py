@@ -8,6 +8,8 @@ that call's forward. Here one program takes BLOCK_R rows and places each column 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -21,7 +23,7 @@ _CONFIGS = [triton.Config({}, num_warps=4)]
 
 
 @triton.jit
-def _row_masks(KEEP, FULL, rows_k, rows_f, row_ok, cols, columns, stride_kc, stride_fc):
+def _row_masks(rows_k, rows_f, row_ok, cols, columns, stride_kc, stride_fc):
     """(keep, full, ok) bool [BLOCK_R, BLOCK_C] at cols of the rows whose first entries rows_k / rows_f point to."""
     ok = row_ok[:, None] & (cols < columns)[None, :]
     keep = tl.load(rows_k[:, None] + cols[None, :] * stride_kc, mask=ok, other=0) != 0
@@ -48,7 +50,7 @@ def full_first_lists_kernel(KEEP, FULL, COUNT, INDEX, num_rows, rows_per_lead, c
     n_keep = tl.zeros([BLOCK_R], dtype=tl.int32)
     for start in range(0, columns, BLOCK_C):
         cols = start + tl.arange(0, BLOCK_C)
-        keep, full, ok = _row_masks(KEEP, FULL, rows_k, rows_f, row_ok, cols, columns, stride_kc, stride_fc)
+        keep, full, ok = _row_masks(rows_k, rows_f, row_ok, cols, columns, stride_kc, stride_fc)
         n_full += tl.sum(full.to(tl.int32), 1)
         n_keep += tl.sum(keep.to(tl.int32), 1)
     # second pass: each column's slot
@@ -58,7 +60,7 @@ def full_first_lists_kernel(KEEP, FULL, COUNT, INDEX, num_rows, rows_per_lead, c
     out_rows = INDEX + row.to(tl.int64) * columns
     for start in range(0, columns, BLOCK_C):
         cols = start + tl.arange(0, BLOCK_C)
-        keep, full, ok = _row_masks(KEEP, FULL, rows_k, rows_f, row_ok, cols, columns, stride_kc, stride_fc)
+        keep, full, ok = _row_masks(rows_k, rows_f, row_ok, cols, columns, stride_kc, stride_fc)
         partial = keep & ~full
         dropped = ok & ~keep
         full_i, partial_i, dropped_i = full.to(tl.int32), partial.to(tl.int32), dropped.to(tl.int32)
@@ -79,9 +81,7 @@ def full_first_lists(keep: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tens
     shape = torch.broadcast_shapes(keep.shape, full.shape)
     keep, full = keep.expand(shape), full.expand(shape)
     rows_per_lead, columns = shape[-2], shape[-1]
-    leads = 1
-    for size in shape[:-2]:
-        leads *= size
+    leads = math.prod(shape[:-2])
     # [L, R, C] views (a reshape copies only where the leading dims do not merge)
     keep3, full3 = (t.reshape(leads, rows_per_lead, columns).view(torch.uint8) for t in (keep, full))
     count = torch.empty(shape[:-1], dtype=torch.int32, device=keep.device)
