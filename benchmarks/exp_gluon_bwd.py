@@ -6,16 +6,18 @@ block's 64-row tiles of Q and dO into a ring of shared-memory stages (TMA). Two 
 each. Per query tile, a consumer computes S^T = K Q^T and dP^T = V dO^T for its keys, P^T and dS^T in registers,
 adds P^T dO into dV and dS^T Q into dK (registers as the A operand), and stores dS^T (bf16) into shared memory.
 Once both halves are there, each consumer computes half of dQ's columns, dS K[:, half], and adds it into an fp32
-dQ buffer with atomics. Contiguous bf16 [1, H, S, 128] inputs, S a multiple of 128, 128x128 blocks, MHA, no
-element tests.
+dQ buffer with element atomics (modes 0 and 3) or through the TMA unit (4 and 5). Contiguous bf16 [1, H, S, 128]
+inputs, S a multiple of 128, 128x128 blocks, MHA, no element tests.
 
     python benchmarks/exp_gluon_bwd.py --compile-only            # no GPU: compile for sm_90, print resources
     python benchmarks/exp_gluon_bwd.py --density 0.25 0.1        # on the GPU: check against the package, time
     python benchmarks/exp_gluon_bwd.py --stages 2 --dq-modes 0 3 1 2   # dQ in the step, a step later, diagnoses
+    python benchmarks/exp_gluon_bwd.py --stages 2 3 --dq-modes 4 5     # 0 and 3 with the adds through the TMA unit
 
-Measured on the H200 (BENCHMARKS.md, sixteenth session), dQ mode 0: correct (relative error 2e-4) but 21.94 ms at
-density 0.25, against 19.46 for the package's backward and 21.04 for FlexAttention's. Mode 3 (dQ a step later, so
-the consumers need not meet every step) compiles for sm_90 with the same resources and has not run yet.
+Measured on the H200 at density 0.25 (BENCHMARKS.md, sixteenth and seventeenth sessions), against 19.3-19.6 ms for
+the package's Triton backward and 21.0 for FlexAttention's: mode 0 21.89 ms (correct, relative error 2e-4), mode 3
+21.49, mode 1 16.87 and mode 2 11.99 (so the element atomics cost ~5 ms), mode 4 17.47 and mode 5 17.55. Mode 4 is
+what kernels/backward_ws.py runs in the package.
 """
 
 import argparse
@@ -25,6 +27,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
+
+from blockattn.kernels.backward_ws import _tma_add as tma_add
 
 ROWS = 64     # query rows per step
 KEYS = 128    # keys per program (the key block); each consumer owns KEYS // 2
@@ -38,8 +42,8 @@ def _place(shared, BLOCK_Q: gl.constexpr):
     """(off_h, key_block, steps, index_row): the program's head and key block, its count of 64-row query tiles,
     and the pointer to its q list."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_ready, q_ready, q_empty,
-     ds_ready, ds_empty, DQ, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq, stride_ch, stride_ih,
-     stride_ik) = shared
+     ds_ready, ds_empty, DQ, DQ_DESC, dq_smem, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq, stride_ch,
+     stride_ih, stride_ik) = shared
     key_block = gl.program_id(0)
     off_h = gl.program_id(1)
     count = gl.load(Q_COUNT + off_h * stride_ch + key_block)
@@ -55,16 +59,31 @@ def _first_row(index_row, step, BLOCK_Q: gl.constexpr):
 
 
 @gluon.jit
+def _add_dq(DQ, DQ_DESC, dq_tile, dq, row, dq_offsets, W: gl.constexpr, D: gl.constexpr,
+            THROUGH_TMA: gl.constexpr):
+    """Add a consumer's [64 rows, 64 columns] share of dQ into DQ fp32 [H * S, D] at row `row`: with element
+    atomics from registers, or through shared memory (dq_tile) and one bulk tensor reduction."""
+    if THROUGH_TMA:
+        tma.store_wait(0)  # the previous step's reduction has read the tile
+        dq_tile.store(dq)
+        fence_async_shared()
+        tma_add(DQ_DESC, [row, W * _HALF], dq_tile)
+    else:
+        gl.atomic_add(DQ + row.to(gl.int64) * D + dq_offsets, dq, sem="relaxed")
+
+
+@gluon.jit
 def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, DQ_MODE: gl.constexpr):
     """Keys W*64 .. W*64+63 of the program's block: dK and dV over the q list, and dQ's columns W*64 .. of each
     step. DQ fp32 [H * S, D] (zeroed; gets dS K without the softmax scale), DK / DV [H * S, D]. DQ_MODE: 0 the
     product and its atomics in the step; 3 the same one step later (dQ of step i-1 during step i, so that the two
     consumers need not wait for each other's half of this step's dS: they may drift up to a step apart, one's
     exponentials beside the other's products); as a diagnosis of where the time goes, without a correct dQ, 1 the
-    product without the atomics and 2 neither (dK and dV alone, four products)."""
+    product without the atomics and 2 neither (dK and dV alone, four products). 4 and 5 are 0 and 3 with the adds
+    through the TMA unit (a [64, 64] fp32 tile in shared memory, one bulk reduction) instead of element atomics."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_ready, q_ready, q_empty,
-     ds_ready, ds_empty, DQ, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq, stride_ch, stride_ih,
-     stride_ik) = shared
+     ds_ready, ds_empty, DQ, DQ_DESC, dq_smem, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq, stride_ch,
+     stride_ih, stride_ik) = shared
     off_h, key_block, steps, index_row = _place(shared, BLOCK_Q)
     dtype: gl.constexpr = Q_DESC.dtype
     D: gl.constexpr = Q_DESC.block_type.shape[1]
@@ -84,6 +103,9 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constex
     head_rows = off_h * seq
     dq_offsets = (gl.arange(0, _ROWS, gl.SliceLayout(1, st_layout))[:, None] * D
                   + W * _HALF + gl.arange(0, _HALF, gl.SliceLayout(0, st_layout))[None, :])
+    THROUGH_TMA: gl.constexpr = DQ_MODE >= 4
+    LATER: gl.constexpr = DQ_MODE == 3 or DQ_MODE == 5
+    dq_tile = dq_smem.index(W)
     mbarrier.wait(kv_ready, 0)
     prev_row0 = 0
     for step in range(steps):
@@ -109,7 +131,7 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constex
         if DQ_MODE == 2:
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
             mbarrier.arrive(q_empty.index(stage), count=1)
-        elif DQ_MODE == 3:
+        elif LATER:
             buf = step % 2
             prev = 1 - buf
             has_prev = step > 0
@@ -126,7 +148,7 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constex
             mbarrier.arrive(ds_empty.index(prev), count=1, pred=has_prev)
             mbarrier.arrive(q_empty.index(stage), count=1)
             if has_prev:  # (step 0's product read a buffer nothing was written to for it: dropped)
-                gl.atomic_add(DQ + (head_rows + prev_row0).to(gl.int64) * D + dq_offsets, dq, sem="relaxed")
+                _add_dq(DQ, DQ_DESC, dq_tile, dq, head_rows + prev_row0, dq_offsets, W, D, THROUGH_TMA)
             prev_row0 = row0
         else:
             # dS^T's half into shared memory; dQ needs both halves (its product runs over all 128 keys)
@@ -141,18 +163,20 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constex
             mbarrier.arrive(q_empty.index(stage), count=1)
             # a scalar base and constant offsets, so that the adds need no 64-bit address per element
             dq_base = DQ + (head_rows + row0).to(gl.int64) * D
-            if DQ_MODE == 0:
-                gl.atomic_add(dq_base + dq_offsets, dq, sem="relaxed")
+            if DQ_MODE == 0 or DQ_MODE == 4:
+                _add_dq(DQ, DQ_DESC, dq_tile, dq, head_rows + row0, dq_offsets, W, D, THROUGH_TMA)
             else:  # keep the product: one add per program at most, for row 0 only when dQ is NaN
                 gl.atomic_add(dq_base + dq_offsets, dq, mask=dq != dq, sem="relaxed")
-    if DQ_MODE == 3:
+    if LATER:
         if steps > 0:  # the last step's dQ
             last = (steps - 1) % 2
             mbarrier.wait(ds_ready.index(last), ((steps - 1) // 2) & 1)
             dq = warpgroup_mma(ds_smem.index(last).permute((1, 0)), k_columns, st_zero, use_acc=False,
                                is_async=True)
             dq = warpgroup_mma_wait(0, deps=(dq, ))
-            gl.atomic_add(DQ + (head_rows + prev_row0).to(gl.int64) * D + dq_offsets, dq, sem="relaxed")
+            _add_dq(DQ, DQ_DESC, dq_tile, dq, head_rows + prev_row0, dq_offsets, W, D, THROUGH_TMA)
+    if THROUGH_TMA:
+        tma.store_wait(0)  # the tile is read before the program's shared memory goes
     key_rows = head_rows + key_block * (2 * _HALF) + W * _HALF + gl.arange(0, _HALF, gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
     offsets = key_rows.to(gl.int64)[:, None] * D + cols[None, :]
@@ -165,8 +189,8 @@ def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr
     """One warp: the block's K and V, then each step's Q and dO tiles into the ring, a stage once both consumers
     have released it."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_ready, q_ready, q_empty,
-     ds_ready, ds_empty, DQ, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq, stride_ch, stride_ih,
-     stride_ik) = shared
+     ds_ready, ds_empty, DQ, DQ_DESC, dq_smem, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq, stride_ch,
+     stride_ih, stride_ik) = shared
     off_h, key_block, steps, index_row = _place(shared, BLOCK_Q)
     head_rows = off_h * seq
     mbarrier.expect(kv_ready, K_DESC.block_type.nbytes + V_DESC.block_type.nbytes)
@@ -182,10 +206,11 @@ def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr
 
 
 @gluon.jit
-def gluon_bwd_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq,
-                     stride_ch, stride_ih, stride_ik, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
+def gluon_bwd_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ, DQ_DESC, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2,
+                     seq, stride_ch, stride_ih, stride_ik, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
                      DQ_MODE: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-    """Grid (S / 128, H). Descriptors over [H * S, D]: Q / dO with [64, D] boxes, K / V with [128, D]; LSE
+    """Grid (S / 128, H). Descriptors over [H * S, D]: Q / dO with [64, D] boxes, K / V with [128, D], DQ_DESC
+    over DQ (fp32) with [64, 64] boxes; LSE
     (natural log) and DELTA (rowsum(dO * O)) fp32 [H * S]; Q_COUNT int32 [1, H, nk], Q_INDEX int32 [1, H, nk, nq]."""
     D: gl.constexpr = Q_DESC.block_type.shape[1]
     q_smem = gl.allocate_shared_memory(Q_DESC.dtype, [STAGES, _ROWS, D], Q_DESC.layout)
@@ -194,6 +219,10 @@ def gluon_bwd_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ, DK, DV, LSE, DELTA, Q_
     v_smem = gl.allocate_shared_memory(V_DESC.dtype, [2 * _HALF, D], V_DESC.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * _HALF, _ROWS], Q_DESC.dtype)
     ds_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2, 2 * _HALF, _ROWS], ds_layout)
+    if DQ_MODE >= 4:  # a [64 rows, 64 columns] fp32 tile per consumer for the TMA adds
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, _ROWS, _HALF], DQ_DESC.layout)
+    else:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 8, _HALF], DQ_DESC.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -208,7 +237,8 @@ def gluon_bwd_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ, DK, DV, LSE, DELTA, Q_
         mbarrier.init(ds_empty.index(i), count=2)
     fence_async_shared()
     shared = (Q_DESC, K_DESC, V_DESC, DO_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_ready, q_ready, q_empty,
-              ds_ready, ds_empty, DQ, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq, stride_ch, stride_ih, stride_ik)
+              ds_ready, ds_empty, DQ, DQ_DESC, dq_smem, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq,
+              stride_ch, stride_ih, stride_ik)
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
     gl.warp_specialize([
@@ -220,7 +250,8 @@ def gluon_bwd_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ, DK, DV, LSE, DELTA, Q_
 
 def _layouts(dim):
     return (gl.NVMMASharedLayout.get_default_for([ROWS, dim], gl.bfloat16),
-            gl.NVMMASharedLayout.get_default_for([KEYS, dim], gl.bfloat16))
+            gl.NVMMASharedLayout.get_default_for([KEYS, dim], gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for([ROWS, KEYS // 2], gl.float32))
 
 
 def gluon_backward(q, k, v, out, lse, grad_out, blocks, stages=2, dq_mode=0, maxnreg=168, consumer_regs=240,
@@ -231,11 +262,11 @@ def gluon_backward(q, k, v, out, lse, grad_out, blocks, stages=2, dq_mode=0, max
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     _, heads, seq, dim = q.shape
     assert blocks.block_size == (KEYS, KEYS) and seq % KEYS == 0
-    q_layout, kv_layout = _layouts(dim)
+    q_layout, kv_layout, dq_layout = _layouts(dim)
 
-    def desc(t, rows, layout):
+    def desc(t, rows, layout, columns=dim):
         flat = t.reshape(-1, dim)
-        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, dim], layout)
+        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, columns], layout)
     delta = (grad_out.float() * out.float()).sum(-1)
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -243,9 +274,9 @@ def gluon_backward(q, k, v, out, lse, grad_out, blocks, stages=2, dq_mode=0, max
     scale = dim ** -0.5
     gluon_bwd_kernel[(seq // KEYS, heads)](
         desc(q, ROWS, q_layout), desc(k, KEYS, kv_layout), desc(v, KEYS, kv_layout), desc(grad_out, ROWS, q_layout),
-        dq, dk, dv, lse, delta, count, index, scale * _LOG2E.value, seq, count.stride(1), index.stride(1),
-        index.stride(2), BLOCK_Q=blocks.block_size[0], STAGES=stages, DQ_MODE=dq_mode, CONSUMER_REGS=consumer_regs,
-        LOADER_REGS=loader_regs, num_warps=4, maxnreg=maxnreg)
+        dq, desc(dq, ROWS, dq_layout, KEYS // 2), dk, dv, lse, delta, count, index, scale * _LOG2E.value, seq,
+        count.stride(1), index.stride(1), index.stride(2), BLOCK_Q=blocks.block_size[0], STAGES=stages,
+        DQ_MODE=dq_mode, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4, maxnreg=maxnreg)
     return (dq * scale).to(q.dtype), dk, dv
 
 
@@ -253,12 +284,13 @@ def compile_only(dim=128, stages=2, dq_mode=0, maxnreg=168, consumer_regs=240, l
     """Compile for sm_90 without a GPU; returns the compiled kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    q_layout, kv_layout = _layouts(dim)
+    q_layout, kv_layout, dq_layout = _layouts(dim)
     signature = dict(Q_DESC=f"tensordesc<bf16[{ROWS},{dim}],{q_layout!r}>",
                      K_DESC=f"tensordesc<bf16[{KEYS},{dim}],{kv_layout!r}>",
                      V_DESC=f"tensordesc<bf16[{KEYS},{dim}],{kv_layout!r}>",
                      DO_DESC=f"tensordesc<bf16[{ROWS},{dim}],{q_layout!r}>",
-                     DQ="*fp32", DK="*bf16", DV="*bf16", LSE="*fp32", DELTA="*fp32", Q_COUNT="*i32", Q_INDEX="*i32",
+                     DQ="*fp32", DQ_DESC=f"tensordesc<fp32[{ROWS},{KEYS // 2}],{dq_layout!r}>", DK="*bf16",
+                     DV="*bf16", LSE="*fp32", DELTA="*fp32", Q_COUNT="*i32", Q_INDEX="*i32",
                      scale_log2="fp32", seq="i32", stride_ch="i32", stride_ih="i32", stride_ik="i32")
     constants = dict(BLOCK_Q=KEYS, STAGES=stages, DQ_MODE=dq_mode, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs)
     signature.update(dict.fromkeys(constants, "constexpr"))
@@ -274,7 +306,8 @@ def main():
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--dq-modes", type=int, nargs="+", default=[0],
                         help="0: dQ's product and atomics; 3: the same a step later; 1: the product only; "
-                        "2: neither (1 and 2: timing diagnosis, no correct dQ)")
+                        "2: neither (1 and 2: timing diagnosis, no correct dQ); 4 and 5: 0 and 3 with the adds "
+                        "through the TMA unit")
     parser.add_argument("--compile-only", action="store_true")
     args = parser.parse_args()
     variants = [(stages, mode) for stages in args.stages for mode in args.dq_modes]
@@ -321,7 +354,8 @@ def main():
                       f"{times['flex'] / ms:.2f}x flex, {times['package'] / ms:.2f}x package); relative error "
                       f"dq {errors[0]:.1e} dk {errors[1]:.1e} dv {errors[2]:.1e}", flush=True)
             except Exception as error:
-                print(f"gluon stages={stages} dq_mode={mode}: failed {type(error).__name__}: {str(error)[:2000]}", flush=True)
+                print(f"gluon stages={stages} dq_mode={mode}: failed {type(error).__name__}: {str(error)[:2000]}",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ SUITES = {
     "blocks": [Case(block=block, density=0.25) for block in ((256, 256), (128, 192), (256, 64))],
     # target 6: a few query blocks keep everything, most little, against the uniform mask of the same density
     "skewed": [Case(density=0.25, pattern="skewed"), Case(density=0.25)],
-    # 128x64 is blocks=None's default block shape, so also what a plain causal call runs
+    # 128x64: the default block shape for a mask tensor; 128x128 is what blocks=None runs (api.DENSE_BLOCK_SIZE)
     "causal": [Case(pattern="causal", block=block, density=0.5) for block in ((128, 128), (128, 64))]
     + [Case(batch=8, heads=16, kv_heads=16, seq=4096, pattern="causal", density=0.5)],
 }

@@ -4,8 +4,11 @@ On a machine without CUDA the kernels run under Triton's interpreter (TRITON_INT
 blockattn's kernels are imported) at small sizes; on a GPU the same tests run at full size.
 """
 
+import json
 import math
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -254,3 +257,42 @@ def deterministic():
 
 def kernel(q, k, v, blocks=None, block_size=None, **kwargs):
     return blockattn.attention(q, k, v, blocks, block_size, backend="triton", **kwargs)
+
+
+_SM90_REPORT = """
+import json, os, re, subprocess, sys, tempfile
+import torch, triton
+from blockattn.kernels import backward_ws, forward_ws
+compiled = eval(sys.argv[1])
+ptx = compiled.asm["ptx"]
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+    cubin.write(compiled.asm["cubin"])
+    cubin.flush()
+    usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
+print(json.dumps(dict(
+    registers=sorted(set(int(n) for n in re.findall(r"setmaxnreg\\.(?:inc|dec)\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx))),
+    wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
+    reduction=re.search(r"cp\\.reduce\\.async\\.bulk\\.tensor\\S*\\.add", ptx) is not None,
+    shared=compiled.metadata.shared, usage=next(line for line in usage.splitlines() if "REG:" in line))))
+"""
+
+
+def sm90_report(call: str) -> dict:
+    """Compile a Gluon kernel for sm_90 ahead of time in a process of its own (under the interpreter, this suite on
+    a CPU, Gluon's helpers are not compilable): call, e.g. "forward_ws.compile_sm90(128, 64)", evaluated there.
+    Its setmaxnreg counts, whether the PTX has wgmma, TMA copies and TMA add reductions, its shared memory and
+    cuobjdump's resource line."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _SM90_REPORT, call], capture_output=True, text=True, env=env,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block):
+    """(heads, kv_heads, seq_q, seq_kv) for an oracle case: on a GPU as given; on the CPU (Triton's interpreter) two
+    blocks a side plus the same query tail, two kv heads at most."""
+    if ON_GPU:
+        return heads, kv_heads, seq_q, seq_kv
+    return min(heads, 2 * kv_heads, 4), min(kv_heads, 2), 2 * block[0] + seq_q % block[0], 2 * block[1]

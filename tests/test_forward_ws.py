@@ -3,16 +3,13 @@ with its register split and within shared memory (on any machine), and on a GPU 
 through them against the fp64 oracle. On the CPU the same cases must take the Triton forward (the interpreter
 cannot run Gluon) and meet the same oracle."""
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import blockattn
 from blockattn.kernels import forward, forward_ws
-from conftest import DEVICE, ON_GPU, check_against_oracle, expand, oracle, qkv, random_keep
+from conftest import (DEVICE, ON_GPU, check_against_oracle, expand, interpreter_share, oracle, qkv, random_keep,
+                      sm90_report)
 
 
 def _meta(*shape, dtype=torch.bfloat16):
@@ -94,35 +91,10 @@ def test_switched_off_or_off_hopper_it_declines(monkeypatch):
     assert forward.warp_specialized_plan(*dispatch) is None
 
 
-_COMPILE_AHEAD = """
-import json, os, re, subprocess, sys, tempfile
-import torch, triton
-from blockattn.kernels import forward, forward_ws
-compiled = forward_ws.compile_sm90(int(sys.argv[1]), int(sys.argv[2]), getattr(torch, sys.argv[3]),
-                                   causal=bool(int(sys.argv[4])))
-ptx = compiled.asm["ptx"]
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-    cubin.write(compiled.asm["cubin"])
-    cubin.flush()
-    usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
-print(json.dumps(dict(
-    registers=sorted(set(int(n) for n in re.findall(r"setmaxnreg\\.(?:inc|dec)\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx))),
-    wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx, shared=compiled.metadata.shared,
-    usage=next(line for line in usage.splitlines() if "REG:" in line))))
-"""
-
-
 @pytest.mark.parametrize("blocks, dtype, causal", [((128, 128), "bfloat16", False), ((128, 64), "float16", False),
                                                    ((128, 64), "bfloat16", True)])
 def test_compiles_for_sm90_with_its_register_split(blocks, dtype, causal):
-    # In a process of its own: under the interpreter (this suite on a CPU) Gluon's helpers are not compilable.
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _COMPILE_AHEAD, str(blocks[0]), str(blocks[1]), dtype,
-                             str(int(causal))],
-                            capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = sm90_report(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.{dtype}, causal={causal})")
     assert {forward_ws.CONSUMER_REGS, forward_ws.LOADER_REGS} <= set(report["registers"]), report
     assert report["wgmma"] and report["tma"], report
     assert report["shared"] <= 227 * 1024, report
@@ -173,13 +145,6 @@ CAUSAL_CASES = {
 }
 
 
-def _interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block):
-    """On the CPU (Triton's interpreter): two blocks a side plus the same query tail, two heads at most."""
-    if ON_GPU:
-        return heads, kv_heads, seq_q, seq_kv
-    return min(heads, 2 * kv_heads, 4), min(kv_heads, 2), 2 * block[0] + seq_q % block[0], 2 * block[1]
-
-
 def _expected_calls(plan) -> list:
     return [plan] if ON_GPU and torch.cuda.get_device_capability() == (9, 0) else []
 
@@ -189,7 +154,7 @@ def test_causal_against_the_oracle(case, poisoned, warp_specialized_calls):
     """Causal calls, with rows that see no key inside a tile whose other rows do (the last query block keeps one
     key block, which starts halfway down it) and a query block that keeps nothing."""
     batch, heads, kv_heads, seq_q, seq_kv, block, dtype, layout = CAUSAL_CASES[case]
-    heads, kv_heads, seq_q, seq_kv = _interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
+    heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
     q, k, v = qkv(batch, heads, seq_q, 128, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
@@ -207,7 +172,7 @@ def test_causal_against_the_oracle(case, poisoned, warp_specialized_calls):
 @pytest.mark.parametrize("case", list(CASES))
 def test_against_the_oracle_with_empty_rows(case, poisoned, warp_specialized_calls):
     batch, heads, kv_heads, seq_q, seq_kv, block, dtype, layout = CASES[case]
-    heads, kv_heads, seq_q, seq_kv = _interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
+    heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
     q, k, v = qkv(batch, heads, seq_q, 128, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
     one_mask = case.startswith("one mask")
     keep = random_keep(1 if one_mask else batch, 1 if one_mask else heads, seq_q, seq_kv, block, density=0.3)

@@ -27,6 +27,8 @@ from .primitives import (batch_and_head, dot, element_keep, first_entry_at_or_af
 # the dK/dV kernel's Q/dO tiles read through descriptors (its loop then has no atomics), it ran 79.3 / 19.4 / 8.1 ms
 # at densities 1 / 0.25 / 0.1 (128x128 blocks) against 87.7 / 21.0 / 9.0 for "atomic", which is bound by the
 # atomic traffic. It is also deterministic. Deterministic mode always runs "kernel".
+# On Hopper, calls without element tests at head dim 128 and the default mode take the warp-specialized Gluon
+# backward instead (kernels/backward_ws.py: 5 products, dQ added through the TMA unit; warp_specialized_module).
 DQ_MODES = ("kernel", "atomic", "tma")
 DQ_MODE_DEFAULT = "auto"
 # The buffers attention_backward allocates (their layouts follow from its inputs'): left out of plan keys.
@@ -439,6 +441,18 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
     if grad_lse is not None:
         grad_lse = grad_lse.float()
     row_terms = dict(Out=out, GradLse=delta if grad_lse is None else grad_lse, Lse=lse, Lse2=lse2, Delta=delta)
+    warp_specialized = need_dq and need_dkdv and warp_specialized_module(
+        q, k, v, grad_out, block_q, block_kv, is_causal, token_mask, block_mask, kv_valid, varlen, dq_mode)
+    if warp_specialized:
+        launch.run(attention_bwd_preprocess_kernel, (heads, grad_lse is None), dict(row_terms, DO=grad_out),
+                   lambda: _preprocess_spec(out, grad_out, grad_lse, delta, heads), fresh=_FRESH)
+        dq_acc = torch.zeros(q.shape, device=device, dtype=torch.float32)
+        dk, dv = buffers.empty_like(k), buffers.empty_like(v)
+        warp_specialized.attention_backward_ws(q, k, v, grad_out, lse2, delta, q_count, q_index, block_q, block_kv,
+                                               scale * LOG2E, bool(is_causal), dq_acc, dk, dv)
+        dq = buffers.empty_like(q)
+        torch.mul(dq_acc, scale, out=dq)  # the tiles were added unscaled: one multiply here
+        return dq, dk, dv
     dq_mode = resolve_dq_mode(dq_mode, attention_bwd_dkdv_kernel, device)
     if not (need_dq and need_dkdv):
         dq_mode = "kernel"  # one side alone: its own kernel, no atomics
@@ -544,6 +558,25 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
     if accumulate:
         torch.mul(dq_acc4[..., :q.shape[-1]], scale, out=dq)  # the tiles were added unscaled: one multiply here
     return dq, dk, dv
+
+
+def warp_specialized_module(q, k, v, grad_out, block_q: int, block_kv: int, is_causal: bool, token_mask, block_mask,
+                            kv_valid, varlen, dq_mode: Optional[str]):
+    """kernels/backward_ws when its warp-specialized Gluon backward runs this call, else None: the dQ mode left to
+    the default ("auto", and dq_mode None), compiled Triton on a CUDA tensor, descriptor loads allowed
+    (tma.TMA_LOADS), a Triton from forward.GLUON_MIN_TRITON on, and backward_ws.plan's conditions."""
+    if dq_mode is not None or DQ_MODE_DEFAULT != "auto":
+        return None
+    if not q.is_cuda or not tma.TMA_LOADS or autotune.is_interpreted(attention_bwd_dkdv_kernel):
+        return None
+    if forward._triton_version() < forward.GLUON_MIN_TRITON:
+        return None
+    from . import backward_ws
+
+    chosen = backward_ws.plan(q, k, v, grad_out, block_q, block_kv, is_causal=is_causal, token_mask=token_mask,
+                              block_mask=block_mask, kv_valid=kv_valid, varlen=varlen,
+                              min_work=tma.MIN_DESCRIPTOR_WORK)
+    return backward_ws if chosen else None
 
 
 # The preprocess kernel's one tile: 64 rows of O and dO per program.

@@ -1,0 +1,71 @@
+"""The backward with and without the warp-specialized Gluon kernel (kernels/backward_ws.py), and FlexAttention's
+backward on the same block mask, in one process: ms and effective TFLOP/s per case (5 tile products credited,
+2.5x the forward's FLOPs), each ratio to FlexAttention, and the largest gap between the two blockattn gradients.
+
+    python benchmarks/ws_backward.py                       # the design cases, 128x128 blocks, densities 1 .. 0.1
+    python benchmarks/ws_backward.py --cases short gqa     # B8 H16 S2048/4096 d=0.5; GQA 32/8 S16384
+    python benchmarks/ws_backward.py --cases causal blocks # causal (and cuDNN's causal backward); 256x256, 64x128
+"""
+
+import argparse
+
+import torch
+
+import blockattn
+from blockattn.bench import Case, _runners, _time_ms, block_mask
+from blockattn.kernels import backward_ws
+
+SUITES = {
+    "design": [Case(density=d) for d in (1.0, 0.5, 0.25, 0.1)],
+    "short": [Case(batch=8, heads=16, kv_heads=16, seq=s, density=0.5) for s in (2048, 4096)],
+    "gqa": [Case(heads=32, kv_heads=8, seq=16384, density=d) for d in (0.5, 0.1)],
+    "blocks": [Case(block=(256, 256), density=0.25), Case(block=(64, 128), density=0.25)],
+    # is_causal over the block-causal mask at 128x128 (the warp-specialized backward needs 128-key blocks)
+    "causal": [Case(pattern="causal", density=0.5), Case(batch=8, heads=16, kv_heads=16, seq=4096, pattern="causal",
+                                                       density=0.5)],
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=["design"], choices=list(SUITES))
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    print("| case | Triton backward ms | warp-specialized ms | flex ms | Triton vs flex | warp-specialized vs flex |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for case in [c for name in args.cases for c in SUITES[name]]:
+        keep = block_mask(case, device)
+        blocks = blockattn.BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
+        gen = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(case.batch, case.heads, case.seq, case.dim, device=device, dtype=torch.bfloat16,
+                        generator=gen).requires_grad_()
+        k, v = (torch.randn(case.batch, case.kv_heads, case.seq, case.dim, device=device, dtype=torch.bfloat16,
+                            generator=gen).requires_grad_() for _ in range(2))
+        grad = torch.randn(q.shape, device=device, dtype=torch.bfloat16, generator=gen)
+        flops = 2.5 * 4.0 * case.batch * case.heads * case.seq * case.seq * case.dim * blocks.density()
+        causal = case.pattern == "causal"
+        out = blockattn.attention(q, k, v, blocks, is_causal=causal)
+        times, grads = {}, {}
+        for enabled in (False, True):
+            backward_ws.ENABLED = enabled
+            grads[enabled] = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+            times[enabled] = _time_ms(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))
+        backward_ws.ENABLED = True
+        flex_out = _runners(case, keep, device)["flex"][0](q, k, v)
+        times["flex"] = _time_ms(lambda: torch.autograd.grad(flex_out, (q, k, v), grad, retain_graph=True))
+        if causal:  # cuDNN's causal backward: the dense baseline a language model would otherwise run
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+                sdpa_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            ms = _time_ms(lambda: torch.autograd.grad(sdpa_out, (q, k, v), grad, retain_graph=True))
+            print(f"cuDNN SDPA causal backward {case.label}: {ms:.3f} ms", flush=True)
+        gaps = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(grads[True], grads[False])]
+
+        def cell(ms):
+            return f"{ms:.3f} ({flops / ms / 1e9:.0f})"
+        print(f"| {case.label} | {cell(times[False])} | {cell(times[True])} | {cell(times['flex'])} | "
+              f"{times['flex'] / times[False]:.2f}x | {times['flex'] / times[True]:.2f}x | relative gap dq/dk/dv "
+              + "/".join(f"{g:.1e}" for g in gaps), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,375 @@
+"""The warp-specialized backward for Hopper, written in Gluon: FlashAttention-3's structure over blockattn's q lists.
+
+One program takes one 128-key tile of one (batch, kv head) and walks the q lists of the query heads that share it.
+A loader warp reads the tile's K and V once, then each listed query block's 64-row tiles of Q and dO into a ring of
+shared-memory stages through TMA. Two consumer warpgroups own 64 keys each. Per query tile a consumer computes
+S^T = K Q^T and dP^T = V dO^T for its keys, P^T and dS^T in registers, adds P^T dO into dV and dS^T Q into dK,
+and stores dS^T into shared memory; once both halves are there, each computes half of dQ's columns (dS K) and
+adds them into an fp32 buffer through the TMA unit (a bulk tensor reduction from shared memory). Five tile products
+per step, against seven for the Triton kernels' deterministic dQ walk (kernels/README.md, "The warp-specialized
+backward"). Measured on the H200 at B1 H24 S32768 D128, density 0.25, 128x128 blocks: 16.97 ms against 19.80 for
+the Triton backward and 20.90 for FlexAttention's (BENCHMARKS.md, seventeenth session).
+
+It covers the plain walk and the causal one (the test key <= query on the steps the diagonal crosses): no other
+element tests (no token mask, kv_valid, gathered block mask or packed batch), bf16 or fp16, head dim 128, key
+blocks of whole 128-key tiles and query blocks of whole 64-row ones.
+The dQ adds land in a nondeterministic order, so deterministic mode runs the Triton backward. `plan()` says whether
+a call qualifies; backward.attention_backward runs the Triton kernels otherwise. Triton's interpreter cannot run
+Gluon, so on the CPU the tests compile this kernel for sm_90 without running it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from . import launch
+# Registers per thread for a consumer warpgroup and for the loader (setmaxnreg) and the launch bound: the forward's.
+from .forward_ws import CONSUMER_REGS, LOADER_REGS, MAX_REGS, _LOG2E
+
+# Whether attention_backward may take this kernel (benchmarks switch it off to time the Triton backward).
+ENABLED = True
+# Query rows per step, keys per consumer warpgroup (a wgmma's 4 warps x 16 rows) and per program (two consumers).
+STEP_ROWS = 64
+CONSUMER_KEYS = 64
+TILE_N = 2 * CONSUMER_KEYS
+HEAD_DIM = 128
+# Ring stages of Q and dO tiles (32 KiB a stage): 2 and 3 measured alike (17.47 / 17.54 ms at the design case).
+STAGES = 2
+
+_ROWS = gl.constexpr(STEP_ROWS)
+_KEYS = gl.constexpr(CONSUMER_KEYS)
+
+if hasattr(tma, "async_atomic_add"):  # Triton 3.8 on
+    _tma_add = tma.async_atomic_add
+else:  # Triton 3.6 has the operation (a bulk tensor reduction) without a Gluon function for it
+    from triton._C.libtriton import ir
+    from triton.experimental.gluon.language._core import builtin
+
+    @builtin
+    def _tma_add(tensor_desc, coord, src, _semantic=None):
+        """Add the shared-memory tile src into the global tensor at coord through the TMA unit."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+
+
+@gluon.jit
+def _program(shared, BLOCK_KV: gl.constexpr):
+    """(off_b, off_hkv, start_n, key_block) of this program: its batch, kv head, first key and key block."""
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
+     q_ready, q_empty, ds_ready, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads, group_size,
+     stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb, stride_dkh,
+     stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)
+    start_n = gl.program_id(0) * (2 * _KEYS)
+    return pid_bh // kv_heads, pid_bh % kv_heads, start_n, start_n // BLOCK_KV
+
+
+@gluon.jit
+def _q_list(shared, off_b, off_h, key_block, BLOCK_Q: gl.constexpr):
+    """(steps, index_row): query head off_h's count of 64-row tiles for the key block, and its q list's pointer."""
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
+     q_ready, q_empty, ds_ready, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads, group_size,
+     stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb, stride_dkh,
+     stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    count = gl.load(Q_COUNT + off_b * stride_cb + off_h * stride_ch + key_block)
+    index_row = Q_INDEX + off_b.to(gl.int64) * stride_ib + off_h.to(gl.int64) * stride_ih + key_block * stride_ik
+    return count * (BLOCK_Q // _ROWS), index_row
+
+
+@gluon.jit
+def _first_row(index_row, step, BLOCK_Q: gl.constexpr):
+    """The first query row of step `step` of a q list: entry step // (BLOCK_Q // 64), its tile step % (...)."""
+    TILES: gl.constexpr = BLOCK_Q // _ROWS
+    return gl.load(index_row + step // TILES) * BLOCK_Q + (step % TILES) * _ROWS
+
+
+@gluon.jit
+def _box(tile):
+    """A shared-memory tile [R, C] as the [1, 1, R, C] box a 4-d descriptor's TMA transfers take."""
+    return tile.reshape([1, 1, tile.shape[0], tile.shape[1]])
+
+
+@gluon.jit
+def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_half, k_columns, dq_tile, st_zero,
+               W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Consumer W's steps over query head off_h's q list for the key block, from the program's step `it` on:
+    (dk, dv, it) after them. CAUSAL: P = 0 where a key lies past the query row (key > row, absolute indices)."""
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
+     q_ready, q_empty, ds_ready, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads, group_size,
+     stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb, stride_dkh,
+     stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    dtype: gl.constexpr = Q_DESC.dtype
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
+    along_rows: gl.constexpr = gl.SliceLayout(0, st_zero.type.layout)
+    first_key = start_n + W * _KEYS
+    steps, index_row = _q_list(shared, off_b, off_h, key_block, BLOCK_Q)
+    row_terms = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh  # Lse2 and Delta share a layout
+    for step in range(steps):
+        i = it + step  # the program's step: the ring's and the dS buffers' phases
+        stage = i % STAGES
+        row0 = _first_row(index_row, step, BLOCK_Q)
+        rows = row0 + gl.arange(0, _ROWS, along_rows)
+        # rows past the end: Q and dO read as zeros, lse2 = +inf makes P = 0 and so dS = 0
+        in_seq = rows < seq_q
+        lse2 = gl.load(Lse2 + row_terms + rows * stride_ls, mask=in_seq, other=float("inf"))
+        delta = gl.load(Delta + row_terms + rows * stride_ls, mask=in_seq, other=0.0)
+        mbarrier.wait(q_ready.index(stage), (i // STAGES) & 1)
+        q_tile = q_smem.index(stage)
+        do_tile = do_smem.index(stage)
+        st = warpgroup_mma(k_half, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_half, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(1, deps=(st, ))
+        pt = gl.exp2(st * scale_log2 - lse2[None, :])
+        if CAUSAL:
+            if row0 < first_key + _KEYS - 1:  # the diagonal crosses the step: some key lies past some row
+                # key - row0 <= row - row0: the tile's own offsets, so no row vector stays live for the test
+                keys = (first_key - row0) + gl.arange(0, _KEYS, gl.SliceLayout(1, st_zero.type.layout))
+                pt = gl.where(keys[:, None] <= gl.arange(0, _ROWS, along_rows)[None, :], pt, 0.0)
+        dpt = warpgroup_mma_wait(0, deps=(dpt, ))
+        dst = (pt * (dpt - delta[None, :])).to(dtype)
+        pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+        dst_op = gl.convert_layout(dst, op_layout)
+        dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+        dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
+        # dS^T's half into shared memory: dQ's product runs over all 128 keys, so it waits for both halves.
+        # Two buffers: a consumer writes one again two steps on, after the other has met it at the one between.
+        buf = i % 2
+        ds_smem.index(buf).slice(W * _KEYS, _KEYS, dim=0).store(dst)
+        fence_async_shared()
+        mbarrier.arrive(ds_ready.index(buf), count=1)
+        mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
+        dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_columns, st_zero, use_acc=False,
+                           is_async=True)
+        dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_op, dst_op))
+        mbarrier.arrive(q_empty.index(stage), count=1)
+        tma.store_wait(0)  # the previous step's reduction has read the tile
+        dq_smem.index(W).store(dq)
+        fence_async_shared()
+        _tma_add(DQ_DESC, [off_b, off_h, row0, W * _KEYS], dq_tile)
+    return dk, dv, it + steps
+
+
+@gluon.jit
+def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, STAGES: gl.constexpr,
+              GROUPED: gl.constexpr, CAUSAL: gl.constexpr):
+    """Keys W*64 .. W*64+63 of the program's tile: dK and dV over the group's q lists, stored at the end, and dQ's
+    columns W*64 .. W*64+63 of each step, added into the fp32 buffer behind DQ_DESC (without the softmax scale).
+    shared: the kernel's arguments and buffers, as attention_bwd_ws_kernel packs them."""
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
+     q_ready, q_empty, ds_ready, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads, group_size,
+     stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb, stride_dkh,
+     stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    off_b, off_hkv, start_n, key_block = _program(shared, BLOCK_KV)
+    D: gl.constexpr = Q_DESC.block_type.shape[3]
+    # [64 keys, 64 rows] scores (and dQ's [64 rows, 64 columns]); [64 keys, D] gradients
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, 64, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D, 16])
+    dk = gl.zeros([_KEYS, D], gl.float32, acc_layout)
+    dv = gl.zeros([_KEYS, D], gl.float32, acc_layout)
+    st_zero = gl.zeros([_KEYS, _ROWS], gl.float32, st_layout)
+    k_half = k_smem.slice(W * _KEYS, _KEYS, dim=0)       # [64 keys, D]
+    v_half = v_smem.slice(W * _KEYS, _KEYS, dim=0)
+    k_columns = k_smem.slice(W * _KEYS, _KEYS, dim=1)    # [128 keys, 64 of D]: this consumer's dQ columns
+    dq_tile = _box(dq_smem.index(W))
+    mbarrier.wait(kv_ready, 0)
+    # The MHA walk is one loop: a loop over the group around it keeps more state live across the inner one, and
+    # ptxas spilled three times as much (sm_90 SASS, Triton 3.6).
+    if GROUPED:
+        it = 0  # steps so far, over the group's heads: the ring's and the dS buffers' phases
+        for g in range(group_size):
+            dk, dv, it = _head_walk(shared, dk, dv, it, off_b, off_hkv * group_size + g, start_n, key_block, k_half,
+                                    v_half, k_columns, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL)
+    else:
+        dk, dv, _ = _head_walk(shared, dk, dv, 0, off_b, off_hkv, start_n, key_block, k_half, v_half, k_columns,
+                               dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL)
+    tma.store_wait(0)  # the last reduction has read its tile before the program's shared memory goes
+    keys = start_n + W * _KEYS + gl.arange(0, _KEYS, gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
+    gl.store(DK + off_b.to(gl.int64) * stride_dkb + off_hkv.to(gl.int64) * stride_dkh
+             + keys.to(gl.int64)[:, None] * stride_dks + cols[None, :],
+             (dk * (scale_log2 / _LOG2E)).to(DK.dtype.element_ty))
+    gl.store(DV + off_b.to(gl.int64) * stride_dvb + off_hkv.to(gl.int64) * stride_dvh
+             + keys.to(gl.int64)[:, None] * stride_dvs + cols[None, :], dv.to(DV.dtype.element_ty))
+
+
+@gluon.jit
+def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, STAGES: gl.constexpr,
+            GROUPED: gl.constexpr, CAUSAL: gl.constexpr):
+    """One warp: the tile's K and V, then each step's Q and dO tiles into the ring, a stage once both consumers
+    have released it. (Same parameters as _consumer: Gluon's worker partitions share one signature.)"""
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
+     q_ready, q_empty, ds_ready, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads, group_size,
+     stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb, stride_dkh,
+     stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    off_b, off_hkv, start_n, key_block = _program(shared, BLOCK_KV)
+    mbarrier.expect(kv_ready, K_DESC.block_type.nbytes + V_DESC.block_type.nbytes)
+    tma.async_copy_global_to_shared(K_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(k_smem))
+    tma.async_copy_global_to_shared(V_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(v_smem))
+    it = 0
+    for g in range(group_size):
+        off_h = off_hkv * group_size + g
+        steps, index_row = _q_list(shared, off_b, off_h, key_block, BLOCK_Q)
+        for step in range(steps):
+            stage = it % STAGES
+            # a fresh barrier counts as released in the phase before its first: the first round goes at once
+            mbarrier.wait(q_empty.index(stage), ((it // STAGES) & 1) ^ 1)
+            row0 = _first_row(index_row, step, BLOCK_Q)
+            mbarrier.expect(q_ready.index(stage), Q_DESC.block_type.nbytes + DO_DESC.block_type.nbytes)
+            tma.async_copy_global_to_shared(Q_DESC, [off_b, off_h, row0, 0], q_ready.index(stage),
+                                            _box(q_smem.index(stage)))
+            tma.async_copy_global_to_shared(DO_DESC, [off_b, off_h, row0, 0], q_ready.index(stage),
+                                            _box(do_smem.index(stage)))
+            it += 1
+
+
+@gluon.jit
+def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX,
+                            scale_log2, seq_q, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
+                            stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb, stride_dkh, stride_dks,
+                            stride_dvb, stride_dvh, stride_dvs, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr,
+                            STAGES: gl.constexpr, GROUPED: gl.constexpr, CAUSAL: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    """Grid (Sk / 128, launch.batch_head_axes(B, Hkv)). Q_DESC / DO_DESC: Gluon host descriptors of q and dO
+    [B, H, Sq, 128] with [1, 1, 64, 128] boxes; K_DESC / V_DESC of k, v [B, Hkv, Sk, 128] with [1, 1, 128, 128];
+    DQ_DESC of a zeroed fp32 [B, H, Sq, 128] buffer with [1, 1, 64, 64] boxes (it gets dS K without the softmax
+    scale). Lse2 / Delta fp32 [B, H, Sq] (strides stride_l*): the row terms of backward._row_terms. Q_COUNT int32
+    [Bm, Hm, nk], Q_INDEX int32 [Bm, Hm, nk, L] (size-1 mask dims with stride 0). DK / DV [B, Hkv, Sk, 128], last
+    dim contiguous. Sk is a multiple of BLOCK_KV, a multiple of 128; BLOCK_Q is a multiple of 64. GROUPED: Hkv < H.
+    CAUSAL: only keys at or before each query row count (the lists those of BlockSparsity.causal() or fewer)."""
+    D: gl.constexpr = Q_DESC.block_type.shape[3]
+    dtype: gl.constexpr = Q_DESC.dtype
+    row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, D], dtype)
+    key_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * _KEYS, D], dtype)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * _KEYS, _ROWS], dtype)
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, _KEYS], gl.float32)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, _ROWS, D], row_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, _ROWS, D], row_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2 * _KEYS, D], key_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2 * _KEYS, D], key_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * _KEYS, _ROWS], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, _ROWS, _KEYS], dq_layout)  # one dQ tile per consumer
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # both consumers release a stage
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=2)  # both consumers' halves of dS^T
+    fence_async_shared()
+    shared = (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
+              q_ready, q_empty, ds_ready, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads,
+              group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls,
+              stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs)
+    FIRST: gl.constexpr = 0
+    SECOND: gl.constexpr = 1
+    gl.warp_specialize([
+        (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL)),
+        (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL)),
+        (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, block_q: int, block_kv: int, *,
+         is_causal: bool, token_mask, block_mask, kv_valid, varlen, min_work: int) -> bool:
+    """Whether this kernel can run the backward of q [B, H, Sq, D], k / v [B, Hkv, Sk, D] with grad_out like q
+    over q lists at (block_q, block_kv): ENABLED, a Hopper GPU (compute capability 9.0, for wgmma), not
+    deterministic mode (the dQ adds' order varies), and qualifies()."""
+    if not ENABLED or q.device.type != "cuda" or torch.are_deterministic_algorithms_enabled():
+        return False
+    return (qualifies(q, k, v, grad_out, block_q, block_kv, is_causal=is_causal, token_mask=token_mask,
+                      block_mask=block_mask, kv_valid=kv_valid, varlen=varlen, min_work=min_work)
+            and torch.cuda.get_device_capability(q.device) == (9, 0))
+
+
+def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, block_q: int, block_kv: int,
+              *, is_causal: bool, token_mask, block_mask, kv_valid, varlen, min_work: int) -> bool:
+    """plan()'s conditions on the call, whatever the device: no element tests but the causal one (no token_mask,
+    block_mask, kv_valid or varlen, Sk a multiple of block_kv); bf16 or fp16 for q, k, v and grad_out alike;
+    D = Dv = 128; block_kv a multiple of 128 and block_q of 64; at least min_work of dense work (B * H * Sq * Sk *
+    D); every tensor's last dim contiguous, its other strides positive (a broadcast gradient has zeros) and, with
+    its start, 16-byte aligned (TMA's rule)."""
+    if any(x is not None for x in (token_mask, block_mask, kv_valid, varlen)):
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype == grad_out.dtype):
+        return False
+    batch, heads, seq_q, dim = q.shape
+    seq_kv = k.shape[2]
+    if dim != HEAD_DIM or v.shape[-1] != HEAD_DIM or block_kv % TILE_N or block_q % STEP_ROWS or seq_kv % block_kv:
+        return False
+    if batch * heads * seq_q * seq_kv * dim < min_work:
+        return False
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+               for t in (q, k, v, grad_out))
+
+
+def _descriptor(t: torch.Tensor, rows: int, columns: int = HEAD_DIM):
+    """A Gluon host descriptor of t [B, H, S, D] with [1, 1, rows, columns] boxes; rows past S read as zeros
+    and take no writes."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[t.dtype]
+    box = [1, 1, rows, columns]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), box,
+                            gl.NVMMASharedLayout.get_default_for(box, dtype))
+
+
+def attention_backward_ws(q, k, v, grad_out, lse2, delta, q_count, q_index, block_q: int, block_kv: int,
+                          scale_log2: float, causal: bool, dq_acc, dk, dv) -> None:
+    """Run the kernel: dS K (unscaled) added into dq_acc (fp32 [B, H, Sq, 128], zeroed, contiguous), dk and dv
+    [B, Hkv, Sk, 128] stored. lse2 / delta fp32 [B, H, Sq]: the row terms (backward._row_terms). causal: the
+    key <= query test on the steps the diagonal crosses."""
+    from .forward import stride_args  # (backward imports this module lazily)
+    batch, heads, seq_q, _ = q.shape
+    kv_heads, seq_kv = k.shape[1], k.shape[2]
+    grid = (seq_kv // TILE_N, *launch.batch_head_axes(batch, kv_heads))
+    attention_bwd_ws_kernel[grid](
+        _descriptor(q, STEP_ROWS), _descriptor(k, TILE_N), _descriptor(v, TILE_N), _descriptor(grad_out, STEP_ROWS),
+        _descriptor(dq_acc, STEP_ROWS, CONSUMER_KEYS), dk, dv, lse2, delta, q_count, q_index, scale_log2, seq_q,
+        kv_heads, heads // kv_heads,
+        # the lists' size-1 batch and head dims broadcast: stride 0
+        **stride_args("c", q_count, "bh"), **stride_args("i", q_index, "bhk"), **stride_args("l", lse2, "bhs"),
+        **stride_args("dk", dk, "bhs"), **stride_args("dv", dv, "bhs"), BLOCK_Q=block_q, BLOCK_KV=block_kv,
+        STAGES=STAGES, GROUPED=heads != kv_heads, CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS,
+        LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAX_REGS)
+
+
+def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = torch.bfloat16,
+                 grouped: bool = False, causal: bool = False):
+    """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
+    kernel for q lists at (block_q, block_kv), GQA (grouped) or not, causal or not, with the launch's register
+    settings."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    name, gl_dtype = ("bf16", gl.bfloat16) if dtype == torch.bfloat16 else ("fp16", gl.float16)
+
+    def desc(element, element_type, rows, columns):
+        box = [1, 1, rows, columns]
+        layout = gl.NVMMASharedLayout.get_default_for(box, element_type)
+        return f"tensordesc<{element}[{','.join(map(str, box))}],{layout!r}>"
+
+    rows_desc, keys_desc = desc(name, gl_dtype, STEP_ROWS, HEAD_DIM), desc(name, gl_dtype, TILE_N, HEAD_DIM)
+    descriptors = dict(Q_DESC=rows_desc, DO_DESC=rows_desc, K_DESC=keys_desc, V_DESC=keys_desc,
+                       DQ_DESC=desc("fp32", gl.float32, STEP_ROWS, CONSUMER_KEYS))
+    constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, STAGES=STAGES, GROUPED=grouped, CAUSAL=causal,
+                     CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
+    signature = {}
+    for param in attention_bwd_ws_kernel.params:
+        if param.name in constants:
+            signature[param.name] = "constexpr"
+        else:
+            signature[param.name] = descriptors.get(param.name) or {
+                "DK": f"*{name}", "DV": f"*{name}", "Lse2": "*fp32", "Delta": "*fp32", "Q_COUNT": "*i32",
+                "Q_INDEX": "*i32", "scale_log2": "fp32"}.get(param.name, "i32")
+    source = GluonASTSource(attention_bwd_ws_kernel, signature, constants)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAX_REGS))

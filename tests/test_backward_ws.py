@@ -1,0 +1,201 @@
+"""The warp-specialized Gluon backward (kernels/backward_ws.py): which calls it takes, that it compiles for sm_90
+with its register split, TMA reductions and within shared memory (on any machine), and on a GPU its gradients
+against the fp64 oracle. On the CPU the same cases must take the Triton backward (the interpreter cannot run Gluon)
+and meet the same oracle."""
+
+
+import pytest
+import torch
+import blockattn
+from blockattn.kernels import backward, backward_ws, forward
+from conftest import DEVICE, ON_GPU, expand, interpreter_share, oracle, qkv, random_keep, sm90_report
+
+
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, device="meta", dtype=dtype)
+
+
+QUALIFYING = dict(block_q=128, block_kv=128, is_causal=False, token_mask=None, block_mask=None, kv_valid=None,
+                  varlen=None, min_work=0)
+
+
+def _qualifies(q=None, k=None, v=None, grad_out=None, **changes):
+    q = q if q is not None else _meta(2, 4, 1000, 128)
+    k = k if k is not None else _meta(2, 2, 1024, 128)
+    v = v if v is not None else k
+    grad_out = grad_out if grad_out is not None else q
+    args = {**QUALIFYING, **changes}
+    return backward_ws.qualifies(q, k, v, grad_out, args.pop("block_q"), args.pop("block_kv"), **args)
+
+
+def test_qualifying_calls():
+    assert _qualifies()
+    assert _qualifies(block_q=64)
+    assert _qualifies(block_q=256, block_kv=256)
+    assert _qualifies(is_causal=True)
+    assert _qualifies(q=_meta(2, 4, 1000, 128, dtype=torch.float16), k=_meta(2, 2, 1024, 128, dtype=torch.float16))
+    # bshd storage seen as bhsd: strides (S*H*D, D, H*D, 1), all 16-byte multiples
+    bshd = _meta(2, 1024, 4, 128).transpose(1, 2)
+    assert _qualifies(q=bshd, k=bshd, grad_out=bshd)
+
+
+@pytest.mark.parametrize("change", [
+    dict(token_mask=object()), dict(block_mask=object()), dict(kv_valid=object()),
+    dict(varlen=object()), dict(block_q=32), dict(block_q=96), dict(block_kv=64), dict(block_kv=192),
+    dict(min_work=2 * 4 * 1000 * 1024 * 128 + 1)])
+def test_calls_it_declines(change):
+    assert not _qualifies(**change), change
+
+
+@pytest.mark.parametrize("tensors", ["fp32", "mixed dtypes", "grad dtype", "head dim 64", "value dim 64",
+                                     "ragged keys", "unaligned stride", "strided last dim", "unaligned start",
+                                     "broadcast grad"])
+def test_tensors_it_declines(tensors):
+    q, k = _meta(2, 4, 1000, 128), _meta(2, 2, 1024, 128)
+    v, grad_out = k, q
+    if tensors == "fp32":
+        q, k, v, grad_out = (t.float() for t in (q, k, v, grad_out))
+    elif tensors == "mixed dtypes":
+        v = _meta(2, 2, 1024, 128, dtype=torch.float16)
+    elif tensors == "grad dtype":
+        grad_out = q.float()
+    elif tensors == "head dim 64":
+        q, k, v = _meta(2, 4, 1000, 64), _meta(2, 2, 1024, 64), _meta(2, 2, 1024, 64)
+        grad_out = q
+    elif tensors == "value dim 64":
+        v = _meta(2, 2, 1024, 64)
+    elif tensors == "ragged keys":  # the sequence's end inside a key block needs element tests
+        k = v = _meta(2, 2, 1000, 128)
+    elif tensors == "unaligned stride":  # rows 129 elements apart: 258 bytes, not a multiple of 16
+        k = v = _meta(2, 2, 1024, 129)[..., :128]
+    elif tensors == "strided last dim":
+        k = v = _meta(2, 2, 1024, 256)[..., ::2]
+    elif tensors == "unaligned start":
+        k = v = torch.empty(2 * 2 * 1024 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 2, 1024, 128)
+    elif tensors == "broadcast grad":  # e.g. the gradient of (out * w).sum(): stride 0 rows, which TMA cannot take
+        grad_out = _meta(128).expand(2, 4, 1000, 128)
+    assert not _qualifies(q=q, k=k, v=v, grad_out=grad_out), tensors
+
+
+def test_switched_off_deterministic_or_off_hopper_it_declines(monkeypatch):
+    q = torch.empty(1, 2, 256, 128, device=DEVICE, dtype=torch.bfloat16)
+    args = {**QUALIFYING}
+    block_q, block_kv = args.pop("block_q"), args.pop("block_kv")
+    on_hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+    assert backward_ws.plan(q, q, q, q, block_q, block_kv, **args) == on_hopper
+    dispatch = (q, q, q, q, block_q, block_kv, False, None, None, None, None)
+    assert (backward.warp_specialized_module(*dispatch, None) is not None) == on_hopper
+    # a dQ mode chosen (by the caller or the default) runs the Triton kernels it names
+    assert backward.warp_specialized_module(*dispatch, "auto") is None
+    monkeypatch.setattr(backward, "DQ_MODE_DEFAULT", "kernel")
+    assert backward.warp_specialized_module(*dispatch, None) is None
+    monkeypatch.setattr(backward, "DQ_MODE_DEFAULT", "auto")
+    real_version = forward._triton_version
+    monkeypatch.setattr(forward, "_triton_version", lambda: (3, 5))  # an older Gluon: not even imported
+    assert backward.warp_specialized_module(*dispatch, None) is None
+    monkeypatch.setattr(forward, "_triton_version", real_version)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # the dQ adds' order varies from run to run
+    try:
+        assert not backward_ws.plan(q, q, q, q, block_q, block_kv, **args)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    monkeypatch.setattr(backward_ws, "ENABLED", False)
+    assert not backward_ws.plan(q, q, q, q, block_q, block_kv, **args)
+    assert backward.warp_specialized_module(*dispatch, None) is None
+
+
+@pytest.mark.parametrize("blocks, dtype, grouped, causal", [((128, 128), "bfloat16", False, False),
+                                                            ((64, 256), "float16", True, True)])
+def test_compiles_for_sm90_with_its_register_split(blocks, dtype, grouped, causal):
+    report = sm90_report(f"backward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.{dtype}, grouped={grouped}, "
+                         f"causal={causal})")
+    assert {backward_ws.CONSUMER_REGS, backward_ws.LOADER_REGS} <= set(report["registers"]), report
+    assert report["wgmma"] and report["tma"] and report["reduction"], report
+    assert report["shared"] <= 227 * 1024, report
+    assert "LOCAL:0" in report["usage"], f"registers spill: {report['usage']}"
+
+
+# ---------------------------------------------------------------- against the oracle
+
+CASES = {
+    # name: (batch, heads, kv_heads, seq_q, seq_kv, block, dtype, layout); "one mask" cases share one [nq, nk] mask
+    # across batch and heads (the lists' batch and head strides are 0)
+    "128x128 bf16": (2, 4, 4, 2048, 2048, (128, 128), torch.bfloat16, "bhsd"),
+    # 1000 = 15 * 64 + 40: the last step's rows end inside it
+    "64x128 fp16, query tail": (1, 4, 4, 1000, 1024, (64, 128), torch.float16, "bhsd"),
+    # 900 = 7 * 128 + 4: the last block's second 64-row step lies wholly past the end
+    "short query tail": (1, 2, 2, 900, 1024, (128, 128), torch.bfloat16, "bhsd"),
+    "256x256 gqa": (1, 8, 2, 1024, 1024, (256, 256), torch.bfloat16, "bhsd"),
+    "bshd layout": (2, 2, 2, 1536, 1024, (128, 128), torch.bfloat16, "bshd"),
+    "one mask, batch 3, gqa": (3, 4, 2, 1024, 1280, (128, 128), torch.bfloat16, "bhsd"),
+}
+CAUSAL_CASES = {
+    # Sq < Sk: top-left alignment, the query tail ends inside its step
+    "128x128 causal, query tail": (1, 4, 4, 1000, 1024, (128, 128), torch.bfloat16, "bhsd"),
+    # 64-row blocks: the diagonal crosses two steps of each 128-key tile
+    "64x128 causal gqa fp16": (2, 4, 2, 1024, 1024, (64, 128), torch.float16, "bhsd"),
+    # the last query block keeps only the key block starting halfway down it: its first 128 rows see no key
+    "256x128 causal": (1, 2, 2, 1024, 1024, (256, 128), torch.bfloat16, "bhsd"),
+    # Sq > Sk: the last query blocks see every key
+    "more queries than keys": (1, 2, 2, 1536, 512, (128, 128), torch.bfloat16, "bshd"),
+}
+
+
+@pytest.fixture
+def warp_specialized_calls(monkeypatch) -> list:
+    """One entry per run of the Gluon backward from here on."""
+    calls = []
+    run = backward_ws.attention_backward_ws
+
+    def spy(*args):
+        calls.append(tuple(args[8:10]))  # (block_q, block_kv)
+        return run(*args)
+    monkeypatch.setattr(backward_ws, "attention_backward_ws", spy)
+    return calls
+
+
+@pytest.mark.parametrize("case", list(CASES) + list(CAUSAL_CASES))
+def test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls):
+    """dq, dk, dv through a loss of out and LSE, with a query block that keeps nothing, a key block no query
+    keeps (exact zeros for its dk and dv) and, where the mask is per head, a head that keeps nothing. Causal cases
+    keep, in their last query block, only the key block holding its middle row."""
+    is_causal = case in CAUSAL_CASES
+    batch, heads, kv_heads, seq_q, seq_kv, block, dtype, layout = (CAUSAL_CASES if is_causal else CASES)[case]
+    heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
+    q, k, v = qkv(batch, heads, seq_q, 128, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    one_mask = case.startswith("one mask")
+    keep = random_keep(1 if one_mask else batch, 1 if one_mask else heads, seq_q, seq_kv, block, density=0.4)
+    keep[:, :, 1] = False  # a query block that keeps nothing
+    keep[:, :, :, -1] = False  # a key block no query keeps
+    if not one_mask:
+        keep[0, 0] = False  # a head that keeps nothing at all
+    if is_causal:
+        nq, nk = keep.shape[-2:]
+        last = nq - 1
+        keep[:, :, last] = False
+        keep[:, :, last, min(nk - 2, (last * block[0] + block[0] // 2) // block[1])] = True
+    out, lse = blockattn.attention(q, k, v, keep[0, 0] if one_mask else keep, block, return_lse=True,
+                                   is_causal=is_causal, backend="triton")
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    grad_out = torch.randn(out.shape, generator=gen, device=DEVICE).to(out.dtype)
+
+    def loss(out, lse, grad_out):  # the LSE enters the loss too: its gradient folds into the row terms
+        return (out * grad_out).sum() + 0.5 * torch.where(torch.isinf(lse), 0, lse).sum()
+
+    grads = torch.autograd.grad(loss(out.float(), lse, grad_out.float()), (q, k, v))
+    on_hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+    assert warp_specialized_calls == ([block] if on_hopper else [])
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    visible = expand(keep, block, seq_q, seq_kv)
+    want_grads = torch.autograd.grad(loss(*oracle(*leaves, visible, is_causal=is_causal), grad_out.double()),
+                                     leaves)
+    for name, got, ref in zip("qkv", grads, want_grads):
+        assert torch.isfinite(got).all(), f"d{name} not finite"
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, f"d{name} relative error {err:.2e}"
+    unkept = slice(seq_kv - block[1], seq_kv)
+    assert not grads[1][:, :, unkept].any() and not grads[2][:, :, unkept].any(), "dk / dv of an unkept key block"
