@@ -13,11 +13,13 @@ inputs, S a multiple of 128, 128x128 blocks, MHA, no element tests.
     python benchmarks/exp_gluon_bwd.py --density 0.25 0.1        # on the GPU: check against the package, time
     python benchmarks/exp_gluon_bwd.py --stages 2 --dq-modes 0 3 1 2   # dQ in the step, a step later, diagnoses
     python benchmarks/exp_gluon_bwd.py --stages 2 3 --dq-modes 4 5     # 0 and 3 with the adds through the TMA unit
+    python benchmarks/exp_gluon_bwd.py --stages 2 --dq-modes 4 6       # one dQ tile per consumer or two in turn
 
 Measured on the H200 at density 0.25 (BENCHMARKS.md, sixteenth and seventeenth sessions), against 19.3-19.6 ms for
 the package's Triton backward and 21.0 for FlexAttention's: mode 0 21.89 ms (correct, relative error 2e-4), mode 3
 21.49, mode 1 16.87 and mode 2 11.99 (so the element atomics cost ~5 ms), mode 4 17.47 and mode 5 17.55. Mode 4 is
-what kernels/backward_ws.py runs in the package.
+what kernels/backward_ws.py runs in the package. Mode 6 (two dQ tiles per consumer) compiles for sm_90 and has not
+run yet.
 """
 
 import argparse
@@ -60,11 +62,12 @@ def _first_row(index_row, step, BLOCK_Q: gl.constexpr):
 
 @gluon.jit
 def _add_dq(DQ, DQ_DESC, dq_tile, dq, row, dq_offsets, W: gl.constexpr, D: gl.constexpr,
-            THROUGH_TMA: gl.constexpr):
+            THROUGH_TMA: gl.constexpr, PENDING: gl.constexpr = 0):
     """Add a consumer's [64 rows, 64 columns] share of dQ into DQ fp32 [H * S, D] at row `row`: with element
-    atomics from registers, or through shared memory (dq_tile) and one bulk tensor reduction."""
+    atomics from registers, or through shared memory (dq_tile) and one bulk tensor reduction. PENDING: how many of
+    the consumer's reductions may still run (1 with two tiles in turn: the one before last has read this one)."""
     if THROUGH_TMA:
-        tma.store_wait(0)  # the previous step's reduction has read the tile
+        tma.store_wait(PENDING)  # the reduction that last read this tile is done
         dq_tile.store(dq)
         fence_async_shared()
         tma_add(DQ_DESC, [row, W * _HALF], dq_tile)
@@ -80,7 +83,8 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constex
     consumers need not wait for each other's half of this step's dS: they may drift up to a step apart, one's
     exponentials beside the other's products); as a diagnosis of where the time goes, without a correct dQ, 1 the
     product without the atomics and 2 neither (dK and dV alone, four products). 4 and 5 are 0 and 3 with the adds
-    through the TMA unit (a [64, 64] fp32 tile in shared memory, one bulk reduction) instead of element atomics."""
+    through the TMA unit (a [64, 64] fp32 tile in shared memory, one bulk reduction) instead of element atomics;
+    6 is 4 with two tiles per consumer in turn, so a step waits for the reduction before last, not the last."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_ready, q_ready, q_empty,
      ds_ready, ds_empty, DQ, DQ_DESC, dq_smem, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq, stride_ch,
      stride_ih, stride_ik) = shared
@@ -165,6 +169,9 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constex
             dq_base = DQ + (head_rows + row0).to(gl.int64) * D
             if DQ_MODE == 0 or DQ_MODE == 4:
                 _add_dq(DQ, DQ_DESC, dq_tile, dq, head_rows + row0, dq_offsets, W, D, THROUGH_TMA)
+            elif DQ_MODE == 6:  # two tiles per consumer in turn: no wait on the last step's reduction
+                _add_dq(DQ, DQ_DESC, dq_smem.index(2 * W + step % 2), dq, head_rows + row0, dq_offsets, W, D,
+                        THROUGH_TMA, 1)
             else:  # keep the product: one add per program at most, for row 0 only when dQ is NaN
                 gl.atomic_add(dq_base + dq_offsets, dq, mask=dq != dq, sem="relaxed")
     if LATER:
@@ -219,7 +226,9 @@ def gluon_bwd_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ, DQ_DESC, DK, DV, LSE, 
     v_smem = gl.allocate_shared_memory(V_DESC.dtype, [2 * _HALF, D], V_DESC.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * _HALF, _ROWS], Q_DESC.dtype)
     ds_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2, 2 * _HALF, _ROWS], ds_layout)
-    if DQ_MODE >= 4:  # a [64 rows, 64 columns] fp32 tile per consumer for the TMA adds
+    if DQ_MODE == 6:  # two [64 rows, 64 columns] fp32 tiles per consumer, used in turn
+        dq_smem = gl.allocate_shared_memory(gl.float32, [4, _ROWS, _HALF], DQ_DESC.layout)
+    elif DQ_MODE >= 4:  # a [64 rows, 64 columns] fp32 tile per consumer for the TMA adds
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, _ROWS, _HALF], DQ_DESC.layout)
     else:
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, 8, _HALF], DQ_DESC.layout)
@@ -307,7 +316,7 @@ def main():
     parser.add_argument("--dq-modes", type=int, nargs="+", default=[0],
                         help="0: dQ's product and atomics; 3: the same a step later; 1: the product only; "
                         "2: neither (1 and 2: timing diagnosis, no correct dQ); 4 and 5: 0 and 3 with the adds "
-                        "through the TMA unit")
+                        "through the TMA unit; 6: 4 with two dQ tiles per consumer")
     parser.add_argument("--compile-only", action="store_true")
     args = parser.parse_args()
     variants = [(stages, mode) for stages in args.stages for mode in args.dq_modes]

@@ -423,7 +423,8 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
     (natural log).
 
     Lists, masks and varlen as in forward.attention_forward; q_count int32 [Bm, Hm, nk], q_index int32
-    [Bm, Hm, nk, L]. dq_mode: one of DQ_MODES or "auto", None for DQ_MODE_DEFAULT (see resolve_dq_mode).
+    [Bm, Hm, nk, L]. dq_mode: one of DQ_MODES or "auto", None for DQ_MODE_DEFAULT (see resolve_dq_mode); with
+    None and the default "auto", a call warp_specialized_module accepts runs kernels/backward_ws.py instead.
     needs: which of (dq, dk, dv) to compute. Without dq the dQ kernel does not run, without dk and dv the dK/dV
     kernel does not (either side alone runs in mode "kernel"); what was not computed comes back None."""
     need_dq, need_dkdv = needs[0], needs[1] or needs[2]
