@@ -13,13 +13,13 @@ inputs, S a multiple of 128, 128x128 blocks, MHA, no element tests.
     python benchmarks/exp_gluon_bwd.py --density 0.25 0.1        # on the GPU: check against the package, time
     python benchmarks/exp_gluon_bwd.py --stages 2 --dq-modes 0 3 1 2   # dQ in the step, a step later, diagnoses
     python benchmarks/exp_gluon_bwd.py --stages 2 3 --dq-modes 4 5     # 0 and 3 with the adds through the TMA unit
-    python benchmarks/exp_gluon_bwd.py --stages 2 --dq-modes 4 6       # one dQ tile per consumer or two in turn
+    python benchmarks/exp_gluon_bwd.py --stages 2 --dq-modes 4 6 7     # two dQ tiles per consumer; a rotated walk
 
 Measured on the H200 at density 0.25 (BENCHMARKS.md, sixteenth and seventeenth sessions), against 19.3-19.6 ms for
 the package's Triton backward and 21.0 for FlexAttention's: mode 0 21.89 ms (correct, relative error 2e-4), mode 3
 21.49, mode 1 16.87 and mode 2 11.99 (so the element atomics cost ~5 ms), mode 4 17.47 and mode 5 17.55. Mode 4 is
-what kernels/backward_ws.py runs in the package. Mode 6 (two dQ tiles per consumer) compiles for sm_90 and has not
-run yet.
+what kernels/backward_ws.py runs in the package. Modes 6 (two dQ tiles per consumer) and 7 (a rotated walk) compile
+for sm_90 and have not run yet.
 """
 
 import argparse
@@ -76,6 +76,17 @@ def _add_dq(DQ, DQ_DESC, dq_tile, dq, row, dq_offsets, W: gl.constexpr, D: gl.co
 
 
 @gluon.jit
+def _walk_row(index_row, step, steps, key_block, BLOCK_Q: gl.constexpr, DQ_MODE: gl.constexpr):
+    """The first query row of step `step` of the program's walk. DQ_MODE 7 rotates the walk: the program of key
+    block j starts at step (j * BLOCK_Q / 64) mod steps and wraps around, so that on dense rows the programs of a
+    head do not all read the same Q/dO tile at once (the Triton dK/dV kernel's diagonal start measured 14%)."""
+    if DQ_MODE == 7:
+        step = step + (key_block * (BLOCK_Q // _ROWS)) % gl.maximum(steps, 1)
+        step = step - steps * (step >= steps).to(gl.int32)
+    return _first_row(index_row, step, BLOCK_Q)
+
+
+@gluon.jit
 def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, DQ_MODE: gl.constexpr):
     """Keys W*64 .. W*64+63 of the program's block: dK and dV over the q list, and dQ's columns W*64 .. of each
     step. DQ fp32 [H * S, D] (zeroed; gets dS K without the softmax scale), DK / DV [H * S, D]. DQ_MODE: 0 the
@@ -84,7 +95,8 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constex
     exponentials beside the other's products); as a diagnosis of where the time goes, without a correct dQ, 1 the
     product without the atomics and 2 neither (dK and dV alone, four products). 4 and 5 are 0 and 3 with the adds
     through the TMA unit (a [64, 64] fp32 tile in shared memory, one bulk reduction) instead of element atomics;
-    6 is 4 with two tiles per consumer in turn, so a step waits for the reduction before last, not the last."""
+    6 is 4 with two tiles per consumer in turn, so a step waits for the reduction before last, not the last; 7 is
+    4 with a rotated walk (_walk_row)."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_ready, q_ready, q_empty,
      ds_ready, ds_empty, DQ, DQ_DESC, dq_smem, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq, stride_ch,
      stride_ih, stride_ik) = shared
@@ -114,7 +126,7 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constex
     prev_row0 = 0
     for step in range(steps):
         stage = step % STAGES
-        row0 = _first_row(index_row, step, BLOCK_Q)
+        row0 = _walk_row(index_row, step, steps, key_block, BLOCK_Q, DQ_MODE)
         rows = head_rows + row0 + gl.arange(0, _ROWS, along_rows)
         lse = gl.load(LSE + rows) * _LOG2E
         lse = gl.where(lse == float("-inf"), float("inf"), lse)  # a row with no key: P = 0
@@ -167,7 +179,7 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constex
             mbarrier.arrive(q_empty.index(stage), count=1)
             # a scalar base and constant offsets, so that the adds need no 64-bit address per element
             dq_base = DQ + (head_rows + row0).to(gl.int64) * D
-            if DQ_MODE == 0 or DQ_MODE == 4:
+            if DQ_MODE == 0 or DQ_MODE == 4 or DQ_MODE == 7:
                 _add_dq(DQ, DQ_DESC, dq_tile, dq, head_rows + row0, dq_offsets, W, D, THROUGH_TMA)
             elif DQ_MODE == 6:  # two tiles per consumer in turn: no wait on the last step's reduction
                 _add_dq(DQ, DQ_DESC, dq_smem.index(2 * W + step % 2), dq, head_rows + row0, dq_offsets, W, D,
@@ -206,7 +218,7 @@ def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr
     for step in range(steps):
         stage = step % STAGES
         mbarrier.wait(q_empty.index(stage), ((step // STAGES) & 1) ^ 1)
-        row = head_rows + _first_row(index_row, step, BLOCK_Q)
+        row = head_rows + _walk_row(index_row, step, steps, key_block, BLOCK_Q, DQ_MODE)
         mbarrier.expect(q_ready.index(stage), Q_DESC.block_type.nbytes + DO_DESC.block_type.nbytes)
         tma.async_copy_global_to_shared(Q_DESC, [row, 0], q_ready.index(stage), q_smem.index(stage))
         tma.async_copy_global_to_shared(DO_DESC, [row, 0], q_ready.index(stage), do_smem.index(stage))
@@ -316,7 +328,7 @@ def main():
     parser.add_argument("--dq-modes", type=int, nargs="+", default=[0],
                         help="0: dQ's product and atomics; 3: the same a step later; 1: the product only; "
                         "2: neither (1 and 2: timing diagnosis, no correct dQ); 4 and 5: 0 and 3 with the adds "
-                        "through the TMA unit; 6: 4 with two dQ tiles per consumer")
+                        "through the TMA unit; 6: 4 with two dQ tiles per consumer; 7: 4 with a rotated walk")
     parser.add_argument("--compile-only", action="store_true")
     args = parser.parse_args()
     variants = [(stages, mode) for stages in args.stages for mode in args.dq_modes]
