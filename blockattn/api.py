@@ -12,7 +12,7 @@ import torch
 
 from . import reference
 from .kernels.varlen import Varlen
-from .sparsity import BlockSparsity, check_block_size
+from .sparsity import BlockSparsity, check_block_size, compiling_or_capturing
 
 DEFAULT_BLOCK_SIZE = (128, 64)
 # blocks=None (every block kept, dense or causal): the shape sets only speed. 128x128 measured faster than 128x64 on
@@ -115,8 +115,7 @@ def _dense_sparsity(block_size, seq_q: int, seq_kv: int, device: torch.device) -
     reuses its lists (and the causal and q lists derived from them) instead of rebuilding them every call. Built
     afresh while torch.compile traces or a CUDA graph captures (a cached tensor must not come from either)."""
     block_size = check_block_size(block_size)
-    # is_compiling first: torch.compile cannot trace is_current_stream_capturing (a graph break)
-    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if compiling_or_capturing(device):
         return BlockSparsity.dense(block_size, seq_q, seq_kv, device=device)
     return _cached_dense(block_size, seq_q, seq_kv, device)
 

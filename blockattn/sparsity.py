@@ -82,14 +82,19 @@ def build_lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return count.contiguous(), index.contiguous()
 
 
+def compiling_or_capturing(device: torch.device) -> bool:
+    """Whether torch.compile is tracing, or a CUDA graph capturing on a CUDA device: then work must go into the
+    graph (nothing cached from outside it, no launch that first compiles and loads a module)."""
+    # is_compiling first: torch.compile cannot trace is_current_stream_capturing (a graph break)
+    return torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
 def _in_one_launch(keep: torch.Tensor) -> bool:
     """Whether the lists over keep come from the list kernel (kernels/lists.py): on a CUDA tensor, except while
     torch.compile traces (there the PyTorch operations go into the graph, and Inductor fuses them) or a CUDA graph
     captures (the kernel's first launch compiles and loads it, which a capture may not allow; the operations are
     captured as they always were)."""
-    # is_compiling first: torch.compile cannot trace is_current_stream_capturing (a graph break)
-    return (keep.is_cuda and not torch.compiler.is_compiling()
-            and not torch.cuda.is_current_stream_capturing())
+    return keep.is_cuda and not compiling_or_capturing(keep.device)
 
 
 def _full_first_lists(keep: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

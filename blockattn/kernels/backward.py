@@ -445,19 +445,12 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
     warp_specialized = need_dq and need_dkdv and warp_specialized_module(
         q, k, v, grad_out, block_q, block_kv, is_causal, token_mask, block_mask, kv_valid, varlen, dq_mode)
     if warp_specialized:
-        launch.run(attention_bwd_preprocess_kernel, (heads, grad_lse is None), dict(row_terms, DO=grad_out),
-                   lambda: _preprocess_spec(out, grad_out, grad_lse, delta, heads), fresh=_FRESH)
-        dq_acc = torch.zeros(q.shape, device=device, dtype=torch.float32)
-        dk, dv = buffers.empty_like(k), buffers.empty_like(v)
-        warp_specialized.attention_backward_ws(q, k, v, grad_out, lse2, delta, q_count, q_index, block_q, block_kv,
-                                               scale * LOG2E, bool(is_causal), dq_acc, dk, dv)
-        dq = buffers.empty_like(q)
-        torch.mul(dq_acc, scale, out=dq)  # the tiles were added unscaled: one multiply here
-        return dq, dk, dv
-    dq_mode = resolve_dq_mode(dq_mode, attention_bwd_dkdv_kernel, device)
-    if not (need_dq and need_dkdv):
-        dq_mode = "kernel"  # one side alone: its own kernel, no atomics
-    accumulate = dq_mode != "kernel"
+        accumulate = True  # its dQ tiles go into dq_acc, through the TMA unit
+    else:
+        dq_mode = resolve_dq_mode(dq_mode, attention_bwd_dkdv_kernel, device)
+        if not (need_dq and need_dkdv):
+            dq_mode = "kernel"  # one side alone: its own kernel, no atomics
+        accumulate = dq_mode != "kernel"
     if accumulate or not need_dq:  # (else the dQ kernel computes the row terms: a launch fewer)
         launch.run(attention_bwd_preprocess_kernel, (heads, grad_lse is None), dict(row_terms, DO=grad_out),
                    lambda: _preprocess_spec(out, grad_out, grad_lse, delta, heads), fresh=_FRESH)
@@ -471,6 +464,11 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         dq_acc4 = dq_acc.view(q.shape[0], heads, q.shape[2], block_d)
     else:
         dq_acc = dq_acc4 = None
+    if warp_specialized:  # (D = BD = 128: dq_acc4 is the contiguous [B, H, Sq, 128] buffer it adds into)
+        warp_specialized.attention_backward_ws(q, k, v, grad_out, lse2, delta, q_count, q_index, block_q, block_kv,
+                                               scale * LOG2E, bool(is_causal), dq_acc4, dk, dv)
+        torch.mul(dq_acc4, scale, out=dq)  # the tiles were added unscaled: one multiply here
+        return dq, dk, dv
     shared = dict(Q=q, K=k, V=v, DO=grad_out, Lse2=lse2, Delta=delta,
                   **optional_tensors(lse, token_mask, block_mask, kv_valid, varlen))
     site = site_key(block_q, block_kv, scale, is_causal, token_mask, block_mask, mask_block_q, mask_block_kv,

@@ -28,8 +28,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from . import launch
+from .forward import stride_args
 # Registers per thread for a consumer warpgroup and for the loader (setmaxnreg) and the launch bound: the forward's.
-from .forward_ws import CONSUMER_REGS, LOADER_REGS, MAX_REGS, _LOG2E
+# Its host descriptors and their compile signatures also come from there.
+from .forward_ws import CONSUMER_REGS, LOADER_REGS, MAX_REGS, _LOG2E, descriptor_signature, host_descriptor
 
 # Whether attention_backward may take this kernel (benchmarks switch it off to time the Triton backward).
 ENABLED = True
@@ -314,29 +316,18 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch
                for t in (q, k, v, grad_out))
 
 
-def _descriptor(t: torch.Tensor, rows: int, columns: int = HEAD_DIM):
-    """A Gluon host descriptor of t [B, H, S, D] with [1, 1, rows, columns] boxes; rows past S read as zeros
-    and take no writes."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[t.dtype]
-    box = [1, 1, rows, columns]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), box,
-                            gl.NVMMASharedLayout.get_default_for(box, dtype))
-
-
 def attention_backward_ws(q, k, v, grad_out, lse2, delta, q_count, q_index, block_q: int, block_kv: int,
                           scale_log2: float, causal: bool, dq_acc, dk, dv) -> None:
     """Run the kernel: dS K (unscaled) added into dq_acc (fp32 [B, H, Sq, 128], zeroed, contiguous), dk and dv
     [B, Hkv, Sk, 128] stored. lse2 / delta fp32 [B, H, Sq]: the row terms (backward._row_terms). causal: the
     key <= query test on the steps the diagonal crosses."""
-    from .forward import stride_args  # (backward imports this module lazily)
     batch, heads, seq_q, _ = q.shape
     kv_heads, seq_kv = k.shape[1], k.shape[2]
     grid = (seq_kv // TILE_N, *launch.batch_head_axes(batch, kv_heads))
     attention_bwd_ws_kernel[grid](
-        _descriptor(q, STEP_ROWS), _descriptor(k, TILE_N), _descriptor(v, TILE_N), _descriptor(grad_out, STEP_ROWS),
-        _descriptor(dq_acc, STEP_ROWS, CONSUMER_KEYS), dk, dv, lse2, delta, q_count, q_index, scale_log2, seq_q,
-        kv_heads, heads // kv_heads,
+        host_descriptor(q, STEP_ROWS), host_descriptor(k, TILE_N), host_descriptor(v, TILE_N),
+        host_descriptor(grad_out, STEP_ROWS), host_descriptor(dq_acc, STEP_ROWS, CONSUMER_KEYS), dk, dv, lse2, delta,
+        q_count, q_index, scale_log2, seq_q, kv_heads, heads // kv_heads,
         # the lists' size-1 batch and head dims broadcast: stride 0
         **stride_args("c", q_count, "bh"), **stride_args("i", q_index, "bhk"), **stride_args("l", lse2, "bhs"),
         **stride_args("dk", dk, "bhs"), **stride_args("dv", dv, "bhs"), BLOCK_Q=block_q, BLOCK_KV=block_kv,
@@ -351,16 +342,10 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
     settings."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    name, gl_dtype = ("bf16", gl.bfloat16) if dtype == torch.bfloat16 else ("fp16", gl.float16)
-
-    def desc(element, element_type, rows, columns):
-        box = [1, 1, rows, columns]
-        layout = gl.NVMMASharedLayout.get_default_for(box, element_type)
-        return f"tensordesc<{element}[{','.join(map(str, box))}],{layout!r}>"
-
-    rows_desc, keys_desc = desc(name, gl_dtype, STEP_ROWS, HEAD_DIM), desc(name, gl_dtype, TILE_N, HEAD_DIM)
+    name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    rows_desc, keys_desc = descriptor_signature(dtype, STEP_ROWS), descriptor_signature(dtype, TILE_N)
     descriptors = dict(Q_DESC=rows_desc, DO_DESC=rows_desc, K_DESC=keys_desc, V_DESC=keys_desc,
-                       DQ_DESC=desc("fp32", gl.float32, STEP_ROWS, CONSUMER_KEYS))
+                       DQ_DESC=descriptor_signature(torch.float32, STEP_ROWS, CONSUMER_KEYS))
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, STAGES=STAGES, GROUPED=grouped, CAUSAL=causal,
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
     signature = {}

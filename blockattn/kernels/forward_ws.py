@@ -333,13 +333,25 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, b
     return Plan(TILE_N if block_kv % TILE_N == 0 else 64, is_causal)
 
 
-def _descriptor(t: torch.Tensor, rows: int):
-    """A Gluon host descriptor of t [B, H, S, D] with [1, 1, rows, D] boxes; rows past S read as zeros."""
+_GL_DTYPES = {torch.bfloat16: ("bf16", gl.bfloat16), torch.float16: ("fp16", gl.float16),
+              torch.float32: ("fp32", gl.float32)}
+
+
+def host_descriptor(t: torch.Tensor, rows: int, columns: Optional[int] = None):
+    """A Gluon host descriptor of t [B, H, S, D] (bf16, fp16 or fp32) with [1, 1, rows, columns] boxes (columns:
+    D by default); rows past S read as zeros and take no writes. The backward's kernel uses it too."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    box = [1, 1, rows, t.shape[-1]]
+    box = [1, 1, rows, t.shape[-1] if columns is None else columns]
     return TensorDescriptor(t, list(t.shape), list(t.stride()), box,
-                            gl.NVMMASharedLayout.get_default_for(box, dtype))
+                            gl.NVMMASharedLayout.get_default_for(box, _GL_DTYPES[t.dtype][1]))
+
+
+def descriptor_signature(dtype: torch.dtype, rows: int, columns: int = HEAD_DIM) -> str:
+    """The compile signature of a host_descriptor argument of dtype with [1, 1, rows, columns] boxes (compile_sm90's,
+    here and in the backward's module)."""
+    name, gl_dtype = _GL_DTYPES[dtype]
+    box = [1, 1, rows, columns]
+    return f"tensordesc<{name}[{','.join(map(str, box))}],{gl.NVMMASharedLayout.get_default_for(box, gl_dtype)!r}>"
 
 
 def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, scale_log2: float, out, lse,
@@ -349,7 +361,8 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
     batch, heads, seq_q, _ = q.shape
     grid = (triton.cdiv(seq_q, TILE_Q), *launch.batch_head_axes(batch, heads))
     attention_fwd_ws_kernel[grid](
-        _descriptor(q, CONSUMER_ROWS), _descriptor(k, chosen.sub_n), _descriptor(v, chosen.sub_n), out, lse,
+        host_descriptor(q, CONSUMER_ROWS), host_descriptor(k, chosen.sub_n), host_descriptor(v, chosen.sub_n), out,
+        lse,
         kv_count, kv_index, scale_log2, seq_q, heads, heads // k.shape[1],
         # the lists' size-1 batch and head dims broadcast: stride 0
         **stride_args("c", kv_count, "bh"), **stride_args("i", kv_index, "bhq"), **stride_args("o", out, "bhs"),
@@ -363,13 +376,7 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     sub_n = TILE_N if block_kv % TILE_N == 0 else 64
-    name, gl_dtype = ("bf16", gl.bfloat16) if dtype == torch.bfloat16 else ("fp16", gl.float16)
-
-    def desc(rows):
-        box = [1, 1, rows, HEAD_DIM]
-        layout = gl.NVMMASharedLayout.get_default_for(box, gl_dtype)
-        return f"tensordesc<{name}[{','.join(map(str, box))}],{layout!r}>"
-
+    name = _GL_DTYPES[dtype][0]
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, STAGES=STAGES, CAUSAL=causal,
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
     signature = {}
@@ -377,7 +384,7 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
         if param.name in constants:
             signature[param.name] = "constexpr"
         elif param.name.endswith("_DESC"):
-            signature[param.name] = desc(CONSUMER_ROWS if param.name == "Q_DESC" else sub_n)
+            signature[param.name] = descriptor_signature(dtype, CONSUMER_ROWS if param.name == "Q_DESC" else sub_n)
         else:
             signature[param.name] = {"Out": f"*{name}", "Lse": "*fp32", "KV_COUNT": "*i32", "KV_INDEX": "*i32",
                                      "scale_log2": "fp32"}.get(param.name, "i32")
