@@ -346,17 +346,15 @@ def main():
     import torch
 
     import blockattn
-    from blockattn.bench import Case, _runners, _time_ms, block_mask
+    from blockattn.bench import Case, _flops, _inputs, _runners, _time_ms, block_mask
     device = torch.device("cuda")
     for density in args.density:
-        case = Case(heads=args.heads, seq=args.seq, density=density)
+        case = Case(heads=args.heads, kv_heads=args.heads, seq=args.seq, density=density)
         keep = block_mask(case, device)
         blocks = blockattn.BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
-        gen = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (torch.randn(1, case.heads, case.seq, 128, device=device, dtype=torch.bfloat16, generator=gen)
-                   .requires_grad_() for _ in range(3))
-        grad = torch.randn(q.shape, device=device, dtype=torch.bfloat16, generator=gen)
-        flops = 2.5 * 4.0 * case.heads * case.seq * case.seq * 128 * blocks.density()  # 5 products credited
+        q, k, v = _inputs(case, device, requires_grad=True)
+        grad = torch.randn_like(q)
+        flops = 2.5 * _flops(case, blocks.density())  # 5 products credited
         out, lse = blockattn.attention(q, k, v, blocks, return_lse=True)
         want = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
         times = {"package": _time_ms(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))}

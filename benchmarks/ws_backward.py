@@ -12,7 +12,7 @@ import argparse
 import torch
 
 import blockattn
-from blockattn.bench import Case, _runners, _time_ms, block_mask
+from blockattn.bench import Case, _flops, _inputs, _runners, _time_ms, block_mask
 from blockattn.kernels import backward_ws
 
 SUITES = {
@@ -36,13 +36,9 @@ def main():
     for case in [c for name in args.cases for c in SUITES[name]]:
         keep = block_mask(case, device)
         blocks = blockattn.BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
-        gen = torch.Generator(device=device).manual_seed(0)
-        q = torch.randn(case.batch, case.heads, case.seq, case.dim, device=device, dtype=torch.bfloat16,
-                        generator=gen).requires_grad_()
-        k, v = (torch.randn(case.batch, case.kv_heads, case.seq, case.dim, device=device, dtype=torch.bfloat16,
-                            generator=gen).requires_grad_() for _ in range(2))
-        grad = torch.randn(q.shape, device=device, dtype=torch.bfloat16, generator=gen)
-        flops = 2.5 * 4.0 * case.batch * case.heads * case.seq * case.seq * case.dim * blocks.density()
+        q, k, v = _inputs(case, device, requires_grad=True)
+        grad = torch.randn_like(q)
+        flops = 2.5 * _flops(case, blocks.density())
         causal = case.pattern == "causal"
         out = blockattn.attention(q, k, v, blocks, is_causal=causal)
         times, grads = {}, {}

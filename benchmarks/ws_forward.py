@@ -12,7 +12,7 @@ import argparse
 import torch
 
 import blockattn
-from blockattn.bench import Case, _runners, _time_ms, block_mask
+from blockattn.bench import Case, _flops, _inputs, _runners, _time_ms, block_mask
 from blockattn.kernels import forward_ws
 
 SUITES = {
@@ -38,12 +38,8 @@ def main():
     for case in [c for name in args.cases for c in SUITES[name]]:
         keep = block_mask(case, device)
         blocks = blockattn.BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
-        gen = torch.Generator(device=device).manual_seed(0)
-        q = torch.randn(case.batch, case.heads, case.seq, case.dim, device=device, dtype=torch.bfloat16,
-                        generator=gen)
-        k, v = (torch.randn(case.batch, case.kv_heads, case.seq, case.dim, device=device, dtype=torch.bfloat16,
-                            generator=gen) for _ in range(2))
-        flops = 4.0 * case.batch * case.heads * case.seq * case.seq * case.dim * blocks.density()
+        q, k, v = _inputs(case, device, requires_grad=False)
+        flops = _flops(case, blocks.density())
         causal = case.pattern == "causal"
         times = {}
         outs = {}
