@@ -76,6 +76,16 @@ def _add_dq(DQ, DQ_DESC, dq_tile, dq, row, dq_offsets, W: gl.constexpr, D: gl.co
 
 
 @gluon.jit
+def _add_dq_columns(DQ_DESC, dq_tile, dq, row, column):
+    """Mode 8: add dq [64 rows, 64 columns] into DQ at (row, column) through dq_tile; the consumer's two tiles
+    alternate, so the reduction before last (which read this tile) must be done, the last may still run."""
+    tma.store_wait(1)
+    dq_tile.store(dq)
+    fence_async_shared()
+    tma_add(DQ_DESC, [row, column], dq_tile)
+
+
+@gluon.jit
 def _walk_row(index_row, step, steps, key_block, BLOCK_Q: gl.constexpr, DQ_MODE: gl.constexpr):
     """The first query row of step `step` of the program's walk. DQ_MODE 7 rotates the walk: the program of key
     block j starts at step (j * BLOCK_Q / 64) mod steps and wraps around, so that on dense rows the programs of a
@@ -147,6 +157,27 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constex
         if DQ_MODE == 2:
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
             mbarrier.arrive(q_empty.index(stage), count=1)
+        elif DQ_MODE == 8 or DQ_MODE == 9:
+            # this consumer's keys only: dQ's part dS[:, keys] K[keys, :], all D columns in two 64-column
+            # products, each added through the TMA unit; no wait on the other consumer's half of dS. Mode 9
+            # issues the second product after the first has retired (fewer registers live at once)
+            own = ds_smem.index(W)
+            own.store(dst)
+            fence_async_shared()
+            dq_lo = warpgroup_mma(own.permute((1, 0)), k_half.slice(0, _HALF, dim=1), st_zero, use_acc=False,
+                                  is_async=True)
+            if DQ_MODE == 8:
+                dq_hi = warpgroup_mma(own.permute((1, 0)), k_half.slice(_HALF, _HALF, dim=1), st_zero,
+                                      use_acc=False, is_async=True)
+                dv, dk, dq_lo, pt_op, dst_op = warpgroup_mma_wait(1, deps=(dv, dk, dq_lo, pt_op, dst_op))
+            else:
+                dv, dk, dq_lo, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq_lo, pt_op, dst_op))
+                dq_hi = warpgroup_mma(own.permute((1, 0)), k_half.slice(_HALF, _HALF, dim=1), st_zero,
+                                      use_acc=False, is_async=True)
+            mbarrier.arrive(q_empty.index(stage), count=1)
+            _add_dq_columns(DQ_DESC, dq_smem.index(2 * W), dq_lo, head_rows + row0, 0)
+            dq_hi = warpgroup_mma_wait(0, deps=(dq_hi, ))
+            _add_dq_columns(DQ_DESC, dq_smem.index(2 * W + 1), dq_hi, head_rows + row0, _HALF)
         elif LATER:
             buf = step % 2
             prev = 1 - buf
@@ -236,9 +267,13 @@ def gluon_bwd_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ, DQ_DESC, DK, DV, LSE, 
     do_smem = gl.allocate_shared_memory(DO_DESC.dtype, [STAGES, _ROWS, D], DO_DESC.layout)
     k_smem = gl.allocate_shared_memory(K_DESC.dtype, [2 * _HALF, D], K_DESC.layout)
     v_smem = gl.allocate_shared_memory(V_DESC.dtype, [2 * _HALF, D], V_DESC.layout)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * _HALF, _ROWS], Q_DESC.dtype)
-    ds_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2, 2 * _HALF, _ROWS], ds_layout)
-    if DQ_MODE == 6:  # two [64 rows, 64 columns] fp32 tiles per consumer, used in turn
+    if DQ_MODE >= 8:  # each consumer's own half of dS^T, [64 keys, 64 rows]
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HALF, _ROWS], Q_DESC.dtype)
+        ds_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2, _HALF, _ROWS], ds_layout)
+    else:
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * _HALF, _ROWS], Q_DESC.dtype)
+        ds_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2, 2 * _HALF, _ROWS], ds_layout)
+    if DQ_MODE == 6 or DQ_MODE >= 8:  # two [64 rows, 64 columns] fp32 tiles per consumer, used in turn
         dq_smem = gl.allocate_shared_memory(gl.float32, [4, _ROWS, _HALF], DQ_DESC.layout)
     elif DQ_MODE >= 4:  # a [64 rows, 64 columns] fp32 tile per consumer for the TMA adds
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, _ROWS, _HALF], DQ_DESC.layout)
@@ -329,6 +364,9 @@ def main():
                         help="0: dQ's product and atomics; 3: the same a step later; 1: the product only; "
                         "2: neither (1 and 2: timing diagnosis, no correct dQ); 4 and 5: 0 and 3 with the adds "
                         "through the TMA unit; 6: 4 with two dQ tiles per consumer; 7: 4 with a rotated walk")
+    parser.add_argument("--pattern", choices=["random", "rows"], default="random",
+                        help="random: the benchmarks' block masks; rows: every n-th query block keeps every key "
+                        "block (all programs walk the same q list, as at density 1)")
     parser.add_argument("--compile-only", action="store_true")
     args = parser.parse_args()
     variants = [(stages, mode) for stages in args.stages for mode in args.dq_modes]
@@ -351,6 +389,9 @@ def main():
     for density in args.density:
         case = Case(heads=args.heads, kv_heads=args.heads, seq=args.seq, density=density)
         keep = block_mask(case, device)
+        if args.pattern == "rows":  # the same q list for every key block: query blocks 0, n, 2n, ... keep all
+            rows = torch.arange(keep.shape[-2], device=device) % max(1, round(1 / density)) == 0
+            keep = rows[None, None, :, None].expand_as(keep).contiguous()
         blocks = blockattn.BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
         q, k, v = _inputs(case, device, requires_grad=True)
         grad = torch.randn_like(q)

@@ -5,6 +5,7 @@ backward on the same block mask, in one process: ms and effective TFLOP/s per ca
     python benchmarks/ws_backward.py                       # the design cases, 128x128 blocks, densities 1 .. 0.1
     python benchmarks/ws_backward.py --cases short gqa     # B8 H16 S2048/4096 d=0.5; GQA 32/8 S16384
     python benchmarks/ws_backward.py --cases causal blocks # causal (and cuDNN's causal backward); 256x256, 64x128
+    python benchmarks/ws_backward.py --profile             # also each backward's GPU time per kernel (torch.profiler)
 """
 
 import argparse
@@ -29,6 +30,8 @@ SUITES = {
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=["design"], choices=list(SUITES))
+    parser.add_argument("--profile", action="store_true",
+                        help="print the GPU time of each kernel of the backward calls (blockattn's and flex's)")
     args = parser.parse_args()
     device = torch.device("cuda")
     print("| case | Triton backward ms | warp-specialized ms | flex ms | Triton vs flex | warp-specialized vs flex |")
@@ -54,6 +57,9 @@ def main():
                 sdpa_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             ms = _time_ms(lambda: torch.autograd.grad(sdpa_out, (q, k, v), grad, retain_graph=True))
             print(f"cuDNN SDPA causal backward {case.label}: {ms:.3f} ms", flush=True)
+        if args.profile:
+            profile(f"blockattn {case.label}", lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))
+            profile(f"flex {case.label}", lambda: torch.autograd.grad(flex_out, (q, k, v), grad, retain_graph=True))
         gaps = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(grads[True], grads[False])]
 
         def cell(ms):
@@ -61,6 +67,21 @@ def main():
         print(f"| {case.label} | {cell(times[False])} | {cell(times[True])} | {cell(times['flex'])} | "
               f"{times['flex'] / times[False]:.2f}x | {times['flex'] / times[True]:.2f}x | relative gap dq/dk/dv "
               + "/".join(f"{g:.1e}" for g in gaps), flush=True)
+
+
+def profile(label, call, calls=10):
+    """Print each kernel's GPU time per call of `call` (after a warm-up call), largest first."""
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    kernels.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in kernels) / calls / 1e3
+    print(f"{label}: GPU time per call {total:.3f} ms: " + "; ".join(
+        f"{e.key[:60]} {e.device_time_total / calls / 1e3:.3f} ms x{e.count // calls}" for e in kernels[:8]), flush=True)
 
 
 if __name__ == "__main__":

@@ -81,9 +81,19 @@ def causal_blocks(case: Case, device, full: bool = False) -> torch.Tensor:
     return smallest >= 0 if full else largest >= 0
 
 
-def _time_ms(fn: Callable) -> float:
+def _time_ms(fn: Callable, calls: int = 25) -> float:
+    """Median ms of fn over at least `calls` timed calls (triton.testing.do_bench: CUDA events, the L2 cache flushed
+    before each call) after a warm-up of at least 3 calls. do_bench's budgets are milliseconds, so they grow with
+    the call's own time: a fixed 200 ms would time a 60 ms backward 3 times, too few for a stable median."""
     import triton.testing
-    return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    once_ms = (time.perf_counter() - start) * 1e3
+    return triton.testing.do_bench(fn, warmup=max(50.0, 3 * once_ms), rep=max(200.0, calls * once_ms),
+                                   return_mode="median")
 
 
 def _flops(case: Case, density: float) -> float:

@@ -272,6 +272,24 @@ def test_accumulated_dq_matches_the_dq_kernel(geometry, pinned, poisoned, monkey
     assert_grads_close(runs[dq_mode][1:], runs["kernel"][1:], 1e-5, f"{dq_mode} dq")
 
 
+@pytest.mark.parametrize("dq_mode", ACCUMULATING_MODES)
+def test_accumulated_dq_with_head_dims_off_the_tile(geometry, poisoned, monkeypatch, dq_mode):
+    """Q/K head dims narrower than their tile (40 in 64, then 72 in 128) with a 24-wide V: the accumulator the
+    preprocess zeroes is as wide as the tile, dq takes only its first D columns, and two calls whose O has one shape
+    but whose accumulators differ do not share a launch plan. Against the dQ kernel, NaN-poisoned buffers."""
+    g = geometry
+    seq = g.seqs[1]
+    keep = random_keep(1, g.heads, seq, seq, g.block)
+    for dim in (40, 72):
+        q, k, v = qkv(1, g.heads, seq, dim, dim_v=24, dtype=torch.float32, seed=dim)
+        runs = {}
+        for mode in ("kernel", dq_mode):
+            monkeypatch.setattr(backward, "DQ_MODE_DEFAULT", mode)
+            runs[mode] = grads(q, k, v, keep, g.block, backend="triton")
+        assert runs[dq_mode][1].shape == q.shape
+        assert_grads_close(runs[dq_mode][1:], runs["kernel"][1:], 1e-5, f"{dq_mode} D={dim}")
+
+
 def test_dq_mode_is_checked():
     device = torch.device(DEVICE)
     with pytest.raises(ValueError, match="dq_mode"):

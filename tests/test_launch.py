@@ -187,10 +187,12 @@ def test_repeated_calls_with_fresh_tensors_stay_exact(geometry, poisoned, monkey
             assert torch.isfinite(g).all(), f"d{name} not finite (seed {seed})"
             assert rel_error(g, w) < 2e-2, f"d{name} off the oracle (seed {seed}): {rel_error(g, w):.3e}"
     kernels = {key[0] for key in launch.plans()}
-    # In dQ mode "kernel" the dQ kernel computes the row terms; the accumulating modes run the preprocess for them.
-    # (and on a GPU the list kernel, which builds each call's lists from its mask)
+    # In dQ mode "kernel" the dQ kernel computes the row terms; the accumulating modes run the preprocess for them
+    # and a pass that scales the accumulated dq into its dtype (and on a GPU the list kernel, which builds each
+    # call's lists from its mask)
     expected = {forward.attention_fwd_kernel, backward.attention_bwd_dkdv_kernel, lists.full_first_lists_kernel} | (
-        {backward.attention_bwd_dq_kernel} if dq_mode == "kernel" else {backward.attention_bwd_preprocess_kernel})
+        {backward.attention_bwd_dq_kernel} if dq_mode == "kernel"
+        else {backward.attention_bwd_preprocess_kernel, backward.attention_bwd_dq_finish_kernel})
     assert kernels == (expected if ON_GPU else set()), "plans on a GPU for every kernel; none under the interpreter"
 
 

@@ -36,16 +36,18 @@ _FRESH = ("Lse2", "Delta", "DQ", "DK", "DV", "DQ_ACC", "DQ_DESC")
 
 
 @triton.jit
-def attention_bwd_preprocess_kernel(Out, DO, GradLse, Lse, Lse2, Delta, seq_q, num_heads,
+def attention_bwd_preprocess_kernel(Out, DO, GradLse, Lse, Lse2, Delta, DQ_ACC, seq_q, num_heads,
                                     stride_ob, stride_oh, stride_os, stride_od,
                                     stride_db, stride_dh, stride_ds, stride_dd,
                                     stride_gb, stride_gh, stride_gs,
                                     stride_eb, stride_eh, stride_es,
+                                    stride_ab, stride_ah, stride_as,
                                     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
-                                    BLOCK_M: tl.constexpr):
+                                    ZERO_DQ_ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """The backward's row terms (_row_terms), fp32 [B, H, Sq] each in Lse's layout (strides stride_e*), for the
     accumulating dQ modes; in dQ mode "kernel" the dQ kernel computes them itself. Packed batches run as one
-    sequence of all their tokens."""
+    sequence of all their tokens. ZERO_DQ_ACC: also zero the same rows of DQ_ACC, fp32 [B, H, Sq, BLOCK_D] (last
+    stride 1), the buffer the dQ tiles are then added into (one pass over the rows instead of a fill launch)."""
     pid_m = tl.program_id(0)
     off_b, off_h = batch_and_head(num_heads)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -53,6 +55,10 @@ def attention_bwd_preprocess_kernel(Out, DO, GradLse, Lse, Lse2, Delta, seq_q, n
     m_ok = offs_m < seq_q
     ok = m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
     rows = offs_m.to(tl.int64)
+    if ZERO_DQ_ACC:
+        offs_d = tl.arange(0, BLOCK_D)
+        tl.store(DQ_ACC + off_b.to(tl.int64) * stride_ab + off_h.to(tl.int64) * stride_ah + rows[:, None] * stride_as
+                 + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=m_ok[:, None])
     o = tl.load(Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + rows[:, None] * stride_os
                 + offs_dv[None, :] * stride_od, mask=ok, other=0.0)
     do = tl.load(DO + off_b.to(tl.int64) * stride_db + off_h.to(tl.int64) * stride_dh + rows[:, None] * stride_ds
@@ -60,6 +66,24 @@ def attention_bwd_preprocess_kernel(Out, DO, GradLse, Lse, Lse2, Delta, seq_q, n
     _row_terms(o, do, GradLse, Lse, Lse2, Delta,
                off_b.to(tl.int64) * stride_gb + off_h.to(tl.int64) * stride_gh + rows * stride_gs,
                off_b.to(tl.int64) * stride_eb + off_h.to(tl.int64) * stride_eh + rows * stride_es, m_ok, HAS_GRAD_LSE)
+
+
+@triton.jit
+def attention_bwd_dq_finish_kernel(DQ_ACC, DQ, scale, seq_q, num_heads, stride_ab, stride_ah, stride_as,
+                                   stride_qb, stride_qh, stride_qs, stride_qd,
+                                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """dq = scale * dq_acc[..., :HEAD_DIM] in DQ's dtype, for BLOCK_M rows of one (batch, head): DQ_ACC fp32
+    [B, H, Sq, BLOCK_D] (last stride 1) holds the unscaled sums of the accumulating dQ modes; DQ [B, H, Sq, D]
+    with any strides. (A fused pass: PyTorch's mixed-dtype multiply runs unvectorized, ~1.7x slower.)"""
+    pid_m = tl.program_id(0)
+    off_b, off_h = batch_and_head(num_heads)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (rows[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM)
+    acc = tl.load(DQ_ACC + off_b.to(tl.int64) * stride_ab + off_h.to(tl.int64) * stride_ah + rows[:, None] * stride_as
+                  + offs_d[None, :], mask=ok, other=0.0)
+    tl.store(DQ + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + rows[:, None] * stride_qs
+             + offs_d[None, :] * stride_qd, (acc * scale).to(DQ.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -451,23 +475,26 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         if not (need_dq and need_dkdv):
             dq_mode = "kernel"  # one side alone: its own kernel, no atomics
         accumulate = dq_mode != "kernel"
-    if accumulate or not need_dq:  # (else the dQ kernel computes the row terms: a launch fewer)
-        launch.run(attention_bwd_preprocess_kernel, (heads, grad_lse is None), dict(row_terms, DO=grad_out),
-                   lambda: _preprocess_spec(out, grad_out, grad_lse, delta, heads), fresh=_FRESH)
-
-    dq = buffers.empty_like(q) if need_dq else None
-    dk, dv = (buffers.empty_like(k), buffers.empty_like(v)) if need_dkdv else (None, None)
     if accumulate:
-        # fp32 [B * H, Sq, BD] (a packed batch: [H, T, BD]); BD-wide rows keep a descriptor's strides aligned.
+        # fp32 [B * H, Sq, BD] (a packed batch: [H, T, BD]); BD-wide rows keep a descriptor's strides aligned. The
+        # preprocess zeroes it.
         block_d = head_dims(q, v)[2]
-        dq_acc = torch.zeros(q.shape[0] * heads, q.shape[2], block_d, device=device, dtype=torch.float32)
+        dq_acc = buffers.empty(q.shape[0] * heads, q.shape[2], block_d, device=device, dtype=torch.float32)
         dq_acc4 = dq_acc.view(q.shape[0], heads, q.shape[2], block_d)
     else:
         dq_acc = dq_acc4 = None
+    if accumulate or not need_dq:  # (else the dQ kernel computes the row terms: a launch fewer)
+        # (dq_acc4's layout follows from out's and its width BD, which the key holds)
+        launch.run(attention_bwd_preprocess_kernel, (heads, grad_lse is None, accumulate and dq_acc4.shape[3]),
+                   dict(row_terms, DO=grad_out, DQ_ACC=dq_acc4 if accumulate else delta),
+                   lambda: _preprocess_spec(out, grad_out, grad_lse, delta, heads, dq_acc4), fresh=_FRESH)
+
+    dq = buffers.empty_like(q) if need_dq else None
+    dk, dv = (buffers.empty_like(k), buffers.empty_like(v)) if need_dkdv else (None, None)
     if warp_specialized:  # (D = BD = 128: dq_acc4 is the contiguous [B, H, Sq, 128] buffer it adds into)
         warp_specialized.attention_backward_ws(q, k, v, grad_out, lse2, delta, q_count, q_index, block_q, block_kv,
                                                scale * LOG2E, bool(is_causal), dq_acc4, dk, dv)
-        torch.mul(dq_acc4, scale, out=dq)  # the tiles were added unscaled: one multiply here
+        _finish_dq(dq_acc4, dq, scale)
         return dq, dk, dv
     shared = dict(Q=q, K=k, V=v, DO=grad_out, Lse2=lse2, Delta=delta,
                   **optional_tensors(lse, token_mask, block_mask, kv_valid, varlen))
@@ -555,8 +582,21 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
     launch.run(attention_bwd_dkdv_kernel, site + (autotune.env_key("BWD_DKDV"),), dkdv_tensors, build_dkdv,
                fresh=_FRESH)
     if accumulate:
-        torch.mul(dq_acc4[..., :q.shape[-1]], scale, out=dq)  # the tiles were added unscaled: one multiply here
+        _finish_dq(dq_acc4, dq, scale)
     return dq, dk, dv
+
+
+def _finish_dq(dq_acc4: torch.Tensor, dq: torch.Tensor, scale: float) -> None:
+    """dq = scale * dq_acc4[..., :D] in dq's dtype (the accumulating modes add their dQ tiles unscaled).
+    dq_acc4 fp32 [B, H, Sq, BD] contiguous, dq [B, H, Sq, D] (a packed batch: B = 1, Sq = T)."""
+    def spec() -> launch.LaunchSpec:
+        static = dict(scale=scale, seq_q=dq.shape[2], num_heads=dq.shape[1], **stride_args("a", dq_acc4, "bhs"),
+                      **stride_args("q", dq, "bhsd"), HEAD_DIM=dq.shape[3], BLOCK_D=dq_acc4.shape[3])
+        return launch.LaunchSpec(grid=lambda meta: (triton.cdiv(dq.shape[2], meta["BLOCK_M"]),
+                                                    *launch.batch_head_axes(dq.shape[0], dq.shape[1])),
+                                 configs=_PREPROCESS_CONFIGS, tuning_key=(), static=static)
+    # (both tensors in the plan key: their layouts follow from nothing else it holds)
+    launch.run(attention_bwd_dq_finish_kernel, (scale,), dict(DQ_ACC=dq_acc4, DQ=dq), spec)
 
 
 def warp_specialized_module(q, k, v, grad_out, block_q: int, block_kv: int, is_causal: bool, token_mask, block_mask,
@@ -582,13 +622,15 @@ def warp_specialized_module(q, k, v, grad_out, block_q: int, block_kv: int, is_c
 _PREPROCESS_CONFIGS = [triton.Config({"BLOCK_M": 64}, num_warps=4)]
 
 
-def _preprocess_spec(out, grad_out, grad_lse, delta, heads: int) -> launch.LaunchSpec:
+def _preprocess_spec(out, grad_out, grad_lse, delta, heads: int, dq_acc4: Optional[torch.Tensor]
+                     ) -> launch.LaunchSpec:
     head_dim_v, block_dv = out.shape[-1], head_dims(out, out)[3]
     rows = delta if grad_lse is None else grad_lse
     static = dict(seq_q=out.shape[2], num_heads=heads, **stride_args("o", out, "bhsd"),
                   **stride_args("d", grad_out, "bhsd"), **stride_args("g", rows, "bhs"),
-                  **stride_args("e", delta, "bhs"), HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv,
-                  HAS_GRAD_LSE=grad_lse is not None)
+                  **stride_args("e", delta, "bhs"), **stride_args("a", dq_acc4, "bhs"), HEAD_DIM_V=head_dim_v,
+                  BLOCK_DV=block_dv, HAS_GRAD_LSE=grad_lse is not None, ZERO_DQ_ACC=dq_acc4 is not None,
+                  BLOCK_D=1 if dq_acc4 is None else dq_acc4.shape[3])
     return launch.LaunchSpec(grid=lambda meta: (triton.cdiv(out.shape[2], meta["BLOCK_M"]),
                                                 *launch.batch_head_axes(out.shape[0], heads)),
                              configs=_PREPROCESS_CONFIGS, tuning_key=(), static=static)
