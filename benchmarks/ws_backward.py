@@ -9,6 +9,7 @@ backward on the same block mask, in one process: ms and effective TFLOP/s per ca
 """
 
 import argparse
+import time
 
 import torch
 
@@ -70,9 +71,21 @@ def main():
 
 
 def profile(label, call, calls=10):
-    """Print each kernel's GPU time per call of `call` (after a warm-up call), largest first."""
+    """Print each kernel's GPU time per call of `call` (after a warm-up call), largest first; and, for the same
+    calls back to back (no cache flush between them, unlike _time_ms), the wall time per call between CUDA events
+    and the host's enqueue time per call. Wall above the kernels' sum is time the GPU waited (for the host, or at
+    launches); a host synchronization inside the call would show as enqueue time close to the wall time."""
     call()
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begun = time.perf_counter()
+    start.record()
+    for _ in range(calls):
+        call()
+    end.record()
+    enqueue_ms = (time.perf_counter() - begun) * 1e3 / calls
+    torch.cuda.synchronize()
+    wall_ms = start.elapsed_time(end) / calls
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             call()
@@ -80,7 +93,8 @@ def profile(label, call, calls=10):
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
     kernels.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in kernels) / calls / 1e3
-    print(f"{label}: GPU time per call {total:.3f} ms: " + "; ".join(
+    print(f"{label}: GPU time per call {total:.3f} ms (back to back: wall {wall_ms:.3f}, host enqueue "
+          f"{enqueue_ms:.3f} ms/call): " + "; ".join(
         f"{e.key[:60]} {e.device_time_total / calls / 1e3:.3f} ms x{e.count // calls}" for e in kernels[:8]), flush=True)
 
 
