@@ -18,8 +18,13 @@ inputs, S a multiple of 128, 128x128 blocks, MHA, no element tests.
 Measured on the H200 at density 0.25 (BENCHMARKS.md, sixteenth and seventeenth sessions), against 19.3-19.6 ms for
 the package's Triton backward and 21.0 for FlexAttention's: mode 0 21.89 ms (correct, relative error 2e-4), mode 3
 21.49, mode 1 16.87 and mode 2 11.99 (so the element atomics cost ~5 ms), mode 4 17.47 and mode 5 17.55. Mode 4 is
-what kernels/backward_ws.py runs in the package. Modes 6 (two dQ tiles per consumer) and 7 (a rotated walk) compile
-for sm_90 and have not run yet.
+what kernels/backward_ws.py runs in the package. Eighteenth session, d=1 / 0.25 / 0.1: mode 4 63.97 / 17.48 /
+8.27, mode 6 (two dQ tiles per consumer) 63.41 / 17.86 / 8.20 (no better), mode 7 (a rotated walk) 64.81 / 18.13 /
+8.79, modes 8 and 9 (dQ over each consumer's own keys) 78.03 / 21.74 / 9.92 and 69.68 / 19.21 / 9.30. With
+--pattern rows (one q list for every key block) modes 2 and 4 ran as fast as on random lists: the cost of a step does
+not depend on the mask.
+
+    python benchmarks/exp_gluon_bwd.py --stages 2 --dq-modes 4 8 9 --pattern rows   # own-key dQ; a shared q list
 """
 
 import argparse
@@ -363,7 +368,9 @@ def main():
     parser.add_argument("--dq-modes", type=int, nargs="+", default=[0],
                         help="0: dQ's product and atomics; 3: the same a step later; 1: the product only; "
                         "2: neither (1 and 2: timing diagnosis, no correct dQ); 4 and 5: 0 and 3 with the adds "
-                        "through the TMA unit; 6: 4 with two dQ tiles per consumer; 7: 4 with a rotated walk")
+                        "through the TMA unit; 6: 4 with two dQ tiles per consumer; 7: 4 with a rotated walk; 8: each "
+                        "consumer's dQ over its own 64 keys, no wait for the other; 9: 8 with its two products in "
+                        "turn")
     parser.add_argument("--pattern", choices=["random", "rows"], default="random",
                         help="random: the benchmarks' block masks; rows: every n-th query block keeps every key "
                         "block (all programs walk the same q list, as at density 1)")
