@@ -25,6 +25,12 @@ what kernels/backward_ws.py runs in the package. Eighteenth session, d=1 / 0.25 
 not depend on the mask.
 
     python benchmarks/exp_gluon_bwd.py --stages 2 --dq-modes 4 8 9 --pattern rows   # own-key dQ; a shared q list
+    python benchmarks/exp_gluon_bwd.py --density 1 0.25 0.1 --stages 2 --dq-modes 4 10   # dQ by one consumer a step
+
+Mode 10 (one consumer per step computes the whole dQ, alternating, so only it waits for the other's half of dS and
+the other goes on to its next step: the two drift half a step apart and one's exponentials can overlap the other's
+products) compiles for sm_90 (229,760 B of shared memory; 17 and 27 spill instructions in the two consumers' step
+loops against mode 4's 15 and 13, Triton 3.6) and has not run yet.
 """
 
 import argparse
@@ -183,6 +189,31 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constex
             _add_dq_columns(DQ_DESC, dq_smem.index(2 * W), dq_lo, head_rows + row0, 0)
             dq_hi = warpgroup_mma_wait(0, deps=(dq_hi, ))
             _add_dq_columns(DQ_DESC, dq_smem.index(2 * W + 1), dq_hi, head_rows + row0, _HALF)
+        elif DQ_MODE == 10:
+            # one consumer computes the step's whole dQ (consumer step % 2, in two 64-column products over all 128
+            # keys); only it waits for the other's half of dS, so the other goes on to its next step's products
+            # and exponentials while this one's dQ runs on the tensor cores. Consumer W always reads buffer W.
+            buf = step % 2
+            # the buffer's last reader (dQ of step - 2) is done; a fresh barrier passes
+            mbarrier.wait(ds_empty.index(buf), ((step // 2) & 1) ^ 1)
+            ds_smem.index(buf).slice(W * _HALF, _HALF, dim=0).store(dst)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            # (the accumulators are settled before the branch: a dynamic if cannot change their type)
+            dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+            mbarrier.arrive(q_empty.index(stage), count=1)
+            if buf == W:
+                mbarrier.wait(ds_ready.index(buf), (step // 2) & 1)
+                ds_rows = ds_smem.index(buf).permute((1, 0))   # [64 rows, 128 keys]
+                dq_lo = warpgroup_mma(ds_rows, k_smem.slice(0, _HALF, dim=1), st_zero, use_acc=False,
+                                      is_async=True)
+                dq_lo = warpgroup_mma_wait(0, deps=(dq_lo, ))
+                dq_hi = warpgroup_mma(ds_rows, k_smem.slice(_HALF, _HALF, dim=1), st_zero, use_acc=False,
+                                      is_async=True)
+                _add_dq_columns(DQ_DESC, dq_smem.index(2 * W), dq_lo, head_rows + row0, 0)
+                dq_hi = warpgroup_mma_wait(0, deps=(dq_hi, ))
+                mbarrier.arrive(ds_empty.index(buf), count=1)
+                _add_dq_columns(DQ_DESC, dq_smem.index(2 * W + 1), dq_hi, head_rows + row0, _HALF)
         elif LATER:
             buf = step % 2
             prev = 1 - buf
@@ -272,7 +303,7 @@ def gluon_bwd_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ, DQ_DESC, DK, DV, LSE, 
     do_smem = gl.allocate_shared_memory(DO_DESC.dtype, [STAGES, _ROWS, D], DO_DESC.layout)
     k_smem = gl.allocate_shared_memory(K_DESC.dtype, [2 * _HALF, D], K_DESC.layout)
     v_smem = gl.allocate_shared_memory(V_DESC.dtype, [2 * _HALF, D], V_DESC.layout)
-    if DQ_MODE >= 8:  # each consumer's own half of dS^T, [64 keys, 64 rows]
+    if DQ_MODE == 8 or DQ_MODE == 9:  # each consumer's own half of dS^T, [64 keys, 64 rows]
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HALF, _ROWS], Q_DESC.dtype)
         ds_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2, _HALF, _ROWS], ds_layout)
     else:
@@ -295,7 +326,7 @@ def gluon_bwd_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ, DQ_DESC, DK, DV, LSE, 
         mbarrier.init(q_empty.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)
-        mbarrier.init(ds_empty.index(i), count=2)
+        mbarrier.init(ds_empty.index(i), count=1 if DQ_MODE == 10 else 2)  # mode 10: its one reader
     fence_async_shared()
     shared = (Q_DESC, K_DESC, V_DESC, DO_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_ready, q_ready, q_empty,
               ds_ready, ds_empty, DQ, DQ_DESC, dq_smem, DK, DV, LSE, DELTA, Q_COUNT, Q_INDEX, scale_log2, seq,
@@ -370,7 +401,7 @@ def main():
                         "2: neither (1 and 2: timing diagnosis, no correct dQ); 4 and 5: 0 and 3 with the adds "
                         "through the TMA unit; 6: 4 with two dQ tiles per consumer; 7: 4 with a rotated walk; 8: each "
                         "consumer's dQ over its own 64 keys, no wait for the other; 9: 8 with its two products in "
-                        "turn")
+                        "turn; 10: one consumer per step (alternating) computes the whole dQ, only it waits")
     parser.add_argument("--pattern", choices=["random", "rows"], default="random",
                         help="random: the benchmarks' block masks; rows: every n-th query block keeps every key "
                         "block (all programs walk the same q list, as at density 1)")
