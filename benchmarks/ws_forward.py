@@ -5,6 +5,9 @@ same block mask, in one process: ms and effective TFLOP/s per case, and each rat
     python benchmarks/ws_forward.py --cases short gqa     # B8 H16 S2048/4096 d=0.5; GQA 32/8 S16384
     python benchmarks/ws_forward.py --cases causal        # is_causal over the block-causal mask, and SDPA causal
     python benchmarks/ws_forward.py --cases skewed        # target 6 on the warp-specialized forward
+    python benchmarks/ws_forward.py --cases d64           # D=64 (the kernel's run takes it even before HEAD_DIMS does)
+    python benchmarks/ws_forward.py --cases d64 --stages 3 4 5   # and its ring depth (forward_ws.STAGES[64])
+    python benchmarks/ws_forward.py --cases d64 design --emulate-exp2   # also with one exponential in four emulated
 """
 
 import argparse
@@ -25,13 +28,24 @@ SUITES = {
     # 128x64: the default block shape for a mask tensor; 128x128 is what blocks=None runs (api.DENSE_BLOCK_SIZE)
     "causal": [Case(pattern="causal", block=block, density=0.5) for block in ((128, 128), (128, 64))]
     + [Case(batch=8, heads=16, kv_heads=16, seq=4096, pattern="causal", density=0.5)],
+    # target 1 at D=64: >= 1.3x FlexAttention
+    "d64": [Case(dim=64, block=block, density=d) for block in ((128, 128), (128, 64)) for d in (0.5, 0.25, 0.1)]
+    + [Case(dim=64, pattern="causal", density=0.5)],
 }
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=["design"], choices=list(SUITES))
+    parser.add_argument("--stages", type=int, nargs="+", default=None,
+                        help="time the warp-specialized forward with each of these ring depths for the cases' head "
+                        "dim (forward_ws.STAGES), one column each")
+    parser.add_argument("--emulate-exp2", action="store_true",
+                        help="also time the warp-specialized forward with one exponential in four from the polynomial "
+                        "(forward_ws.EMULATED_EXP2_DIMS) and the other way round")
     args = parser.parse_args()
+    default_dims, default_stages = forward_ws.HEAD_DIMS, dict(forward_ws.STAGES)
+    default_emulated = forward_ws.EMULATED_EXP2_DIMS
     device = torch.device("cuda")
     print("| case | Triton forward ms | warp-specialized ms | flex ms | Triton vs flex | warp-specialized vs flex |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -43,11 +57,28 @@ def main():
         causal = case.pattern == "causal"
         times = {}
         outs = {}
+        forward_ws.HEAD_DIMS = tuple(sorted(set(default_dims) | {case.dim}))
         for enabled in (False, True):
             forward_ws.ENABLED = enabled
             outs[enabled] = blockattn.attention(q, k, v, blocks, is_causal=causal)
             times[enabled] = _time_ms(lambda: blockattn.attention(q, k, v, blocks, is_causal=causal))
-        forward_ws.ENABLED = True
+        for stages in args.stages or ():
+            forward_ws.STAGES[case.dim] = stages
+            gap = (blockattn.attention(q, k, v, blocks, is_causal=causal).float() - outs[False].float()).abs().max()
+            ms = _time_ms(lambda: blockattn.attention(q, k, v, blocks, is_causal=causal))
+            print(f"{case.label}: warp-specialized with {stages} stages {ms:.3f} ms "
+                  f"({flops / ms / 1e9:.0f}), max gap {gap.item():.1e}", flush=True)
+        forward_ws.STAGES.update(default_stages)
+        if args.emulate_exp2:  # the case's head dim with the other setting than the default
+            emulated = case.dim not in default_emulated
+            forward_ws.EMULATED_EXP2_DIMS = (case.dim, ) if emulated else ()
+            gap = (blockattn.attention(q, k, v, blocks, is_causal=causal).float() - outs[False].float()).abs().max()
+            ms = _time_ms(lambda: blockattn.attention(q, k, v, blocks, is_causal=causal))
+            print(f"{case.label}: warp-specialized with {'emulated' if emulated else 'no emulated'} exponentials "
+                  f"{ms:.3f} ms ({flops / ms / 1e9:.0f}, {times[True] / ms:.3f}x the default), max gap "
+                  f"{gap.item():.1e}", flush=True)
+            forward_ws.EMULATED_EXP2_DIMS = default_emulated
+        forward_ws.ENABLED, forward_ws.HEAD_DIMS = True, default_dims
         runners = _runners(case, keep, device)
         times["flex"] = _time_ms(lambda: runners["flex"][0](q, k, v))
         gap = (outs[True].float() - outs[False].float()).abs().max().item()

@@ -4,6 +4,9 @@ through them against the fp64 oracle. On the CPU the same cases must take the Tr
 cannot run Gluon) and meet the same oracle."""
 
 
+import re
+
+import numpy as np
 import pytest
 import torch
 import blockattn
@@ -40,6 +43,19 @@ def test_qualifying_calls_and_their_tiles():
     # bshd storage seen as bhsd: strides (S*H*D, D, H*D, 1), all 16-byte multiples
     bshd = _meta(2, 1024, 4, 128).transpose(1, 2)
     assert _qualifies(q=bshd, k=bshd) == forward_ws.Plan(128)
+
+
+def test_head_dim_64_qualifies_once_switched_on(monkeypatch):
+    """D=64 (q, k and v alike) takes the kernel once HEAD_DIMS holds it; a value dim unlike the key's never does."""
+    def dims(d, dv):
+        return dict(q=_meta(2, 4, 1000, d), k=_meta(2, 2, 1024, d), v=_meta(2, 2, 1024, dv))
+    assert _qualifies(**dims(64, 64)) is None  # not switched on by default
+    monkeypatch.setattr(forward_ws, "HEAD_DIMS", (64, 128))
+    assert _qualifies(**dims(64, 64)) == forward_ws.Plan(128)
+    assert _qualifies(**dims(64, 64), block_kv=64, is_causal=True) == forward_ws.Plan(64, causal=True)
+    assert _qualifies(**dims(64, 128)) is None
+    assert _qualifies(**dims(128, 64)) is None
+    assert _qualifies(**dims(96, 96)) is None
 
 
 @pytest.mark.parametrize("change", [
@@ -91,10 +107,13 @@ def test_switched_off_or_off_hopper_it_declines(monkeypatch):
     assert forward.warp_specialized_plan(*dispatch) is None
 
 
-@pytest.mark.parametrize("blocks, dtype, causal", [((128, 128), "bfloat16", False), ((128, 64), "float16", False),
-                                                   ((128, 64), "bfloat16", True)])
-def test_compiles_for_sm90_with_its_register_split(blocks, dtype, causal):
-    report = sm90_report(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.{dtype}, causal={causal})")
+@pytest.mark.parametrize("blocks, dtype, causal, dim, emulate", [
+    ((128, 128), "bfloat16", False, 128, False), ((128, 64), "float16", False, 128, False),
+    ((128, 64), "bfloat16", True, 128, False), ((128, 128), "bfloat16", False, 64, False),
+    ((128, 64), "float16", True, 64, True), ((128, 128), "bfloat16", False, 128, True)])
+def test_compiles_for_sm90_with_its_register_split(blocks, dtype, causal, dim, emulate):
+    report = sm90_report(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.{dtype}, causal={causal}, "
+                         f"dim={dim}, emulate_exp2={emulate})")
     assert {forward_ws.CONSUMER_REGS, forward_ws.LOADER_REGS} <= set(report["registers"]), report
     assert report["wgmma"] and report["tma"], report
     assert report["shared"] <= 227 * 1024, report
@@ -211,3 +230,70 @@ def test_backward_through_its_output_and_lse(is_causal, warp_specialized_calls):
         assert torch.isfinite(got).all(), f"d{name} not finite"
         err = ((got.double() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, f"d{name} relative error {err:.2e}"
+
+
+HEAD_DIM_64_CASES = {
+    "128x128 bf16": (2, 4, 4, 1000, 1024, (128, 128), torch.bfloat16, False),
+    "128x64 fp16 causal gqa": (1, 4, 2, 1024, 1024, (128, 64), torch.float16, True),
+}
+
+
+@pytest.mark.parametrize("emulate", [False, True])
+@pytest.mark.parametrize("case", list(HEAD_DIM_64_CASES))
+def test_head_dim_64_against_the_oracle(case, emulate, monkeypatch, poisoned, warp_specialized_calls):
+    """D=64 with the kernel switched on for it (HEAD_DIMS), its exponentials from the special function unit or one
+    in four from the polynomial (EMULATED_EXP2_DIMS): a query tail, a query block that keeps nothing, and under
+    is_causal a last query block whose one kept key block starts halfway down it."""
+    monkeypatch.setattr(forward_ws, "HEAD_DIMS", (64, 128))
+    monkeypatch.setattr(forward_ws, "EMULATED_EXP2_DIMS", (64, ) if emulate else ())
+    batch, heads, kv_heads, seq_q, seq_kv, block, dtype, causal = HEAD_DIM_64_CASES[case]
+    heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
+    q, k, v = qkv(batch, heads, seq_q, 64, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
+    keep = random_keep(batch, heads, seq_q, seq_kv, block, density=0.4)
+    nq, nk = keep.shape[-2:]
+    keep[:, :, 1] = False
+    if causal:
+        last = nq - 1
+        keep[:, :, last] = False
+        keep[:, :, last, min(nk - 1, (last * block[0] + block[0] // 2) // block[1])] = True
+    out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=causal, backend="triton")
+    assert warp_specialized_calls == _expected_calls(forward_ws.Plan(128 if block[1] % 128 == 0 else 64, causal))
+    check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=causal)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_emulated_exponentials_against_the_oracle(is_causal, monkeypatch, poisoned, warp_specialized_calls):
+    """D=128 with one exponential in four from the polynomial: rows with no key still give zeros and LSE -inf."""
+    monkeypatch.setattr(forward_ws, "EMULATED_EXP2_DIMS", (128, ))
+    batch, heads, kv_heads, seq_q, seq_kv, block = 2, 4, 2, 1000, 1024, (128, 128)
+    heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
+    q, k, v = qkv(batch, heads, seq_q, 128, kv_heads=kv_heads, seq_kv=seq_kv)
+    keep = random_keep(batch, heads, seq_q, seq_kv, block, density=0.5)
+    keep[:, :, 1] = False
+    out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=is_causal, backend="triton")
+    assert warp_specialized_calls == _expected_calls(forward_ws.Plan(128, is_causal))
+    check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=is_causal)
+
+
+def test_the_polynomial_exponential_is_accurate():
+    """_EXP2_ASM's fourth lane, evaluated step by step in fp32 with its own constants (its add rounded toward -inf
+    leaves 1.5 * 2^23 + floor(x), whose bits shifted left by 23 are floor(x) << 23): within 1e-4 of 2^x from
+    x = -126 to 0, exactly 0 below -126 and at -inf (a key masked out must weigh nothing)."""
+    asm = str(forward_ws._EXP2_ASM.value)
+    fmas = [line for line in asm.splitlines() if line.startswith("fma.rn")]
+    c3, c2, c1, one = (np.array([int(h, 16)], dtype=np.uint32).view(np.float32)[0]
+                       for h in re.findall(r"0f([0-9A-F]{8})", " ".join(fmas)))
+    x = np.concatenate([np.linspace(-130, 0, 400001, dtype=np.float32), [-np.inf]]).astype(np.float32)
+    clamped = np.maximum(x, np.float32(-127))
+    floor = np.floor(clamped)
+    f = clamped - floor
+    p = ((f * c3 + c2) * f + c1) * f + one
+    magic = np.float32(1.5 * 2 ** 23)
+    shifted = ((magic + floor).view(np.uint32) << np.uint32(23)).view(np.int32)  # the sum is exact: floor is integral
+    assert (shifted == floor.astype(np.int32) << 23).all()
+    bits = p.view(np.int32) + shifted
+    got = np.where(x < -126, np.float32(0), bits.view(np.float32))
+    want = np.exp2(x.astype(np.float64))
+    live = x >= -126
+    assert np.abs(got[live] / want[live] - 1).max() < 1e-4
+    assert (got[~live] == 0).all()

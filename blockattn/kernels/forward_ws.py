@@ -9,9 +9,9 @@ blocks: 5.33 ms against about 6.1 ms for the Triton forward and 7.82 ms for Flex
 session; the figures move by up to 7% with what ran just before, through the GPU's power limit).
 
 It covers the plain walk and the causal one: no other element tests (no token mask, kv_valid, gathered block
-mask, sequence end inside a key tile), bf16 or fp16, head dim 128, blocks whose query side holds whole 128-row
-tiles. Under is_causal the key tiles from the first block that reaches past the program's first row on take the
-test key <= query, and the longest lists run first.
+mask, sequence end inside a key tile), bf16 or fp16, head dim 128 (64 compiles, see HEAD_DIMS), blocks whose
+query side holds whole 128-row tiles. Under is_causal the key tiles from the first block that reaches past the
+program's first row on take the test key <= query, and the longest lists run first.
 `plan()` says whether a call qualifies; forward.attention_forward runs the Triton forward otherwise. Triton's
 interpreter cannot run Gluon, so on the CPU the tests compile this kernel for sm_90 without running it; the GPU
 tests run it against the fp64 oracle.
@@ -36,20 +36,55 @@ ENABLED = True
 CONSUMER_ROWS = 64
 TILE_Q = 2 * CONSUMER_ROWS
 HEAD_DIM = 128
+# Head dims (D = Dv) calls may take the kernel with. At 64 it compiles for sm_90 without spills (Triton 3.6: 115 KiB
+# of shared memory with 3 stages, 148 KiB with 4) but has not run on a GPU yet: the GPU tests and
+# `benchmarks/ws_forward.py --cases d64` switch it on for themselves, and it joins here once they pass and it
+# measures faster than the Triton forward.
+HEAD_DIMS = (HEAD_DIM,)
 # Keys per tile of the walk. A key block of 128 keys or a multiple fills it with 128-key boxes; any other multiple
 # of 64 (128x64 blocks) with two 64-key sub tiles, of consecutive list entries or of one block: the 128x64 design
 # case (d=0.25) ran 5.48 ms so against 5.89 ms with 64-key tiles (and 4 stages), in one process.
 TILE_N = 128
-# Ring stages: as many as Hopper's 227 KiB of shared memory per program allows (Q takes 32 KiB, a stage 64 KiB);
-# 3 stages measured 5.22 ms against 5.88 with 2.
-STAGES = 3
+# Ring stages per head dim: at D=128 as many as Hopper's 227 KiB of shared memory per program allows (Q takes
+# 32 KiB, a stage 64 KiB; 3 stages measured 5.22 ms against 5.88 with 2). At D=64 a stage is 32 KiB and a tile's
+# products take half as long, so the ring runs deeper (4: not yet measured).
+STAGES = {128: 3, 64: 4}
 # Registers per thread for a consumer warpgroup and for the loader (setmaxnreg; the default partition, the first
 # consumer, gets what the 168-register launch bound leaves: 168 * 12 warps = 240 + 240 + 24 per warpgroup).
 CONSUMER_REGS = 240
 LOADER_REGS = 24
 MAX_REGS = 168
+# Head dims whose loop takes one exponential in four from a cubic polynomial on the FMA units instead of the special
+# function unit (_exp2; kernels/README.md, "Exponentials off the special function unit"). None until measured: at
+# D=64 the loop is bound by its exponentials, which this is for.
+EMULATED_EXP2_DIMS: tuple = ()
 
 _ROWS = gl.constexpr(CONSUMER_ROWS)
+# 2^x for four fp32 values held by one thread: three by ex2.approx.ftz (what gl.exp2 emits), the fourth as
+# p(f) * 2^floor(x) with f = x - floor(x) and p the cubic of kernels/README.md (relative error 8.6e-5). Only full-rate
+# FP32 and integer instructions: floor(x) comes from adding 1.5 * 2^23 rounded toward -inf (so the sum's low bits hold
+# it), not from FRND / F2I, which issue at the special function unit's quarter rate; shifting the sum's bits left by
+# 23 leaves floor(x) << 23 to add to p's exponent. x below -126 (and -inf) gives exactly 0, as ex2 does for -inf.
+# Operands are 32-bit registers ($0-$3 out, $4-$7 in).
+_EXP2_ASM = gl.constexpr("""{
+.reg .b32 x, j, fl, f, p;
+.reg .pred tiny;
+ex2.approx.ftz.f32 $0, $4;
+ex2.approx.ftz.f32 $1, $5;
+ex2.approx.ftz.f32 $2, $6;
+max.ftz.f32 x, $7, 0fC2FE0000;
+add.rm.ftz.f32 j, x, 0f4B400000;
+sub.ftz.f32 fl, j, 0f4B400000;
+sub.ftz.f32 f, x, fl;
+fma.rn.ftz.f32 p, f, 0f3D9DD4CA, 0f3E691C10;
+fma.rn.ftz.f32 p, p, f, 0f3F31F328;
+fma.rn.ftz.f32 p, p, f, 0f3F800000;
+shl.b32 j, j, 23;
+add.s32 p, p, j;
+setp.lt.ftz.f32 tiny, $7, 0fC2FC0000;
+selp.b32 $3, 0, p, tiny;
+}""")
+
 _TILE_N = gl.constexpr(TILE_N)
 _LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -129,10 +164,21 @@ def _sub_tile(ring, stage, part, SUB_N: gl.constexpr):
 
 
 @gluon.jit
+def _exp2(x, EMULATE: gl.constexpr):
+    """2^x elementwise (fp32, x <= 0 or -inf); EMULATE: one element in four of each thread's by _EXP2_ASM's
+    polynomial, taking that share off the special function unit."""
+    if EMULATE:
+        return gl.inline_asm_elementwise(_EXP2_ASM, "=r,=r,=r,=r,r,r,r,r", [x], dtype=gl.float32, is_pure=True,
+                                         pack=4)
+    else:
+        return gl.exp2(x)
+
+
+@gluon.jit
 def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr):
     """Query rows HALF*64 .. HALF*64+63 of the program's tile: the online softmax over the kv list (CAUSAL: keys
-    up to each row's own position only), then Out [B, H, Sq, 128] and Lse fp32 [B, H, Sq] (natural log; -inf and
+    up to each row's own position only), then Out [B, H, Sq, D] and Lse fp32 [B, H, Sq] (natural log; -inf and
     zeros for a row with no key). shared: the kernel's arguments and buffers, as attention_fwd_ws_kernel packs
     them."""
     (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse, KV_COUNT,
@@ -174,7 +220,7 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
         qk = warpgroup_mma_wait(0, deps=(qk, ))
         qk = _scores_masked(qk, 0, total, sub_tiles, odd, first_tested, index_row, rows_s, BLOCK_KV, SUB_N, CAUSAL)
         m_i = gl.max(qk, 1) * scale_log2
-        p = gl.exp2(qk * scale_log2 - _exp_offset(m_i, CAUSAL)[:, None])
+        p = _exp2(qk * scale_log2 - _exp_offset(m_i, CAUSAL)[:, None], EMULATE_EXP2)
         l_i = gl.sum(p, 1)
         p_prev = gl.convert_layout(p.to(dtype), p_layout)
         for j in range(1, total):
@@ -189,7 +235,7 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
                                 CAUSAL)
             m_new = gl.maximum(m_i, gl.max(qk, 1) * scale_log2)
             offset = _exp_offset(m_new, CAUSAL)
-            p = gl.exp2(qk * scale_log2 - offset[:, None])
+            p = _exp2(qk * scale_log2 - offset[:, None], EMULATE_EXP2)
             alpha = gl.exp2(m_i - offset)
             l_i = l_i * alpha + gl.sum(p, 1)
             p_next = gl.convert_layout(p.to(dtype), p_layout)
@@ -254,12 +300,12 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX
                             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                             BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
                             STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            LOADER_REGS: gl.constexpr):
+                            LOADER_REGS: gl.constexpr, EMULATE_EXP2: gl.constexpr = False):
     """Grid (cdiv(Sq, 128), launch.batch_head_axes(B, H)). Q_DESC / K_DESC / V_DESC: Gluon host descriptors of
-    q [B, H, Sq, 128], k and v [B, Hkv, Sk, 128] with boxes [1, 1, 64, 128] / [1, 1, SUB_N, 128]; KV_COUNT int32
+    q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with boxes [1, 1, 64, D] / [1, 1, SUB_N, D]; KV_COUNT int32
     [Bm, Hm, nq], KV_INDEX int32 [Bm, Hm, nq, L] (size-1 mask dims with stride 0), every listed block's keys below
-    Sk (CAUSAL: the lists of BlockSparsity.causal(), ascending); Out [B, H, Sq, 128] (last dim contiguous), Lse
-    fp32 [B, H, Sq] (last dim contiguous)."""
+    Sk (CAUSAL: the lists of BlockSparsity.causal(), ascending); Out [B, H, Sq, D] (last dim contiguous), Lse
+    fp32 [B, H, Sq] (last dim contiguous). EMULATE_EXP2: see _exp2."""
     q_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2] + Q_DESC.block_type.shape, Q_DESC.layout)
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
     # a stage: one [128, D] key tile, which the loader fills with 128 // SUB_N boxes of SUB_N keys (_sub_tile)
@@ -282,8 +328,8 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX
               KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
               stride_ob, stride_oh, stride_os, stride_lb, stride_lh)
     gl.warp_specialize([
-        (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, STAGES, CAUSAL)),
-        (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, STAGES, CAUSAL)),
+        (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2)),
+        (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2)),
         (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -312,7 +358,8 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_
 def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_kv: int, *, is_causal: bool,
               token_mask, block_mask, kv_valid, varlen, quant, min_work: int) -> Optional[Plan]:
     """plan()'s conditions on the call, whatever the device: no element tests but the causal one (no token_mask,
-    block_mask, kv_valid or varlen, Sk a multiple of block_kv); no quant; bf16 or fp16 for all three; D = Dv = 128;
+    block_mask, kv_valid or varlen, Sk a multiple of block_kv); no quant; bf16 or fp16 for all three; D = Dv, one of
+    HEAD_DIMS;
     block_q a multiple of 128 and block_kv of 64; at least min_work of dense work (B * H * Sq * Sk * D: below it a
     call is host-bound, and the Triton forward's launch plans cost less host time); every tensor's last dim
     contiguous, its other strides and its start 16-byte aligned (TMA's rule). The plan: 128-key tiles when they
@@ -323,7 +370,7 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, b
         return None
     batch, heads, seq_q, dim = q.shape
     seq_kv = k.shape[2]
-    if dim != HEAD_DIM or v.shape[-1] != HEAD_DIM or block_q % TILE_Q or block_kv % 64 or seq_kv % block_kv:
+    if dim not in HEAD_DIMS or v.shape[-1] != dim or block_q % TILE_Q or block_kv % 64 or seq_kv % block_kv:
         return None
     if batch * heads * seq_q * seq_kv * dim < min_work:
         return None
@@ -356,7 +403,7 @@ def descriptor_signature(dtype: torch.dtype, rows: int, columns: int = HEAD_DIM)
 
 def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, scale_log2: float, out, lse,
                          chosen: Plan) -> None:
-    """Run the kernel into out [B, H, Sq, 128] and lse fp32 [B, H, Sq] (plan() said chosen)."""
+    """Run the kernel into out [B, H, Sq, D] and lse fp32 [B, H, Sq] (plan() said chosen)."""
     from .forward import stride_args  # (forward imports this module lazily: no cycle)
     batch, heads, seq_q, _ = q.shape
     grid = (triton.cdiv(seq_q, TILE_Q), *launch.batch_head_axes(batch, heads))
@@ -366,25 +413,30 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
         kv_count, kv_index, scale_log2, seq_q, heads, heads // k.shape[1],
         # the lists' size-1 batch and head dims broadcast: stride 0
         **stride_args("c", kv_count, "bh"), **stride_args("i", kv_index, "bhq"), **stride_args("o", out, "bhs"),
-        **stride_args("l", lse, "bh"), BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=chosen.sub_n, STAGES=STAGES,
+        **stride_args("l", lse, "bh"), BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=chosen.sub_n,
+        STAGES=STAGES[q.shape[-1]], EMULATE_EXP2=q.shape[-1] in EMULATED_EXP2_DIMS,
         CAUSAL=chosen.causal, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAX_REGS)
 
 
-def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat16, causal: bool = False):
+def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
+                 dim: int = HEAD_DIM, emulate_exp2: Optional[bool] = None):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
-    kernel for lists at (block_q, block_kv), with the launch's tile choice (plan()) and register settings."""
+    kernel for lists at (block_q, block_kv) and head dim `dim`, with the launch's tile choice (plan()), stages and
+    register settings; emulate_exp2 None: as a launch at `dim` would (EMULATED_EXP2_DIMS)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     sub_n = TILE_N if block_kv % TILE_N == 0 else 64
     name = _GL_DTYPES[dtype][0]
-    constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, STAGES=STAGES, CAUSAL=causal,
-                     CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
+    constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, STAGES=STAGES[dim], CAUSAL=causal,
+                     CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
+                     EMULATE_EXP2=dim in EMULATED_EXP2_DIMS if emulate_exp2 is None else emulate_exp2)
     signature = {}
     for param in attention_fwd_ws_kernel.params:
         if param.name in constants:
             signature[param.name] = "constexpr"
         elif param.name.endswith("_DESC"):
-            signature[param.name] = descriptor_signature(dtype, CONSUMER_ROWS if param.name == "Q_DESC" else sub_n)
+            signature[param.name] = descriptor_signature(dtype, CONSUMER_ROWS if param.name == "Q_DESC" else sub_n,
+                                                         dim)
         else:
             signature[param.name] = {"Out": f"*{name}", "Lse": "*fp32", "KV_COUNT": "*i32", "KV_INDEX": "*i32",
                                      "scale_log2": "fp32"}.get(param.name, "i32")
