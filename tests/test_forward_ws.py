@@ -168,6 +168,18 @@ def _expected_calls(plan) -> list:
     return [plan] if ON_GPU and torch.cuda.get_device_capability() == (9, 0) else []
 
 
+def _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, density, halfway_last: bool):
+    """A random block mask whose query block 1 keeps nothing; halfway_last: the last query block keeps only the key
+    block holding the key halfway down it, so under is_causal some of its rows see no key at all."""
+    keep = random_keep(batch, heads, seq_q, seq_kv, block, density=density)
+    nq, nk = keep.shape[-2:]
+    keep[:, :, 1] = False
+    if halfway_last:
+        keep[:, :, nq - 1] = False
+        keep[:, :, nq - 1, min(nk - 1, ((nq - 1) * block[0] + block[0] // 2) // block[1])] = True
+    return keep
+
+
 @pytest.mark.parametrize("case", list(CAUSAL_CASES))
 def test_causal_against_the_oracle(case, poisoned, warp_specialized_calls):
     """Causal calls, with rows that see no key inside a tile whose other rows do (the last query block keeps one
@@ -177,12 +189,7 @@ def test_causal_against_the_oracle(case, poisoned, warp_specialized_calls):
     q, k, v = qkv(batch, heads, seq_q, 128, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
-    keep = random_keep(batch, heads, seq_q, seq_kv, block, density=0.6)
-    nq, nk = keep.shape[-2:]
-    keep[:, :, 1] = False
-    last = nq - 1
-    keep[:, :, last] = False
-    keep[:, :, last, min(nk - 1, (last * block[0] + block[0] // 2) // block[1])] = True
+    keep = _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, 0.6, halfway_last=True)
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=True, backend="triton")
     assert warp_specialized_calls == _expected_calls(forward_ws.Plan(128 if block[1] % 128 == 0 else 64, True))
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=True)
@@ -249,13 +256,7 @@ def test_head_dim_64_against_the_oracle(case, emulate, monkeypatch, poisoned, wa
     batch, heads, kv_heads, seq_q, seq_kv, block, dtype, causal = HEAD_DIM_64_CASES[case]
     heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
     q, k, v = qkv(batch, heads, seq_q, 64, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
-    keep = random_keep(batch, heads, seq_q, seq_kv, block, density=0.4)
-    nq, nk = keep.shape[-2:]
-    keep[:, :, 1] = False
-    if causal:
-        last = nq - 1
-        keep[:, :, last] = False
-        keep[:, :, last, min(nk - 1, (last * block[0] + block[0] // 2) // block[1])] = True
+    keep = _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, 0.4, halfway_last=causal)
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=causal, backend="triton")
     assert warp_specialized_calls == _expected_calls(forward_ws.Plan(128 if block[1] % 128 == 0 else 64, causal))
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=causal)
