@@ -56,6 +56,8 @@ def test_head_dim_64_qualifies_once_switched_on(monkeypatch):
     assert _qualifies(**dims(64, 128)) is None
     assert _qualifies(**dims(128, 64)) is None
     assert _qualifies(**dims(96, 96)) is None
+    monkeypatch.setattr(forward_ws, "HEAD_DIMS", (96, 128))  # a head dim with no ring depth set never launches
+    assert _qualifies(**dims(96, 96)) is None
 
 
 @pytest.mark.parametrize("change", [

@@ -358,19 +358,20 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_
 def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_kv: int, *, is_causal: bool,
               token_mask, block_mask, kv_valid, varlen, quant, min_work: int) -> Optional[Plan]:
     """plan()'s conditions on the call, whatever the device: no element tests but the causal one (no token_mask,
-    block_mask, kv_valid or varlen, Sk a multiple of block_kv); no quant; bf16 or fp16 for all three; D = Dv, one of
-    HEAD_DIMS;
-    block_q a multiple of 128 and block_kv of 64; at least min_work of dense work (B * H * Sq * Sk * D: below it a
-    call is host-bound, and the Triton forward's launch plans cost less host time); every tensor's last dim
-    contiguous, its other strides and its start 16-byte aligned (TMA's rule). The plan: 128-key tiles when they
-    nest in block_kv, else 64."""
+    block_mask, kv_valid or varlen, Sk a multiple of block_kv); no quant; bf16 or fp16 for all three; D = Dv, one
+    of HEAD_DIMS (with a ring depth in STAGES); block_q a multiple of 128 and block_kv of 64; at least min_work of
+    dense work (B * H * Sq * Sk * D: below it a call is host-bound, and the Triton forward's launch plans cost
+    less host time); every tensor's last dim contiguous, its other strides and its start 16-byte aligned (TMA's
+    rule). The plan: 128-key tiles when they nest in block_kv, else 64."""
     if any(x is not None for x in (token_mask, block_mask, kv_valid, varlen, quant)):
         return None
     if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype):
         return None
     batch, heads, seq_q, dim = q.shape
     seq_kv = k.shape[2]
-    if dim not in HEAD_DIMS or v.shape[-1] != dim or block_q % TILE_Q or block_kv % 64 or seq_kv % block_kv:
+    if dim not in HEAD_DIMS or dim not in STAGES or v.shape[-1] != dim:
+        return None
+    if block_q % TILE_Q or block_kv % 64 or seq_kv % block_kv:
         return None
     if batch * heads * seq_q * seq_kv * dim < min_work:
         return None
