@@ -170,6 +170,33 @@ def no_host_reads(monkeypatch):
         yield
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_warp_specialized_calls_read_nothing_back(monkeypatch, is_causal):
+    """As below, for the calls the warp-specialized Gluon forward and backward take on Hopper (D=128, bf16, 128x128
+    blocks, the descriptor-work floor lowered so that a small call qualifies): nothing read back after a first call,
+    and both kernels ran (on the CPU the Triton kernels run these shapes under the same check)."""
+    from blockattn.kernels import backward_ws, forward_ws, tma
+    monkeypatch.setattr(tma, "MIN_DESCRIPTOR_WORK", 0)
+    ran = []
+    for module, name in ((forward_ws, "attention_forward_ws"), (backward_ws, "attention_backward_ws")):
+        def spy(*args, run=getattr(module, name), name=name):
+            ran.append(name)
+            return run(*args)
+        monkeypatch.setattr(module, name, spy)
+    seq = 512 if ON_GPU else 256
+    q, k, v = (t.requires_grad_(True) for t in qkv(1, 2, seq, 128))
+    keep = torch.rand(1, 2, seq // 128, seq // 128, generator=torch.Generator(device=DEVICE).manual_seed(2),
+                      device=DEVICE) < 0.5
+    keep |= torch.eye(seq // 128, dtype=torch.bool, device=DEVICE)
+    blocks = blockattn.BlockSparsity.from_mask(keep, (128, 128), seq, seq)
+    for check in (False, True):
+        with no_host_reads(monkeypatch) if check else contextlib.nullcontext():
+            out = blockattn.attention(q, k, v, blocks, is_causal=is_causal, backend="triton")
+            out.float().sum().backward()
+    hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+    assert ran == (["attention_forward_ws", "attention_backward_ws"] * 2 if hopper else [])
+
+
 @pytest.mark.parametrize("layout", ["bhsd", "thd"])
 def test_prepared_calls_read_nothing_back(monkeypatch, layout):
     """Forward and backward with a prepared BlockSparsity (and, packed, the longest lengths given) never read a
