@@ -485,7 +485,7 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         dq_acc = dq_acc4 = None
     if accumulate or not need_dq:  # (else the dQ kernel computes the row terms: a launch fewer)
         # (dq_acc4's layout follows from out's and its width BD, which the key holds)
-        launch.run(attention_bwd_preprocess_kernel, (heads, grad_lse is None, accumulate and dq_acc4.shape[3]),
+        launch.run(attention_bwd_preprocess_kernel, (heads, grad_lse is None, dq_acc4.shape[3] if accumulate else 0),
                    dict(row_terms, DO=grad_out, DQ_ACC=dq_acc4 if accumulate else delta),
                    lambda: _preprocess_spec(out, grad_out, grad_lse, delta, heads, dq_acc4), fresh=_FRESH)
 

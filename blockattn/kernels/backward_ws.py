@@ -31,7 +31,8 @@ from . import launch
 from .forward import stride_args
 # Registers per thread for a consumer warpgroup and for the loader (setmaxnreg) and the launch bound: the forward's.
 # Its host descriptors and their compile signatures also come from there.
-from .forward_ws import CONSUMER_REGS, LOADER_REGS, MAX_REGS, _LOG2E, descriptor_signature, host_descriptor
+from .forward_ws import (CONSUMER_REGS, LOADER_REGS, MAX_REGS, _GL_DTYPES, _LOG2E, descriptor_signature,
+                         host_descriptor)
 
 # Whether attention_backward may take this kernel (benchmarks switch it off to time the Triton backward).
 ENABLED = True
@@ -342,7 +343,7 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
     settings."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    name = _GL_DTYPES[dtype][0]
     rows_desc, keys_desc = descriptor_signature(dtype, STEP_ROWS), descriptor_signature(dtype, TILE_N)
     descriptors = dict(Q_DESC=rows_desc, DO_DESC=rows_desc, K_DESC=keys_desc, V_DESC=keys_desc,
                        DQ_DESC=descriptor_signature(torch.float32, STEP_ROWS, CONSUMER_KEYS))
