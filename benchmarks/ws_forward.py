@@ -5,7 +5,7 @@ same block mask, in one process: ms and effective TFLOP/s per case, and each rat
     python benchmarks/ws_forward.py --cases short gqa     # B8 H16 S2048/4096 d=0.5; GQA 32/8 S16384
     python benchmarks/ws_forward.py --cases causal        # is_causal over the block-causal mask, and SDPA causal
     python benchmarks/ws_forward.py --cases skewed        # target 6 on the warp-specialized forward
-    python benchmarks/ws_forward.py --cases d64           # D=64 (the kernel's run takes it even before HEAD_DIMS does)
+    python benchmarks/ws_forward.py --cases d64           # D=64 (target 1.3x FlexAttention)
     python benchmarks/ws_forward.py --cases d64 --stages 3 4 5   # and its ring depth (forward_ws.STAGES[64])
     python benchmarks/ws_forward.py --cases d64 design --emulate-exp2   # also with one exponential in four emulated
 """

@@ -45,17 +45,19 @@ def test_qualifying_calls_and_their_tiles():
     assert _qualifies(q=bshd, k=bshd) == forward_ws.Plan(128)
 
 
-def test_head_dim_64_qualifies_once_switched_on(monkeypatch):
-    """D=64 (q, k and v alike) takes the kernel once HEAD_DIMS holds it; a value dim unlike the key's never does."""
+def test_head_dims_it_takes(monkeypatch):
+    """D=64 and D=128 (q, k and v alike) take the kernel; a value dim unlike the key's never does, nor a head dim
+    left out of HEAD_DIMS or one without a ring depth in STAGES."""
     def dims(d, dv):
         return dict(q=_meta(2, 4, 1000, d), k=_meta(2, 2, 1024, d), v=_meta(2, 2, 1024, dv))
-    assert _qualifies(**dims(64, 64)) is None  # not switched on by default
-    monkeypatch.setattr(forward_ws, "HEAD_DIMS", (64, 128))
     assert _qualifies(**dims(64, 64)) == forward_ws.Plan(128)
     assert _qualifies(**dims(64, 64), block_kv=64, is_causal=True) == forward_ws.Plan(64, causal=True)
     assert _qualifies(**dims(64, 128)) is None
     assert _qualifies(**dims(128, 64)) is None
     assert _qualifies(**dims(96, 96)) is None
+    monkeypatch.setattr(forward_ws, "HEAD_DIMS", (128,))
+    assert _qualifies(**dims(64, 64)) is None
+    assert _qualifies(**dims(128, 128)) == forward_ws.Plan(128)
     monkeypatch.setattr(forward_ws, "HEAD_DIMS", (96, 128))  # a head dim with no ring depth set never launches
     assert _qualifies(**dims(96, 96)) is None
 
@@ -68,7 +70,7 @@ def test_calls_it_declines(change):
     assert _qualifies(**change) is None, change
 
 
-@pytest.mark.parametrize("tensors", ["fp32", "mixed dtypes", "head dim 64", "value dim 64", "ragged keys",
+@pytest.mark.parametrize("tensors", ["fp32", "mixed dtypes", "head dim 96", "value dim 64", "ragged keys",
                                      "unaligned stride", "strided last dim", "unaligned start"])
 def test_tensors_it_declines(tensors):
     q, k = _meta(2, 4, 1000, 128), _meta(2, 2, 1024, 128)
@@ -77,8 +79,8 @@ def test_tensors_it_declines(tensors):
         q, k, v = (t.float() for t in (q, k, v))
     elif tensors == "mixed dtypes":
         v = _meta(2, 2, 1024, 128, dtype=torch.float16)
-    elif tensors == "head dim 64":
-        q, k, v = _meta(2, 4, 1000, 64), _meta(2, 2, 1024, 64), _meta(2, 2, 1024, 64)
+    elif tensors == "head dim 96":
+        q, k, v = _meta(2, 4, 1000, 96), _meta(2, 2, 1024, 96), _meta(2, 2, 1024, 96)
     elif tensors == "value dim 64":
         v = _meta(2, 2, 1024, 64)
     elif tensors == "ragged keys":  # the sequence's end inside a key block needs element tests
@@ -250,10 +252,9 @@ HEAD_DIM_64_CASES = {
 @pytest.mark.parametrize("emulate", [False, True])
 @pytest.mark.parametrize("case", list(HEAD_DIM_64_CASES))
 def test_head_dim_64_against_the_oracle(case, emulate, monkeypatch, poisoned, warp_specialized_calls):
-    """D=64 with the kernel switched on for it (HEAD_DIMS), its exponentials from the special function unit or one
-    in four from the polynomial (EMULATED_EXP2_DIMS): a query tail, a query block that keeps nothing, and under
-    is_causal a last query block whose one kept key block starts halfway down it."""
-    monkeypatch.setattr(forward_ws, "HEAD_DIMS", (64, 128))
+    """D=64, its exponentials from the special function unit or one in four from the polynomial
+    (EMULATED_EXP2_DIMS): a query tail, a query block that keeps nothing, and under is_causal a last query block
+    whose one kept key block starts halfway down it."""
     monkeypatch.setattr(forward_ws, "EMULATED_EXP2_DIMS", (64, ) if emulate else ())
     batch, heads, kv_heads, seq_q, seq_kv, block, dtype, causal = HEAD_DIM_64_CASES[case]
     heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)

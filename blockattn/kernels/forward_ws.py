@@ -9,7 +9,7 @@ blocks: 5.33 ms against about 6.1 ms for the Triton forward and 7.82 ms for Flex
 session; the figures move by up to 7% with what ran just before, through the GPU's power limit).
 
 It covers the plain walk and the causal one: no other element tests (no token mask, kv_valid, gathered block
-mask, sequence end inside a key tile), bf16 or fp16, head dim 128 (64 compiles, see HEAD_DIMS), blocks whose
+mask, sequence end inside a key tile), bf16 or fp16, head dim 128 or 64 (HEAD_DIMS), blocks whose
 query side holds whole 128-row tiles. Under is_causal the key tiles from the first block that reaches past the
 program's first row on take the test key <= query, and the longest lists run first.
 `plan()` says whether a call qualifies; forward.attention_forward runs the Triton forward otherwise. Triton's
@@ -36,18 +36,16 @@ ENABLED = True
 CONSUMER_ROWS = 64
 TILE_Q = 2 * CONSUMER_ROWS
 HEAD_DIM = 128
-# Head dims (D = Dv) calls may take the kernel with. At 64 it compiles for sm_90 without spills (Triton 3.6: 115 KiB
-# of shared memory with 3 stages, 148 KiB with 4) but has not run on a GPU yet: the GPU tests and
-# `benchmarks/ws_forward.py --cases d64` switch it on for themselves, and it joins here once they pass and it
-# measures faster than the Triton forward.
-HEAD_DIMS = (HEAD_DIM,)
+# Head dims (D = Dv) calls may take the kernel with. At 64 (148 KiB of shared memory with 4 stages) it beats the
+# Triton forward by 1-8% (B1 H24 S32k, d=0.5 .. 0.1, 128x128 and 128x64; BENCHMARKS.md, nineteenth session).
+HEAD_DIMS = (64, HEAD_DIM)
 # Keys per tile of the walk. A key block of 128 keys or a multiple fills it with 128-key boxes; any other multiple
 # of 64 (128x64 blocks) with two 64-key sub tiles, of consecutive list entries or of one block: the 128x64 design
 # case (d=0.25) ran 5.48 ms so against 5.89 ms with 64-key tiles (and 4 stages), in one process.
 TILE_N = 128
 # Ring stages per head dim: at D=128 as many as Hopper's 227 KiB of shared memory per program allows (Q takes
 # 32 KiB, a stage 64 KiB; 3 stages measured 5.22 ms against 5.88 with 2). At D=64 a stage is 32 KiB and a tile's
-# products take half as long, so the ring runs deeper (4: not yet measured).
+# products take half as long, so the ring runs deeper (4 measured 1-8% faster than 3 and 1-3% faster than 5).
 STAGES = {128: 3, 64: 4}
 # Registers per thread for a consumer warpgroup and for the loader (setmaxnreg; the default partition, the first
 # consumer, gets what the 168-register launch bound leaves: 168 * 12 warps = 240 + 240 + 24 per warpgroup).
@@ -55,8 +53,9 @@ CONSUMER_REGS = 240
 LOADER_REGS = 24
 MAX_REGS = 168
 # Head dims whose loop takes one exponential in four from a cubic polynomial on the FMA units instead of the special
-# function unit (_exp2; kernels/README.md, "Exponentials off the special function unit"). None until measured: at
-# D=64 the loop is bound by its exponentials, which this is for.
+# function unit (_exp2; kernels/README.md, "Exponentials off the special function unit"). None: at D=64, where the
+# loop is bound by its exponentials, it measured 4-10% slower (the extra FMA-pipe instructions cost more than the
+# special function unit's share they save).
 EMULATED_EXP2_DIMS: tuple = ()
 
 _ROWS = gl.constexpr(CONSUMER_ROWS)
