@@ -196,6 +196,72 @@ def test_repeated_calls_with_fresh_tensors_stay_exact(geometry, poisoned, monkey
     assert kernels == (expected if ON_GPU else set()), "plans on a GPU for every kernel; none under the interpreter"
 
 
+@pytest.mark.parametrize("plans", [False, True])
+@pytest.mark.parametrize("which", ["forward", "backward"])
+def test_warp_specialized_launchers_pass_every_parameter_by_name(monkeypatch, plans, which):
+    """forward_ws.launch_kernel, directly or through a launch plan (LAUNCH_PLANS), gives the Gluon kernel each of its
+    parameters by name and nothing else but launch options: 4 warps, the register bound, Triton's defaults for the
+    rest. Checked on meta tensors, the kernel's run replaced (no GPU needed)."""
+    from blockattn.kernels import backward_ws, forward_ws
+    monkeypatch.setattr(forward_ws, "LAUNCH_PLANS", plans)
+    monkeypatch.setattr(launch, "_PLANS", {})
+    calls = []
+    kernel_fn = forward_ws.attention_fwd_ws_kernel if which == "forward" else backward_ws.attention_bwd_ws_kernel
+    monkeypatch.setattr(kernel_fn, "run", lambda *args, grid, warmup, **kwargs: calls.append((args, grid, kwargs)))
+
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, device="meta", dtype=dtype)
+    q, lists = meta(2, 4, 256, 128), (meta(1, 4, 2, dtype=torch.int32), meta(1, 4, 2, 2, dtype=torch.int32))
+    kv = meta(2, 2, 256, 128)
+    if which == "forward":
+        forward_ws.attention_forward_ws(q, kv, kv, *lists, 128, 128, 0.1, q, meta(2, 4, 256, dtype=torch.float32),
+                                        forward_ws.Plan(128, causal=True))
+        want_grid = (2, 8, 1)
+    else:
+        rows = meta(2, 4, 256, dtype=torch.float32)
+        backward_ws.attention_backward_ws(q, kv, kv, q, rows, rows, *lists, 128, 128, 0.1, True,
+                                          meta(2, 4, 256, 128, dtype=torch.float32), kv, kv)
+        want_grid = (2, 4, 1)
+    (args, grid, kwargs), = calls
+    assert args == () and tuple(grid) == want_grid
+    options = {name: kwargs.pop(name) for name in list(kwargs) if name not in kernel_fn.arg_names}
+    assert set(kwargs) == set(kernel_fn.arg_names)
+    assert kwargs["CAUSAL"] is True and kwargs["BLOCK_Q"] == 128
+    assert options.pop("num_warps") == 4 and options.pop("maxnreg") == forward_ws.MAX_REGS
+    assert options == ({"num_ctas": 1, "num_stages": 3, "enable_fp_fusion": True} if plans else {}), options
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_warp_specialized_kernels_relaunch_exactly(poisoned, monkeypatch, is_causal):
+    """The Gluon forward and backward (D=128 bf16, 128x128 blocks, GQA 4/2, the descriptor-work floor lowered so a
+    small call takes them on Hopper) through launch plans (forward_ws.LAUNCH_PLANS switched on): three calls with
+    fresh tensors each match the fp64 oracle, and each kernel has one plan, made by the first call and relaunched
+    by the others. On the CPU the Triton kernels run the same calls, with no plans."""
+    from blockattn.kernels import backward_ws, forward_ws, tma
+    monkeypatch.setattr(tma, "MIN_DESCRIPTOR_WORK", 0)
+    monkeypatch.setattr(forward_ws, "LAUNCH_PLANS", True)
+    monkeypatch.setattr(launch, "_PLANS", {})
+    seq = 640 if ON_GPU else 256
+    keep = random_keep(1, 4, seq, seq, (128, 128), density=0.6)
+    visible = expand(keep, (128, 128), seq, seq)
+    for seed in range(3):
+        q, k, v = (t.requires_grad_(True) for t in qkv(1, 4, seq, 128, kv_heads=2, seed=seed))
+        out, lse = kernel(q, k, v, keep, (128, 128), return_lse=True, is_causal=is_causal)
+        check_against_oracle(out.detach(), lse.detach(), q.detach(), k.detach(), v.detach(), visible,
+                             is_causal=is_causal)
+        grad = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), grad)
+        leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+        want = torch.autograd.grad(oracle(*leaves, visible, is_causal=is_causal)[0], leaves, grad.double())
+        for name, g, w in zip("qkv", got, want):
+            assert torch.isfinite(g).all(), f"d{name} not finite (seed {seed})"
+            assert rel_error(g, w) < 2e-2, f"d{name} off the oracle (seed {seed}): {rel_error(g, w):.3e}"
+    plans = collections.Counter(key[0] for key in launch.plans())
+    hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+    for gluon_kernel in (forward_ws.attention_fwd_ws_kernel, backward_ws.attention_bwd_ws_kernel):
+        assert plans[gluon_kernel] == (1 if hopper else 0), plans
+
+
 @pytest.mark.parametrize("batch, heads, axes", [(1, 4, (4, 1)), (3, 2, (2, 3)), (12, 1, (4, 3)), (8, 2, (4, 4)),
                                                 (6, 4, None), (7, 3, None)])
 def test_batch_head_axes_number_every_pair_once_within_the_grid_limit(monkeypatch, batch, heads, axes):

@@ -30,9 +30,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from . import launch
 from .forward import stride_args
 # Registers per thread for a consumer warpgroup and for the loader (setmaxnreg) and the launch bound: the forward's.
-# Its host descriptors and their compile signatures also come from there.
+# Its host descriptors, their compile signatures and the launch (launch_kernel) also come from there.
 from .forward_ws import (CONSUMER_REGS, LOADER_REGS, MAX_REGS, _GL_DTYPES, _LOG2E, descriptor_signature,
-                         host_descriptor)
+                         host_descriptor, launch_kernel)
 
 # Whether attention_backward may take this kernel (benchmarks switch it off to time the Triton backward).
 ENABLED = True
@@ -324,16 +324,22 @@ def attention_backward_ws(q, k, v, grad_out, lse2, delta, q_count, q_index, bloc
     key <= query test on the steps the diagonal crosses."""
     batch, heads, seq_q, _ = q.shape
     kv_heads, seq_kv = k.shape[1], k.shape[2]
-    grid = (seq_kv // TILE_N, *launch.batch_head_axes(batch, kv_heads))
-    attention_bwd_ws_kernel[grid](
-        host_descriptor(q, STEP_ROWS), host_descriptor(k, TILE_N), host_descriptor(v, TILE_N),
-        host_descriptor(grad_out, STEP_ROWS), host_descriptor(dq_acc, STEP_ROWS, CONSUMER_KEYS), dk, dv, lse2, delta,
-        q_count, q_index, scale_log2, seq_q, kv_heads, heads // kv_heads,
-        # the lists' size-1 batch and head dims broadcast: stride 0
-        **stride_args("c", q_count, "bh"), **stride_args("i", q_index, "bhk"), **stride_args("l", lse2, "bhs"),
-        **stride_args("dk", dk, "bhs"), **stride_args("dv", dv, "bhs"), BLOCK_Q=block_q, BLOCK_KV=block_kv,
-        STAGES=STAGES, GROUPED=heads != kv_heads, CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS,
-        LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAX_REGS)
+
+    def arguments():
+        descriptors = dict(Q_DESC=host_descriptor(q, STEP_ROWS), K_DESC=host_descriptor(k, TILE_N),
+                           V_DESC=host_descriptor(v, TILE_N), DO_DESC=host_descriptor(grad_out, STEP_ROWS),
+                           DQ_DESC=host_descriptor(dq_acc, STEP_ROWS, CONSUMER_KEYS))
+        static = dict(
+            scale_log2=scale_log2, seq_q=seq_q, kv_heads=kv_heads, group_size=heads // kv_heads,
+            # the lists' size-1 batch and head dims broadcast: stride 0
+            **stride_args("c", q_count, "bh"), **stride_args("i", q_index, "bhk"), **stride_args("l", lse2, "bhs"),
+            **stride_args("dk", dk, "bhs"), **stride_args("dv", dv, "bhs"), BLOCK_Q=block_q, BLOCK_KV=block_kv,
+            STAGES=STAGES, GROUPED=heads != kv_heads, CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS,
+            LOADER_REGS=LOADER_REGS)
+        return (seq_kv // TILE_N, *launch.batch_head_axes(batch, kv_heads)), descriptors, static
+    launch_kernel(attention_bwd_ws_kernel, (block_q, block_kv, scale_log2, causal, STAGES),
+                  dict(Q_DESC=q, K_DESC=k, V_DESC=v, DO_DESC=grad_out, DQ_DESC=dq_acc, DK=dk, DV=dv, Lse2=lse2,
+                       Delta=delta, Q_COUNT=q_count, Q_INDEX=q_index), arguments)
 
 
 def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = torch.bfloat16,

@@ -19,7 +19,7 @@ tests run it against the fp64 oracle.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import triton
@@ -52,6 +52,14 @@ STAGES = {128: 3, 64: 4}
 CONSUMER_REGS = 240
 LOADER_REGS = 24
 MAX_REGS = 168
+# How both warp-specialized kernels launch: 4 warps in the default partition (the first consumer warpgroup; the
+# others' warps are set in the kernel), MAX_REGS a thread. One config: nothing to tune.
+LAUNCH_CONFIG = triton.Config({}, num_warps=4, maxnreg=MAX_REGS)
+# Whether they launch through launch plans (launch.run: later calls of a layout skip Triton's binder and build no
+# descriptors; Triton's full path costs ~160 us of host time for the forward, ~650 for the backward, H200 machine,
+# benchmarks/host_cost.py --seq 4096). Off until its GPU tests have run (written in the nineteenth session, when
+# the device time had run out: tests/test_launch.py::test_warp_specialized_kernels_relaunch_exactly).
+LAUNCH_PLANS = False
 # Head dims whose loop takes one exponential in four from a cubic polynomial on the FMA units instead of the special
 # function unit (_exp2; kernels/README.md, "Exponentials off the special function unit"). None: at D=64, where the
 # loop is bound by its exponentials, it measured 4-10% slower (the extra FMA-pipe instructions cost more than the
@@ -405,17 +413,41 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
                          chosen: Plan) -> None:
     """Run the kernel into out [B, H, Sq, D] and lse fp32 [B, H, Sq] (plan() said chosen)."""
     from .forward import stride_args  # (forward imports this module lazily: no cycle)
-    batch, heads, seq_q, _ = q.shape
-    grid = (triton.cdiv(seq_q, TILE_Q), *launch.batch_head_axes(batch, heads))
-    attention_fwd_ws_kernel[grid](
-        host_descriptor(q, CONSUMER_ROWS), host_descriptor(k, chosen.sub_n), host_descriptor(v, chosen.sub_n), out,
-        lse,
-        kv_count, kv_index, scale_log2, seq_q, heads, heads // k.shape[1],
-        # the lists' size-1 batch and head dims broadcast: stride 0
-        **stride_args("c", kv_count, "bh"), **stride_args("i", kv_index, "bhq"), **stride_args("o", out, "bhs"),
-        **stride_args("l", lse, "bh"), BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=chosen.sub_n,
-        STAGES=STAGES[q.shape[-1]], EMULATE_EXP2=q.shape[-1] in EMULATED_EXP2_DIMS,
-        CAUSAL=chosen.causal, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAX_REGS)
+    batch, heads, seq_q, dim = q.shape
+
+    def arguments():
+        descriptors = dict(Q_DESC=host_descriptor(q, CONSUMER_ROWS), K_DESC=host_descriptor(k, chosen.sub_n),
+                           V_DESC=host_descriptor(v, chosen.sub_n))
+        static = dict(
+            scale_log2=scale_log2, seq_q=seq_q, heads=heads, group_size=heads // k.shape[1],
+            # the lists' size-1 batch and head dims broadcast: stride 0
+            **stride_args("c", kv_count, "bh"), **stride_args("i", kv_index, "bhq"), **stride_args("o", out, "bhs"),
+            **stride_args("l", lse, "bh"), BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=chosen.sub_n,
+            STAGES=STAGES[dim], EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, CAUSAL=chosen.causal,
+            CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
+        return (triton.cdiv(seq_q, TILE_Q), *launch.batch_head_axes(batch, heads)), descriptors, static
+    launch_kernel(attention_fwd_ws_kernel, (block_q, block_kv, scale_log2, chosen, STAGES[dim],
+                                            dim in EMULATED_EXP2_DIMS),
+                  dict(Q_DESC=q, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index),
+                  arguments)
+
+
+def launch_kernel(kernel_fn, site_key: tuple, tensors: dict, arguments: Callable[[], tuple]) -> None:
+    """Launch kernel_fn, this module's kernel or backward_ws's, with LAUNCH_CONFIG. tensors: every tensor argument
+    by name (a descriptor argument's: the tensor it describes); site_key: everything else arguments() depends on;
+    arguments() -> (grid, {descriptor argument: host descriptor}, {name: every other argument}). With LAUNCH_PLANS
+    through launch.run, which calls arguments() on a plan miss only."""
+    if LAUNCH_PLANS:
+        def spec() -> launch.LaunchSpec:
+            grid, descriptors, static = arguments()
+            return launch.LaunchSpec(grid=lambda meta: grid, configs=[LAUNCH_CONFIG], tuning_key=(),
+                                     static={**descriptors, **static})
+        launch.run(kernel_fn, site_key, tensors, spec)
+        return
+    grid, descriptors, static = arguments()
+    plain = {name: t for name, t in tensors.items() if name not in descriptors}
+    kernel_fn[grid](**descriptors, **plain, **static, num_warps=LAUNCH_CONFIG.num_warps,
+                    maxnreg=LAUNCH_CONFIG.maxnreg)
 
 
 def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
