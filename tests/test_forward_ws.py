@@ -45,6 +45,21 @@ def test_qualifying_calls_and_their_tiles():
     assert _qualifies(q=bshd, k=bshd) == forward_ws.Plan(128)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_host_descriptors_take_gluons_layout_for_their_box(dtype):
+    """host_descriptor's box and shared-memory layout (cached per box and dtype) are what Gluon picks for that box,
+    whatever was asked before: boxes of 64 and 128 rows, the backward's 64-column dQ box, each dtype."""
+    from triton.experimental.gluon import language as gl
+    t = torch.zeros(2, 3, 256, 128, dtype=dtype)
+    for rows, columns in ((64, None), (128, None), (64, 64), (64, None)):
+        desc = forward_ws.host_descriptor(t, rows, columns)
+        box = [1, 1, rows, columns or 128]
+        assert desc.block_shape == box and desc.shape == [2, 3, 256, 128] and desc.strides == list(t.stride())
+        assert desc.layout == gl.NVMMASharedLayout.get_default_for(box, forward_ws._GL_DTYPES[dtype][1])
+        assert f"{forward_ws._GL_DTYPES[dtype][0]}[{','.join(map(str, box))}],{desc.layout!r}>" in \
+            forward_ws.descriptor_signature(dtype, rows, columns or 128)
+
+
 def test_head_dims_it_takes(monkeypatch):
     """D=64 and D=128 (q, k and v alike) take the kernel; a value dim unlike the key's never does, nor a head dim
     left out of HEAD_DIMS or one without a ring depth in STAGES."""

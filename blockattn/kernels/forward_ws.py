@@ -19,6 +19,7 @@ tests run it against the fp64 oracle.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -396,17 +397,22 @@ def host_descriptor(t: torch.Tensor, rows: int, columns: Optional[int] = None):
     """A Gluon host descriptor of t [B, H, S, D] (bf16, fp16 or fp32) with [1, 1, rows, columns] boxes (columns:
     D by default); rows past S read as zeros and take no writes. The backward's kernel uses it too."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    box = [1, 1, rows, t.shape[-1] if columns is None else columns]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), box,
-                            gl.NVMMASharedLayout.get_default_for(box, _GL_DTYPES[t.dtype][1]))
+    box = (1, 1, rows, t.shape[-1] if columns is None else columns)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(box), _box_layout(box, t.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _box_layout(box: tuple, dtype: torch.dtype):
+    """The shared-memory layout of a descriptor's box (immutable; cached, since building it costs ~20 us of host
+    time a descriptor and a call builds up to five)."""
+    return gl.NVMMASharedLayout.get_default_for(list(box), _GL_DTYPES[dtype][1])
 
 
 def descriptor_signature(dtype: torch.dtype, rows: int, columns: int = HEAD_DIM) -> str:
     """The compile signature of a host_descriptor argument of dtype with [1, 1, rows, columns] boxes (compile_sm90's,
     here and in the backward's module)."""
-    name, gl_dtype = _GL_DTYPES[dtype]
-    box = [1, 1, rows, columns]
-    return f"tensordesc<{name}[{','.join(map(str, box))}],{gl.NVMMASharedLayout.get_default_for(box, gl_dtype)!r}>"
+    box = (1, 1, rows, columns)
+    return f"tensordesc<{_GL_DTYPES[dtype][0]}[{','.join(map(str, box))}],{_box_layout(box, dtype)!r}>"
 
 
 def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, scale_log2: float, out, lse,
