@@ -199,9 +199,9 @@ def test_repeated_calls_with_fresh_tensors_stay_exact(geometry, poisoned, monkey
 @pytest.mark.parametrize("plans", [False, True])
 @pytest.mark.parametrize("which", ["forward", "backward"])
 def test_warp_specialized_launchers_pass_every_parameter_by_name(monkeypatch, plans, which):
-    """forward_ws.launch_kernel, directly or through a launch plan (LAUNCH_PLANS), gives the Gluon kernel each of its
-    parameters by name and nothing else but launch options: 4 warps, the register bound, Triton's defaults for the
-    rest. Checked on meta tensors, the kernel's run replaced (no GPU needed)."""
+    """forward_ws.launch_warp_specialized, directly or through a launch plan (LAUNCH_PLANS), gives the Gluon kernel
+    each of its parameters by name and nothing else but launch options: 4 warps, the register bound, Triton's
+    defaults for the rest. Checked on meta tensors, the kernel's run replaced (no GPU needed)."""
     from blockattn.kernels import backward_ws, forward_ws
     monkeypatch.setattr(forward_ws, "LAUNCH_PLANS", plans)
     monkeypatch.setattr(launch, "_PLANS", {})

@@ -30,9 +30,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from . import launch
 from .forward import stride_args
 # Registers per thread for a consumer warpgroup and for the loader (setmaxnreg) and the launch bound: the forward's.
-# Its host descriptors, their compile signatures and the launch (launch_kernel) also come from there.
+# Its host descriptors, their compile signatures and the launch (launch_warp_specialized) also come from there.
 from .forward_ws import (CONSUMER_REGS, LOADER_REGS, MAX_REGS, _GL_DTYPES, _LOG2E, descriptor_signature,
-                         host_descriptor, launch_kernel)
+                         host_descriptor, launch_warp_specialized)
 
 # Whether attention_backward may take this kernel (benchmarks switch it off to time the Triton backward).
 ENABLED = True
@@ -337,9 +337,9 @@ def attention_backward_ws(q, k, v, grad_out, lse2, delta, q_count, q_index, bloc
             STAGES=STAGES, GROUPED=heads != kv_heads, CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS,
             LOADER_REGS=LOADER_REGS)
         return (seq_kv // TILE_N, *launch.batch_head_axes(batch, kv_heads)), descriptors, static
-    launch_kernel(attention_bwd_ws_kernel, (block_q, block_kv, scale_log2, causal, STAGES),
-                  dict(Q_DESC=q, K_DESC=k, V_DESC=v, DO_DESC=grad_out, DQ_DESC=dq_acc, DK=dk, DV=dv, Lse2=lse2,
-                       Delta=delta, Q_COUNT=q_count, Q_INDEX=q_index), arguments)
+    launch_warp_specialized(attention_bwd_ws_kernel, (block_q, block_kv, scale_log2, causal, STAGES),
+                            dict(Q_DESC=q, K_DESC=k, V_DESC=v, DO_DESC=grad_out, DQ_DESC=dq_acc, DK=dk, DV=dv,
+                                 Lse2=lse2, Delta=delta, Q_COUNT=q_count, Q_INDEX=q_index), arguments)
 
 
 def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = torch.bfloat16,

@@ -432,13 +432,14 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
             STAGES=STAGES[dim], EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, CAUSAL=chosen.causal,
             CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
         return (triton.cdiv(seq_q, TILE_Q), *launch.batch_head_axes(batch, heads)), descriptors, static
-    launch_kernel(attention_fwd_ws_kernel, (block_q, block_kv, scale_log2, chosen, STAGES[dim],
-                                            dim in EMULATED_EXP2_DIMS),
-                  dict(Q_DESC=q, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index),
-                  arguments)
+    launch_warp_specialized(attention_fwd_ws_kernel,
+                            (block_q, block_kv, scale_log2, chosen, STAGES[dim], dim in EMULATED_EXP2_DIMS),
+                            dict(Q_DESC=q, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count,
+                                 KV_INDEX=kv_index), arguments)
 
 
-def launch_kernel(kernel_fn, site_key: tuple, tensors: dict, arguments: Callable[[], tuple]) -> None:
+def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
+                            arguments: Callable[[], tuple]) -> None:
     """Launch kernel_fn, this module's kernel or backward_ws's, with LAUNCH_CONFIG. tensors: every tensor argument
     by name (a descriptor argument's: the tensor it describes); site_key: everything else arguments() depends on;
     arguments() -> (grid, {descriptor argument: host descriptor}, {name: every other argument}). With LAUNCH_PLANS
