@@ -164,6 +164,22 @@ def test_the_plan_table_is_bounded(fakes, monkeypatch):
     assert len(launch.plans()) <= 2
 
 
+def _call_against_the_oracle(q, k, v, keep, block, seen, seed, **kwargs):
+    """One forward and backward of kernel(q, k, v, keep, block, **kwargs) against the fp64 oracle over the token
+    mask seen: out and LSE, then dq, dk, dv for a random upstream gradient (finite, within 2e-2)."""
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    is_causal = kwargs.get("is_causal", False)
+    out, lse = kernel(q, k, v, keep, block, return_lse=True, **kwargs)
+    check_against_oracle(out.detach(), lse.detach(), q.detach(), k.detach(), v.detach(), seen, is_causal=is_causal)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    want = torch.autograd.grad(oracle(*leaves, seen, is_causal=is_causal)[0], leaves, grad.double())
+    for name, g, w in zip("qkv", got, want):
+        assert torch.isfinite(g).all(), f"d{name} not finite (seed {seed})"
+        assert rel_error(g, w) < 2e-2, f"d{name} off the oracle (seed {seed}): {rel_error(g, w):.3e}"
+
+
 @pytest.mark.autotuned  # on a GPU also the tuner's path: pre-hooks and zeroed accumulators while benchmarking
 @pytest.mark.parametrize("dq_mode", ["kernel", "atomic"])
 def test_repeated_calls_with_fresh_tensors_stay_exact(geometry, poisoned, monkeypatch, dq_mode):
@@ -176,16 +192,9 @@ def test_repeated_calls_with_fresh_tensors_stay_exact(geometry, poisoned, monkey
     visible = expand(keep, geometry.block, seq, seq)
     token_mask = torch.rand(seq, seq, device=DEVICE) < 0.9
     for seed, mask in ((0, None), (1, None), (2, None), (3, token_mask)):
-        q, k, v = (t.requires_grad_(True) for t in qkv(geometry.batch, geometry.heads, seq, geometry.dim, seed=seed))
-        out, lse = kernel(q, k, v, keep, geometry.block, attn_mask=mask, return_lse=True)
-        seen = visible if mask is None else visible & mask
-        check_against_oracle(out.detach(), lse.detach(), q.detach(), k.detach(), v.detach(), seen)
-        grad = torch.randn_like(out)
-        got = torch.autograd.grad(out, (q, k, v), grad)
-        want = torch.autograd.grad(oracle(q, k, v, seen)[0], (q, k, v), grad.double())
-        for name, g, w in zip("qkv", got, want):
-            assert torch.isfinite(g).all(), f"d{name} not finite (seed {seed})"
-            assert rel_error(g, w) < 2e-2, f"d{name} off the oracle (seed {seed}): {rel_error(g, w):.3e}"
+        q, k, v = qkv(geometry.batch, geometry.heads, seq, geometry.dim, seed=seed)
+        _call_against_the_oracle(q, k, v, keep, geometry.block, visible if mask is None else visible & mask, seed,
+                                 attn_mask=mask)
     kernels = {key[0] for key in launch.plans()}
     # In dQ mode "kernel" the dQ kernel computes the row terms; the accumulating modes run the preprocess for them
     # and a pass that scales the accumulated dq into its dtype (and on a GPU the list kernel, which builds each
@@ -245,17 +254,8 @@ def test_warp_specialized_kernels_relaunch_exactly(poisoned, monkeypatch, is_cau
     keep = random_keep(1, 4, seq, seq, (128, 128), density=0.6)
     visible = expand(keep, (128, 128), seq, seq)
     for seed in range(3):
-        q, k, v = (t.requires_grad_(True) for t in qkv(1, 4, seq, 128, kv_heads=2, seed=seed))
-        out, lse = kernel(q, k, v, keep, (128, 128), return_lse=True, is_causal=is_causal)
-        check_against_oracle(out.detach(), lse.detach(), q.detach(), k.detach(), v.detach(), visible,
-                             is_causal=is_causal)
-        grad = torch.randn_like(out)
-        got = torch.autograd.grad(out, (q, k, v), grad)
-        leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
-        want = torch.autograd.grad(oracle(*leaves, visible, is_causal=is_causal)[0], leaves, grad.double())
-        for name, g, w in zip("qkv", got, want):
-            assert torch.isfinite(g).all(), f"d{name} not finite (seed {seed})"
-            assert rel_error(g, w) < 2e-2, f"d{name} off the oracle (seed {seed}): {rel_error(g, w):.3e}"
+        q, k, v = qkv(1, 4, seq, 128, kv_heads=2, seed=seed)
+        _call_against_the_oracle(q, k, v, keep, (128, 128), visible, seed, is_causal=is_causal)
     plans = collections.Counter(key[0] for key in launch.plans())
     hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
     for gluon_kernel in (forward_ws.attention_fwd_ws_kernel, backward_ws.attention_bwd_ws_kernel):

@@ -29,9 +29,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from . import launch
 from .forward import stride_args
-# Registers per thread for a consumer warpgroup and for the loader (setmaxnreg) and the launch bound: the forward's.
-# Its host descriptors, their compile signatures and the launch (launch_warp_specialized) also come from there.
-from .forward_ws import (CONSUMER_REGS, LOADER_REGS, MAX_REGS, _GL_DTYPES, _LOG2E, descriptor_signature,
+# Registers per thread for a consumer warpgroup and for the loader (setmaxnreg) and the launch options (the
+# register bound among them): the forward's. Its host descriptors, their compile signatures and the launch
+# (launch_warp_specialized) also come from there.
+from .forward_ws import (CONSUMER_REGS, LAUNCH_OPTIONS, LOADER_REGS, _GL_DTYPES, _LOG2E, descriptor_signature,
                          host_descriptor, launch_warp_specialized)
 
 # Whether attention_backward may take this kernel (benchmarks switch it off to time the Triton backward).
@@ -364,4 +365,4 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
                 "DK": f"*{name}", "DV": f"*{name}", "Lse2": "*fp32", "Delta": "*fp32", "Q_COUNT": "*i32",
                 "Q_INDEX": "*i32", "scale_log2": "fp32"}.get(param.name, "i32")
     source = GluonASTSource(attention_bwd_ws_kernel, signature, constants)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAX_REGS))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH_OPTIONS))

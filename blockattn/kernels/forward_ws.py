@@ -53,9 +53,10 @@ STAGES = {128: 3, 64: 4}
 CONSUMER_REGS = 240
 LOADER_REGS = 24
 MAX_REGS = 168
-# How both warp-specialized kernels launch: 4 warps in the default partition (the first consumer warpgroup; the
-# others' warps are set in the kernel), MAX_REGS a thread. One config: nothing to tune.
-LAUNCH_CONFIG = triton.Config({}, num_warps=4, maxnreg=MAX_REGS)
+# How both warp-specialized kernels launch and compile_sm90 compiles them: 4 warps in the default partition (the
+# first consumer warpgroup; the others' warps are set in the kernel), MAX_REGS a thread. One config: nothing to tune.
+LAUNCH_OPTIONS = dict(num_warps=4, maxnreg=MAX_REGS)
+LAUNCH_CONFIG = triton.Config({}, **LAUNCH_OPTIONS)
 # Whether they launch through launch plans (launch.run: later calls of a layout skip Triton's binder and build no
 # descriptors; Triton's full path costs ~160 us of host time for the forward, ~650 for the backward, H200 machine,
 # benchmarks/host_cost.py --seq 4096). Off until its GPU tests have run (written in the nineteenth session, when
@@ -453,8 +454,7 @@ def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
         return
     grid, descriptors, static = arguments()
     plain = {name: t for name, t in tensors.items() if name not in descriptors}
-    kernel_fn[grid](**descriptors, **plain, **static, num_warps=LAUNCH_CONFIG.num_warps,
-                    maxnreg=LAUNCH_CONFIG.maxnreg)
+    kernel_fn[grid](**descriptors, **plain, **static, **LAUNCH_OPTIONS)
 
 
 def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
@@ -480,4 +480,4 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
             signature[param.name] = {"Out": f"*{name}", "Lse": "*fp32", "KV_COUNT": "*i32", "KV_INDEX": "*i32",
                                      "scale_log2": "fp32"}.get(param.name, "i32")
     source = GluonASTSource(attention_fwd_ws_kernel, signature, constants)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAX_REGS))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH_OPTIONS))
