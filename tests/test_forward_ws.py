@@ -287,8 +287,7 @@ def test_emulated_exponentials_against_the_oracle(is_causal, monkeypatch, poison
     batch, heads, kv_heads, seq_q, seq_kv, block = 2, 4, 2, 1000, 1024, (128, 128)
     heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
     q, k, v = qkv(batch, heads, seq_q, 128, kv_heads=kv_heads, seq_kv=seq_kv)
-    keep = random_keep(batch, heads, seq_q, seq_kv, block, density=0.5)
-    keep[:, :, 1] = False
+    keep = _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, 0.5, halfway_last=False)
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=is_causal, backend="triton")
     assert warp_specialized_calls == _expected_calls(forward_ws.Plan(128, is_causal))
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=is_causal)
