@@ -105,11 +105,25 @@ def test_switched_off_deterministic_or_off_hopper_it_declines(monkeypatch):
     assert backward.warp_specialized_module(*dispatch, None) is None
 
 
-@pytest.mark.parametrize("blocks, dtype, grouped, causal", [((128, 128), "bfloat16", False, False),
-                                                            ((64, 256), "float16", True, True)])
-def test_compiles_for_sm90_with_its_register_split(blocks, dtype, grouped, causal):
+def test_mha_calls_lag_dq():
+    """dQ lags a step for MHA launches, not for GQA ones, and for neither with LAGGED_DQ off."""
+    assert backward_ws.lagged_dq(grouped=False) and not backward_ws.lagged_dq(grouped=True)
+    previous = backward_ws.LAGGED_DQ
+    try:
+        backward_ws.LAGGED_DQ = False
+        assert not backward_ws.lagged_dq(grouped=False)
+    finally:
+        backward_ws.LAGGED_DQ = previous
+
+
+@pytest.mark.parametrize("blocks, dtype, grouped, causal, lagged", [((128, 128), "bfloat16", False, False, None),
+                                                                    ((64, 256), "float16", True, True, None),
+                                                                    ((128, 128), "bfloat16", False, True, False)])
+def test_compiles_for_sm90_with_its_register_split(blocks, dtype, grouped, causal, lagged):
+    """Each variant (lagged: None as a launch would, lagged_dq()) compiles with the register split, wgmma, TMA copies
+    and adds, in shared memory, without local memory."""
     report = sm90_report(f"backward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.{dtype}, grouped={grouped}, "
-                         f"causal={causal})")
+                         f"causal={causal}, lagged={lagged})")
     assert {backward_ws.CONSUMER_REGS, backward_ws.LOADER_REGS} <= set(report["registers"]), report
     assert report["wgmma"] and report["tma"] and report["reduction"], report
     assert report["shared"] <= 227 * 1024, report
@@ -199,3 +213,11 @@ def test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls):
         assert err < 1e-2, f"d{name} relative error {err:.2e}"
     unkept = slice(seq_kv - block[1], seq_kv)
     assert not grads[1][:, :, unkept].any() and not grads[2][:, :, unkept].any(), "dk / dv of an unkept key block"
+
+
+@pytest.mark.parametrize("case", ["short query tail", "128x128 causal, query tail"])
+def test_gradients_with_consumers_meeting_each_step(case, poisoned, warp_specialized_calls, monkeypatch):
+    """As above on MHA cases, with dQ not lagged (LAGGED_DQ off: both consumers meet at each step's dS, as GQA
+    calls run): the kernel's other dQ schedule."""
+    monkeypatch.setattr(backward_ws, "LAGGED_DQ", False)
+    test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls)

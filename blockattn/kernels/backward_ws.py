@@ -5,10 +5,11 @@ A loader warp reads the tile's K and V once, then each listed query block's 64-r
 shared-memory stages through TMA. Two consumer warpgroups own 64 keys each. Per query tile a consumer computes
 S^T = K Q^T and dP^T = V dO^T for its keys, P^T and dS^T in registers, adds P^T dO into dV and dS^T Q into dK,
 and stores dS^T into shared memory; once both halves are there, each computes half of dQ's columns (dS K) and
-adds them into an fp32 buffer through the TMA unit (a bulk tensor reduction from shared memory). Five tile products
-per step, against seven for the Triton kernels' deterministic dQ walk (kernels/README.md, "The warp-specialized
-backward"). Measured on the H200 at B1 H24 S32768 D128, density 0.25, 128x128 blocks: 16.97 ms against 19.80 for
-the Triton backward and 20.90 for FlexAttention's (BENCHMARKS.md, seventeenth session).
+adds them into an fp32 buffer through the TMA unit (a bulk tensor reduction from shared memory). For MHA calls dQ
+lags a step (LAGGED_DQ): a step computes the step before's dQ, so the consumers need not meet within a step. Five
+tile products per step, against seven for the Triton kernels' deterministic dQ walk (kernels/README.md, "The
+warp-specialized backward"). Measured on the H200 at B1 H24 S32768 D128, density 0.25, 128x128 blocks: 16.74 ms
+against 20.02 for the Triton backward and 21.25 for FlexAttention's (BENCHMARKS.md, twentieth session).
 
 It covers the plain walk and the causal one (the test key <= query on the steps the diagonal crosses): no other
 element tests (no token mask, kv_valid, gathered block mask or packed batch), bf16 or fp16, head dim 128, key
@@ -19,6 +20,8 @@ Gluon, so on the CPU the tests compile this kernel for sm_90 without running it.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -44,6 +47,18 @@ TILE_N = 2 * CONSUMER_KEYS
 HEAD_DIM = 128
 # Ring stages of Q and dO tiles (32 KiB a stage): 2 and 3 measured alike (17.47 / 17.54 ms at the design case).
 STAGES = 2
+# Whether MHA calls lag dQ a step (each step computes the step before's dQ, whose dS^T halves are both in by then, so
+# the two consumers do not meet within a step) with a staggered start (the second consumer starts once the first has
+# its first scores): 1.7-4.5% faster at B1 H24 S32k than meeting each step (d = 1 .. 0.1, causal), both measured
+# apart and together in BENCHMARKS.md, twentieth session. Not under GQA: inside the loop over the group the carried
+# state spilled more and it ran 5-8% slower (GQA 32/8 S16k, d = 0.5 and 0.1). Taking turns (FA3's ping-pong: each
+# consumer waits for the other to issue its products before issuing its own) ran 5-6% slower than lagging alone.
+LAGGED_DQ = True
+
+
+def lagged_dq(grouped: bool) -> bool:
+    """Whether a launch lags dQ a step (LAGGED_DQ), for GQA (grouped) or not."""
+    return LAGGED_DQ and not grouped
 
 _ROWS = gl.constexpr(STEP_ROWS)
 _KEYS = gl.constexpr(CONSUMER_KEYS)
@@ -66,9 +81,9 @@ else:  # Triton 3.6 has the operation (a bulk tensor reduction) without a Gluon 
 def _program(shared, BLOCK_KV: gl.constexpr):
     """(off_b, off_hkv, start_n, key_block) of this program: its batch, kv head, first key and key block."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
-     q_ready, q_empty, ds_ready, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads, group_size,
-     stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb, stride_dkh,
-     stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+     q_ready, q_empty, ds_ready, start_gate, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads,
+     group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb,
+     stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)
     start_n = gl.program_id(0) * (2 * _KEYS)
     return pid_bh // kv_heads, pid_bh % kv_heads, start_n, start_n // BLOCK_KV
@@ -78,9 +93,9 @@ def _program(shared, BLOCK_KV: gl.constexpr):
 def _q_list(shared, off_b, off_h, key_block, BLOCK_Q: gl.constexpr):
     """(steps, index_row): query head off_h's count of 64-row tiles for the key block, and its q list's pointer."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
-     q_ready, q_empty, ds_ready, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads, group_size,
-     stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb, stride_dkh,
-     stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+     q_ready, q_empty, ds_ready, start_gate, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads,
+     group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb,
+     stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     count = gl.load(Q_COUNT + off_b * stride_cb + off_h * stride_ch + key_block)
     index_row = Q_INDEX + off_b.to(gl.int64) * stride_ib + off_h.to(gl.int64) * stride_ih + key_block * stride_ik
     return count * (BLOCK_Q // _ROWS), index_row
@@ -100,14 +115,38 @@ def _box(tile):
 
 
 @gluon.jit
-def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_half, k_columns, dq_tile, st_zero,
-               W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+def _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, W: gl.constexpr):
+    """Add consumer W's dQ share (fp32 [64 rows, 64 columns]) at rows row0.. of query head off_h, columns W*64..,
+    through the TMA unit, from the consumer's shared tile once the previous reduction has read it."""
+    tma.store_wait(0)
+    dq_smem.index(W).store(dq)
+    fence_async_shared()
+    _tma_add(DQ_DESC, [off_b, off_h, row0, W * _KEYS], dq_tile)
+
+
+@gluon.jit
+def _lagged_dq(ds_smem, ds_ready, k_columns, st_zero, i):
+    """dQ's columns of program step i (dS K over the tile's 128 keys), once both consumers have stored their halves
+    of dS^T for it: an async wgmma to wait for."""
+    buf = i % 2
+    mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
+    return warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_columns, st_zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _head_walk(shared, dk, dv, it, pending_h, pending_row0, off_b, off_h, start_n, key_block, k_half, v_half,
+               k_columns, dq_tile, st_zero, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
+               CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr):
     """Consumer W's steps over query head off_h's q list for the key block, from the program's step `it` on:
-    (dk, dv, it) after them. CAUSAL: P = 0 where a key lies past the query row (key > row, absolute indices)."""
+    (dk, dv, it, pending_h, pending_row0) after them. CAUSAL: P = 0 where a key lies past the query row (key > row,
+    absolute indices). LAGGED_DQ: each step computes the dQ of the step before (whose query head and first row
+    pending_h / pending_row0 carry; the program's last one is left to _consumer), so the two consumers need not meet
+    within a step, and the second starts its first step once the first has its first scores, so that their
+    exponentials need not fall at the same time."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
-     q_ready, q_empty, ds_ready, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads, group_size,
-     stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb, stride_dkh,
-     stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+     q_ready, q_empty, ds_ready, start_gate, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads,
+     group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb,
+     stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     dtype: gl.constexpr = Q_DESC.dtype
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
     along_rows: gl.constexpr = gl.SliceLayout(0, st_zero.type.layout)
@@ -123,12 +162,20 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
         in_seq = rows < seq_q
         lse2 = gl.load(Lse2 + row_terms + rows * stride_ls, mask=in_seq, other=float("inf"))
         delta = gl.load(Delta + row_terms + rows * stride_ls, mask=in_seq, other=0.0)
+        if LAGGED_DQ:
+            if W == 1:
+                if i == 0:  # the staggered start
+                    mbarrier.wait(start_gate, 0)
         mbarrier.wait(q_ready.index(stage), (i // STAGES) & 1)
         q_tile = q_smem.index(stage)
         do_tile = do_smem.index(stage)
         st = warpgroup_mma(k_half, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_half, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(1, deps=(st, ))
+        if LAGGED_DQ:
+            if W == 0:
+                if i == 0:
+                    mbarrier.arrive(start_gate, count=1)
         pt = gl.exp2(st * scale_log2 - lse2[None, :])
         if CAUSAL:
             if row0 < first_key + _KEYS - 1:  # the diagonal crosses the step: some key lies past some row
@@ -141,34 +188,50 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
         dst_op = gl.convert_layout(dst, op_layout)
         dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
         dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
-        # dS^T's half into shared memory: dQ's product runs over all 128 keys, so it waits for both halves.
-        # Two buffers: a consumer writes one again two steps on, after the other has met it at the one between.
         buf = i % 2
-        ds_smem.index(buf).slice(W * _KEYS, _KEYS, dim=0).store(dst)
-        fence_async_shared()
-        mbarrier.arrive(ds_ready.index(buf), count=1)
-        mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
-        dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_columns, st_zero, use_acc=False,
-                           is_async=True)
-        dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_op, dst_op))
-        mbarrier.arrive(q_empty.index(stage), count=1)
-        tma.store_wait(0)  # the previous step's reduction has read the tile
-        dq_smem.index(W).store(dq)
-        fence_async_shared()
-        _tma_add(DQ_DESC, [off_b, off_h, row0, W * _KEYS], dq_tile)
-    return dk, dv, it + steps
+        if LAGGED_DQ:
+            if i > 0:
+                # the step before's dQ: the other consumer stored its half of that dS^T at the end of its step
+                dq = _lagged_dq(ds_smem, ds_ready, k_columns, st_zero, i - 1)
+                dq = warpgroup_mma_wait(0, deps=(dq, ))  # and so this step's products before it
+                mbarrier.arrive(q_empty.index(stage), count=1)
+                _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, pending_h, pending_row0, W)
+            # (a wgmma's result is a different type until waited for, so the branch cannot rebind dv and dk)
+            dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+            if i == 0:
+                mbarrier.arrive(q_empty.index(stage), count=1)
+            # The buffer's last contents (step i-2's dS^T) have been read: by this consumer just above, and by the
+            # other before it stored its half of step i-1's, which this one waited for (not at i = 0, 1: unused).
+            ds_smem.index(buf).slice(W * _KEYS, _KEYS, dim=0).store(dst)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            pending_h = off_h
+            pending_row0 = row0
+        else:
+            # dS^T's half into shared memory: dQ's product runs over all 128 keys, so it waits for both halves.
+            # Two buffers: a consumer writes one again two steps on, after the other has met it at the one between.
+            ds_smem.index(buf).slice(W * _KEYS, _KEYS, dim=0).store(dst)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
+            dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_columns, st_zero, use_acc=False,
+                               is_async=True)
+            dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_op, dst_op))
+            mbarrier.arrive(q_empty.index(stage), count=1)
+            _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, W)
+    return dk, dv, it + steps, pending_h, pending_row0
 
 
 @gluon.jit
 def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, STAGES: gl.constexpr,
-              GROUPED: gl.constexpr, CAUSAL: gl.constexpr):
+              GROUPED: gl.constexpr, CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr):
     """Keys W*64 .. W*64+63 of the program's tile: dK and dV over the group's q lists, stored at the end, and dQ's
     columns W*64 .. W*64+63 of each step, added into the fp32 buffer behind DQ_DESC (without the softmax scale).
     shared: the kernel's arguments and buffers, as attention_bwd_ws_kernel packs them."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
-     q_ready, q_empty, ds_ready, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads, group_size,
-     stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb, stride_dkh,
-     stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+     q_ready, q_empty, ds_ready, start_gate, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads,
+     group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb,
+     stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     off_b, off_hkv, start_n, key_block = _program(shared, BLOCK_KV)
     D: gl.constexpr = Q_DESC.block_type.shape[3]
     # [64 keys, 64 rows] scores (and dQ's [64 rows, 64 columns]); [64 keys, D] gradients
@@ -186,14 +249,24 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
     mbarrier.wait(kv_ready, 0)
     # The MHA walk is one loop: a loop over the group around it keeps more state live across the inner one, and
     # ptxas spilled three times as much (sm_90 SASS, Triton 3.6).
+    # LAGGED_DQ: the query head and first row of the step whose dQ is still to come
+    pending_h = off_hkv
+    pending_row0 = 0
     if GROUPED:
         it = 0  # steps so far, over the group's heads: the ring's and the dS buffers' phases
         for g in range(group_size):
-            dk, dv, it = _head_walk(shared, dk, dv, it, off_b, off_hkv * group_size + g, start_n, key_block, k_half,
-                                    v_half, k_columns, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL)
+            dk, dv, it, pending_h, pending_row0 = _head_walk(
+                shared, dk, dv, it, pending_h, pending_row0, off_b, off_hkv * group_size + g, start_n, key_block,
+                k_half, v_half, k_columns, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL, LAGGED_DQ)
     else:
-        dk, dv, _ = _head_walk(shared, dk, dv, 0, off_b, off_hkv, start_n, key_block, k_half, v_half, k_columns,
-                               dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL)
+        dk, dv, it, pending_h, pending_row0 = _head_walk(
+            shared, dk, dv, 0, pending_h, pending_row0, off_b, off_hkv, start_n, key_block, k_half, v_half,
+            k_columns, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL, LAGGED_DQ)
+    if LAGGED_DQ:
+        if it > 0:  # the last step's dQ
+            dq = _lagged_dq(ds_smem, ds_ready, k_columns, st_zero, it - 1)
+            dq = warpgroup_mma_wait(0, deps=(dq, ))
+            _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, pending_h, pending_row0, W)
     tma.store_wait(0)  # the last reduction has read its tile before the program's shared memory goes
     keys = start_n + W * _KEYS + gl.arange(0, _KEYS, gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
@@ -206,13 +279,13 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
 
 @gluon.jit
 def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, STAGES: gl.constexpr,
-            GROUPED: gl.constexpr, CAUSAL: gl.constexpr):
+            GROUPED: gl.constexpr, CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr):
     """One warp: the tile's K and V, then each step's Q and dO tiles into the ring, a stage once both consumers
     have released it. (Same parameters as _consumer: Gluon's worker partitions share one signature.)"""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
-     q_ready, q_empty, ds_ready, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads, group_size,
-     stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb, stride_dkh,
-     stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+     q_ready, q_empty, ds_ready, start_gate, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads,
+     group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb,
+     stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     off_b, off_hkv, start_n, key_block = _program(shared, BLOCK_KV)
     mbarrier.expect(kv_ready, K_DESC.block_type.nbytes + V_DESC.block_type.nbytes)
     tma.async_copy_global_to_shared(K_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(k_smem))
@@ -240,7 +313,8 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, DK, DV, Ls
                             stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb, stride_dkh, stride_dks,
                             stride_dvb, stride_dvh, stride_dvs, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr,
                             STAGES: gl.constexpr, GROUPED: gl.constexpr, CAUSAL: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                            LAGGED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            LOADER_REGS: gl.constexpr):
     """Grid (Sk / 128, launch.batch_head_axes(B, Hkv)). Q_DESC / DO_DESC: Gluon host descriptors of q and dO
     [B, H, Sq, 128] with [1, 1, 64, 128] boxes; K_DESC / V_DESC of k, v [B, Hkv, Sk, 128] with [1, 1, 128, 128];
     DQ_DESC of a zeroed fp32 [B, H, Sq, 128] buffer with [1, 1, 64, 64] boxes (it gets dS K without the softmax
@@ -264,7 +338,9 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, DK, DV, Ls
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    start_gate = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # LAGGED_DQ's staggered start
     mbarrier.init(kv_ready, count=1)
+    mbarrier.init(start_gate, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)  # both consumers release a stage
@@ -272,15 +348,15 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, DK, DV, Ls
         mbarrier.init(ds_ready.index(i), count=2)  # both consumers' halves of dS^T
     fence_async_shared()
     shared = (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
-              q_ready, q_empty, ds_ready, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads,
-              group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls,
-              stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs)
+              q_ready, q_empty, ds_ready, start_gate, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q,
+              kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh,
+              stride_ls, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs)
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
     gl.warp_specialize([
-        (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL)),
-        (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL)),
-        (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL)),
+        (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ)),
+        (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ)),
+        (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -335,19 +411,19 @@ def attention_backward_ws(q, k, v, grad_out, lse2, delta, q_count, q_index, bloc
             # the lists' size-1 batch and head dims broadcast: stride 0
             **stride_args("c", q_count, "bh"), **stride_args("i", q_index, "bhk"), **stride_args("l", lse2, "bhs"),
             **stride_args("dk", dk, "bhs"), **stride_args("dv", dv, "bhs"), BLOCK_Q=block_q, BLOCK_KV=block_kv,
-            STAGES=STAGES, GROUPED=heads != kv_heads, CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS,
-            LOADER_REGS=LOADER_REGS)
+            STAGES=STAGES, GROUPED=heads != kv_heads, CAUSAL=causal, LAGGED_DQ=lagged_dq(heads != kv_heads),
+            CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
         return (seq_kv // TILE_N, *launch.batch_head_axes(batch, kv_heads)), descriptors, static
-    launch_warp_specialized(attention_bwd_ws_kernel, (block_q, block_kv, scale_log2, causal, STAGES),
+    launch_warp_specialized(attention_bwd_ws_kernel, (block_q, block_kv, scale_log2, causal, STAGES, LAGGED_DQ),
                             dict(Q_DESC=q, K_DESC=k, V_DESC=v, DO_DESC=grad_out, DQ_DESC=dq_acc, DK=dk, DV=dv,
                                  Lse2=lse2, Delta=delta, Q_COUNT=q_count, Q_INDEX=q_index), arguments)
 
 
 def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = torch.bfloat16,
-                 grouped: bool = False, causal: bool = False):
+                 grouped: bool = False, causal: bool = False, lagged: Optional[bool] = None):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
-    kernel for q lists at (block_q, block_kv), GQA (grouped) or not, causal or not, with the launch's register
-    settings."""
+    kernel for q lists at (block_q, block_kv), GQA (grouped) or not, causal or not, dQ lagged a step or not (None:
+    as a launch would, lagged_dq()), with the launch's register settings."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     name = _GL_DTYPES[dtype][0]
@@ -355,6 +431,7 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
     descriptors = dict(Q_DESC=rows_desc, DO_DESC=rows_desc, K_DESC=keys_desc, V_DESC=keys_desc,
                        DQ_DESC=descriptor_signature(torch.float32, STEP_ROWS, CONSUMER_KEYS))
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, STAGES=STAGES, GROUPED=grouped, CAUSAL=causal,
+                     LAGGED_DQ=lagged_dq(grouped) if lagged is None else lagged,
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
     signature = {}
     for param in attention_bwd_ws_kernel.params:

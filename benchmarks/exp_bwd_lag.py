@@ -1,0 +1,63 @@
+"""Experiment: the warp-specialized backward with dQ lagged a step and a staggered start (backward_ws.LAGGED_DQ: each
+step computes the previous step's dQ, so the two consumer warpgroups need not meet within a step, and the second
+starts once the first has its first scores) against the consumers meeting at every step's dS. LAGGED_DQ applies
+to MHA calls only (backward_ws.lagged_dq), so GQA cases time the same kernel twice. Times each variant's backward
+(ms, effective TFLOP/s at 5 products) in two interleaved rounds (the faster of the two medians) and its largest
+relative gap to the Triton backward's gradients. (The twentieth session ran earlier versions with the staggered
+start as a flag of its own and with FA3-style turns: benchmarks/results-2026-12-02-h200-session20.md.)
+
+    python benchmarks/exp_bwd_lag.py [--cases design gqa causal]
+"""
+
+import argparse
+import torch
+
+import blockattn
+from blockattn.bench import Case, _flops, _inputs, _time_ms, block_mask
+from blockattn.kernels import backward_ws
+
+CASES = {
+    "design": [Case(density=d) for d in (1.0, 0.5, 0.25, 0.1)],
+    "gqa": [Case(heads=32, kv_heads=8, seq=16384, density=d) for d in (0.5, 0.1)],
+    "causal": [Case(pattern="causal", density=0.5)],
+    "short": [Case(batch=8, heads=16, kv_heads=16, seq=4096, density=0.5)],
+}
+VARIANTS = [False, True]  # LAGGED_DQ
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=["design", "gqa", "causal"], choices=list(CASES))
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    default = backward_ws.LAGGED_DQ
+    print("| case | " + " | ".join(f"LAGGED_DQ={lagged}" for lagged in VARIANTS) + " |")
+    print("| --- |" + " --- |" * len(VARIANTS))
+    for case in [c for name in args.cases for c in CASES[name]]:
+        keep = block_mask(case, device)
+        blocks = blockattn.BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
+        q, k, v = _inputs(case, device, requires_grad=True)
+        grad = torch.randn_like(q)
+        flops = 2.5 * _flops(case, blocks.density())
+        out = blockattn.attention(q, k, v, blocks, is_causal=case.pattern == "causal")
+
+        def backward():
+            return torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+        backward_ws.ENABLED = False
+        reference = [g.float() for g in backward()]
+        backward_ws.ENABLED = True
+        gaps, times = {}, {variant: [] for variant in VARIANTS}
+        for round_ in range(2):
+            for variant in VARIANTS:
+                backward_ws.LAGGED_DQ = variant
+                if round_ == 0:
+                    gaps[variant] = max(((a.float() - b).norm() / b.norm()).item()
+                                        for a, b in zip(backward(), reference))
+                times[variant].append(_time_ms(backward))
+        backward_ws.LAGGED_DQ = default
+        cells = [f"{min(times[v]):.3f} ({flops / min(times[v]) / 1e9:.0f}; gap {gaps[v]:.1e})" for v in VARIANTS]
+        print(f"| {case.label} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
