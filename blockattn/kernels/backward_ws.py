@@ -321,7 +321,8 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, DK, DV, Ls
     scale). Lse2 / Delta fp32 [B, H, Sq] (strides stride_l*): the row terms of backward._row_terms. Q_COUNT int32
     [Bm, Hm, nk], Q_INDEX int32 [Bm, Hm, nk, L] (size-1 mask dims with stride 0). DK / DV [B, Hkv, Sk, 128], last
     dim contiguous. Sk is a multiple of BLOCK_KV, a multiple of 128; BLOCK_Q is a multiple of 64. GROUPED: Hkv < H.
-    CAUSAL: only keys at or before each query row count (the lists those of BlockSparsity.causal() or fewer)."""
+    CAUSAL: only keys at or before each query row count (the lists those of BlockSparsity.causal() or fewer).
+    LAGGED_DQ: each step computes the step before's dQ, the second consumer starting after the first (lagged_dq())."""
     D: gl.constexpr = Q_DESC.block_type.shape[3]
     dtype: gl.constexpr = Q_DESC.dtype
     row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, D], dtype)
