@@ -52,7 +52,8 @@ STAGES = 2
 # its first scores): 1.7-4.5% faster at B1 H24 S32k than meeting each step (d = 1 .. 0.1, causal), both measured
 # apart and together in BENCHMARKS.md, twentieth session. Not under GQA: inside the loop over the group the carried
 # state spilled more and it ran 5-8% slower (GQA 32/8 S16k, d = 0.5 and 0.1). Taking turns (FA3's ping-pong: each
-# consumer waits for the other to issue its products before issuing its own) ran 5-6% slower than lagging alone.
+# consumer waits for the other to issue its products before issuing its own) ran 5-6% slower than lagging alone,
+# and four dS buffers with each half stored as soon as it is computed 0-3% slower.
 LAGGED_DQ = True
 
 
