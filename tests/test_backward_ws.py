@@ -221,3 +221,29 @@ def test_gradients_with_consumers_meeting_each_step(case, poisoned, warp_special
     calls run): the kernel's other dQ schedule."""
     monkeypatch.setattr(backward_ws, "LAGGED_DQ", False)
     test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls)
+
+
+@pytest.mark.parametrize("lagged", [True, False])
+def test_programs_of_zero_one_and_two_steps(poisoned, warp_specialized_calls, monkeypatch, lagged):
+    """64x128 blocks (a step per kept query block), MHA: key blocks kept by no query block, by exactly one (the
+    program's only step has no dQ before it to compute, so its dQ is the one after the walk), by two, and by all,
+    with dQ lagged and not. Gradients against the fp64 oracle; rows past the kept blocks and unkept key blocks get
+    exact zeros."""
+    monkeypatch.setattr(backward_ws, "LAGGED_DQ", lagged)
+    block, seq = (64, 128), 512
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, seq, 128, seed=5))
+    keep = torch.zeros(1, 2, seq // block[0], seq // block[1], dtype=torch.bool, device=DEVICE)
+    keep[..., 3, 0] = True          # key block 0: one step
+    keep[..., [1, 6], 1] = True     # key block 1: two steps
+    keep[..., :, 2] = True          # key block 2: every query block; key block 3: none
+    out = blockattn.attention(q, k, v, keep, block, backend="triton")
+    grad_out = torch.randn(out.shape, generator=torch.Generator(device=DEVICE).manual_seed(6), device=DEVICE)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype))
+    on_hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+    assert warp_specialized_calls == ([block] if on_hopper else [])
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(oracle(*leaves, expand(keep, block, seq, seq))[0], leaves, grad_out.double())
+    for name, got, ref in zip("qkv", grads, want):
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        assert torch.isfinite(got).all() and err < 1e-2, f"d{name} relative error {err:.2e}"
+    assert not grads[1][:, :, 3 * block[1]:].any() and not grads[2][:, :, 3 * block[1]:].any()
