@@ -49,11 +49,12 @@ HEAD_DIM = 128
 STAGES = 2
 # Whether MHA calls lag dQ a step (each step computes the step before's dQ, whose dS^T halves are both in by then, so
 # the two consumers do not meet within a step) with a staggered start (the second consumer starts once the first has
-# its first scores): 1.7-4.5% faster at B1 H24 S32k than meeting each step (d = 1 .. 0.1, causal), both measured
-# apart and together in BENCHMARKS.md, twentieth session. Not under GQA: inside the loop over the group the carried
-# state spilled more and it ran 5-8% slower (GQA 32/8 S16k, d = 0.5 and 0.1). Taking turns (FA3's ping-pong: each
-# consumer waits for the other to issue its products before issuing its own) ran 5-6% slower than lagging alone,
-# and four dS buffers with each half stored as soon as it is computed 0-3% slower.
+# its first scores): 1.7-4.5% faster at B1 H24 S32k than meeting each step (d = 1 .. 0.1, causal), both measured apart
+# and together in BENCHMARKS.md, twentieth session. Not under GQA: there it ran 5-8% slower (GQA 32/8 S16k, d = 0.5
+# and 0.1) when the pending dQ was carried across the group's heads; each head's walk now ends with its own last dQ
+# (sm_90 SASS: 65 spill stores against 72 then and 56 unlagged), not yet measured. Taking turns (FA3's ping-pong: each
+# consumer waits for the other to issue its products before issuing its own) ran 5-6% slower than lagging alone, and
+# four dS buffers with each half stored as soon as it is computed 0-3% slower.
 LAGGED_DQ = True
 
 
@@ -126,7 +127,17 @@ def _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, W: gl.constexpr):
 
 
 @gluon.jit
-def _lagged_dq(ds_smem, ds_ready, k_columns, st_zero, i):
+def _store_ds_half(ds_smem, ds_ready, dst, i, W: gl.constexpr):
+    """Consumer W's half of program step i's dS^T ([64 keys, 64 rows]) into that step's buffer, and its arrival on
+    the buffer's barrier."""
+    buf = i % 2
+    ds_smem.index(buf).slice(W * _KEYS, _KEYS, dim=0).store(dst)
+    fence_async_shared()
+    mbarrier.arrive(ds_ready.index(buf), count=1)
+
+
+@gluon.jit
+def _dq_product(ds_smem, ds_ready, k_columns, st_zero, i):
     """dQ's columns of program step i (dS K over the tile's 128 keys), once both consumers have stored their halves
     of dS^T for it: an async wgmma to wait for."""
     buf = i % 2
@@ -135,15 +146,14 @@ def _lagged_dq(ds_smem, ds_ready, k_columns, st_zero, i):
 
 
 @gluon.jit
-def _head_walk(shared, dk, dv, it, pending_h, pending_row0, off_b, off_h, start_n, key_block, k_half, v_half,
-               k_columns, dq_tile, st_zero, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr):
+def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_half, k_columns, dq_tile, st_zero,
+               W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+               LAGGED_DQ: gl.constexpr):
     """Consumer W's steps over query head off_h's q list for the key block, from the program's step `it` on:
-    (dk, dv, it, pending_h, pending_row0) after them. CAUSAL: P = 0 where a key lies past the query row (key > row,
-    absolute indices). LAGGED_DQ: each step computes the dQ of the step before (whose query head and first row
-    pending_h / pending_row0 carry; the program's last one is left to _consumer), so the two consumers need not meet
-    within a step, and the second starts its first step once the first has its first scores, so that their
-    exponentials need not fall at the same time."""
+    (dk, dv, it) after them. CAUSAL: P = 0 where a key lies past the query row (key > row, absolute indices).
+    LAGGED_DQ: each step computes the dQ of the step before and the walk's last one follows it, so the two consumers
+    need not meet within a step; the second starts its first step once the first has its first scores, so that
+    their exponentials need not fall at the same time."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
      q_ready, q_empty, ds_ready, start_gate, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads,
      group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb,
@@ -154,6 +164,7 @@ def _head_walk(shared, dk, dv, it, pending_h, pending_row0, off_b, off_h, start_
     first_key = start_n + W * _KEYS
     steps, index_row = _q_list(shared, off_b, off_h, key_block, BLOCK_Q)
     row_terms = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh  # Lse2 and Delta share a layout
+    pending_row0 = 0  # LAGGED_DQ: the first row of the step whose dQ is still to come
     for step in range(steps):
         i = it + step  # the program's step: the ring's and the dS buffers' phases
         stage = i % STAGES
@@ -189,38 +200,36 @@ def _head_walk(shared, dk, dv, it, pending_h, pending_row0, off_b, off_h, start_
         dst_op = gl.convert_layout(dst, op_layout)
         dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
         dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
-        buf = i % 2
         if LAGGED_DQ:
-            if i > 0:
+            if step > 0:
                 # the step before's dQ: the other consumer stored its half of that dS^T at the end of its step
-                dq = _lagged_dq(ds_smem, ds_ready, k_columns, st_zero, i - 1)
+                dq = _dq_product(ds_smem, ds_ready, k_columns, st_zero, i - 1)
                 dq = warpgroup_mma_wait(0, deps=(dq, ))  # and so this step's products before it
                 mbarrier.arrive(q_empty.index(stage), count=1)
-                _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, pending_h, pending_row0, W)
+                _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, pending_row0, W)
             # (a wgmma's result is a different type until waited for, so the branch cannot rebind dv and dk)
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
-            if i == 0:
+            if step == 0:
                 mbarrier.arrive(q_empty.index(stage), count=1)
-            # The buffer's last contents (step i-2's dS^T) have been read: by this consumer just above, and by the
-            # other before it stored its half of step i-1's, which this one waited for (not at i = 0, 1: unused).
-            ds_smem.index(buf).slice(W * _KEYS, _KEYS, dim=0).store(dst)
-            fence_async_shared()
-            mbarrier.arrive(ds_ready.index(buf), count=1)
-            pending_h = off_h
+            # The buffer's last contents (step i-2's dS^T) have been read: by this consumer (just above, or at the
+            # end of the walk before), and by the other before it stored its half of step i-1's, which this one
+            # waited for (at i = 0, 1 the buffer is unused).
+            _store_ds_half(ds_smem, ds_ready, dst, i, W)
             pending_row0 = row0
         else:
             # dS^T's half into shared memory: dQ's product runs over all 128 keys, so it waits for both halves.
             # Two buffers: a consumer writes one again two steps on, after the other has met it at the one between.
-            ds_smem.index(buf).slice(W * _KEYS, _KEYS, dim=0).store(dst)
-            fence_async_shared()
-            mbarrier.arrive(ds_ready.index(buf), count=1)
-            mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
-            dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_columns, st_zero, use_acc=False,
-                               is_async=True)
+            _store_ds_half(ds_smem, ds_ready, dst, i, W)
+            dq = _dq_product(ds_smem, ds_ready, k_columns, st_zero, i)
             dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_op, dst_op))
             mbarrier.arrive(q_empty.index(stage), count=1)
             _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, W)
-    return dk, dv, it + steps, pending_h, pending_row0
+    if LAGGED_DQ:
+        if steps > 0:  # the walk's last dQ
+            dq = _dq_product(ds_smem, ds_ready, k_columns, st_zero, it + steps - 1)
+            dq = warpgroup_mma_wait(0, deps=(dq, ))
+            _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, pending_row0, W)
+    return dk, dv, it + steps
 
 
 @gluon.jit
@@ -250,24 +259,14 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
     mbarrier.wait(kv_ready, 0)
     # The MHA walk is one loop: a loop over the group around it keeps more state live across the inner one, and
     # ptxas spilled three times as much (sm_90 SASS, Triton 3.6).
-    # LAGGED_DQ: the query head and first row of the step whose dQ is still to come
-    pending_h = off_hkv
-    pending_row0 = 0
     if GROUPED:
         it = 0  # steps so far, over the group's heads: the ring's and the dS buffers' phases
         for g in range(group_size):
-            dk, dv, it, pending_h, pending_row0 = _head_walk(
-                shared, dk, dv, it, pending_h, pending_row0, off_b, off_hkv * group_size + g, start_n, key_block,
-                k_half, v_half, k_columns, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL, LAGGED_DQ)
+            dk, dv, it = _head_walk(shared, dk, dv, it, off_b, off_hkv * group_size + g, start_n, key_block, k_half,
+                                    v_half, k_columns, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL, LAGGED_DQ)
     else:
-        dk, dv, it, pending_h, pending_row0 = _head_walk(
-            shared, dk, dv, 0, pending_h, pending_row0, off_b, off_hkv, start_n, key_block, k_half, v_half,
-            k_columns, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL, LAGGED_DQ)
-    if LAGGED_DQ:
-        if it > 0:  # the last step's dQ
-            dq = _lagged_dq(ds_smem, ds_ready, k_columns, st_zero, it - 1)
-            dq = warpgroup_mma_wait(0, deps=(dq, ))
-            _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, pending_h, pending_row0, W)
+        dk, dv, _ = _head_walk(shared, dk, dv, 0, off_b, off_hkv, start_n, key_block, k_half, v_half, k_columns,
+                               dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL, LAGGED_DQ)
     tma.store_wait(0)  # the last reduction has read its tile before the program's shared memory goes
     keys = start_n + W * _KEYS + gl.arange(0, _KEYS, gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
