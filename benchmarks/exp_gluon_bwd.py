@@ -42,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from blockattn.kernels.backward_ws import _tma_add as tma_add
+from blockattn.kernels.forward_ws import tma_load
 
 ROWS = 64     # query rows per step
 KEYS = 128    # keys per program (the key block); each consumer owns KEYS // 2
@@ -280,15 +281,15 @@ def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr
     off_h, key_block, steps, index_row = _place(shared, BLOCK_Q)
     head_rows = off_h * seq
     mbarrier.expect(kv_ready, K_DESC.block_type.nbytes + V_DESC.block_type.nbytes)
-    tma.async_copy_global_to_shared(K_DESC, [head_rows + key_block * (2 * _HALF), 0], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(V_DESC, [head_rows + key_block * (2 * _HALF), 0], kv_ready, v_smem)
+    tma_load(K_DESC, [head_rows + key_block * (2 * _HALF), 0], kv_ready, k_smem)
+    tma_load(V_DESC, [head_rows + key_block * (2 * _HALF), 0], kv_ready, v_smem)
     for step in range(steps):
         stage = step % STAGES
         mbarrier.wait(q_empty.index(stage), ((step // STAGES) & 1) ^ 1)
         row = head_rows + _walk_row(index_row, step, steps, key_block, BLOCK_Q, DQ_MODE)
         mbarrier.expect(q_ready.index(stage), Q_DESC.block_type.nbytes + DO_DESC.block_type.nbytes)
-        tma.async_copy_global_to_shared(Q_DESC, [row, 0], q_ready.index(stage), q_smem.index(stage))
-        tma.async_copy_global_to_shared(DO_DESC, [row, 0], q_ready.index(stage), do_smem.index(stage))
+        tma_load(Q_DESC, [row, 0], q_ready.index(stage), q_smem.index(stage))
+        tma_load(DO_DESC, [row, 0], q_ready.index(stage), do_smem.index(stage))
 
 
 @gluon.jit

@@ -17,8 +17,10 @@ import argparse
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
+
+from blockattn.kernels.forward_ws import tma_load
 
 LOG2E = gl.constexpr(1.4426950408889634)
 CONSUMER_ROWS = 64
@@ -151,17 +153,17 @@ def _loader(shared, HALF: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.cons
     index_row = KV_INDEX + h * stride_ih + pid_m * stride_iq
     q_row = bh * seq + pid_m * (2 * HALF_M)
     mbarrier.expect(q_ready, 2 * Q_DESC.block_type.nbytes)
-    tma.async_copy_global_to_shared(Q_DESC, [q_row, 0], q_ready, q_smem.index(0))
-    tma.async_copy_global_to_shared(Q_DESC, [q_row + HALF_M, 0], q_ready, q_smem.index(1))
+    tma_load(Q_DESC, [q_row, 0], q_ready, q_smem.index(0))
+    tma_load(Q_DESC, [q_row + HALF_M, 0], q_ready, q_smem.index(1))
     kv_row = bh * seq
     for j in range(total):
         stage = j % STAGES
         row = kv_row + gl.load(index_row + j // TILES) * BLOCK_KV + (j % TILES) * BLOCK_N
         mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(stage), K_DESC.block_type.nbytes)
-        tma.async_copy_global_to_shared(K_DESC, [row, 0], k_ready.index(stage), k_smem.index(stage))
+        tma_load(K_DESC, [row, 0], k_ready.index(stage), k_smem.index(stage))
         mbarrier.expect(v_ready.index(stage), V_DESC.block_type.nbytes)
-        tma.async_copy_global_to_shared(V_DESC, [row, 0], v_ready.index(stage), v_smem.index(stage))
+        tma_load(V_DESC, [row, 0], v_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit

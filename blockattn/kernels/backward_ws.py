@@ -36,7 +36,7 @@ from .forward import stride_args
 # register bound among them): the forward's. Its host descriptors, their compile signatures and the launch
 # (launch_warp_specialized) also come from there.
 from .forward_ws import (CONSUMER_REGS, LAUNCH_OPTIONS, LOADER_REGS, _GL_DTYPES, _LOG2E, descriptor_signature,
-                         host_descriptor, launch_warp_specialized)
+                         host_descriptor, launch_warp_specialized, tma_load)
 
 # Whether attention_backward may take this kernel (benchmarks switch it off to time the Triton backward).
 ENABLED = True
@@ -288,8 +288,8 @@ def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constex
      stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     off_b, off_hkv, start_n, key_block = _program(shared, BLOCK_KV)
     mbarrier.expect(kv_ready, K_DESC.block_type.nbytes + V_DESC.block_type.nbytes)
-    tma.async_copy_global_to_shared(K_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(k_smem))
-    tma.async_copy_global_to_shared(V_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(v_smem))
+    tma_load(K_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(k_smem))
+    tma_load(V_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(v_smem))
     it = 0
     for g in range(group_size):
         off_h = off_hkv * group_size + g
@@ -300,10 +300,10 @@ def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constex
             mbarrier.wait(q_empty.index(stage), ((it // STAGES) & 1) ^ 1)
             row0 = _first_row(index_row, step, BLOCK_Q)
             mbarrier.expect(q_ready.index(stage), Q_DESC.block_type.nbytes + DO_DESC.block_type.nbytes)
-            tma.async_copy_global_to_shared(Q_DESC, [off_b, off_h, row0, 0], q_ready.index(stage),
-                                            _box(q_smem.index(stage)))
-            tma.async_copy_global_to_shared(DO_DESC, [off_b, off_h, row0, 0], q_ready.index(stage),
-                                            _box(do_smem.index(stage)))
+            tma_load(Q_DESC, [off_b, off_h, row0, 0], q_ready.index(stage),
+                     _box(q_smem.index(stage)))
+            tma_load(DO_DESC, [off_b, off_h, row0, 0], q_ready.index(stage),
+                     _box(do_smem.index(stage)))
             it += 1
 
 

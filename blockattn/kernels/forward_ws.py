@@ -31,6 +31,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from . import launch
 
+# A TMA copy from global into shared memory: async_load from Triton 3.9 on, where the older name raises; Triton 3.6
+# has only async_copy_global_to_shared (same arguments: descriptor, coordinates, barrier, destination).
+tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+
 # Whether attention_forward may take this kernel (benchmarks switch it off to time the Triton forward).
 ENABLED = True
 # Query rows per consumer warpgroup (4 warps x 16 rows of a wgmma) and per program (two consumers).
@@ -286,8 +290,8 @@ def _loader(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.cons
     PARTS: gl.constexpr = _TILE_N // SUB_N
     sub_tiles = count * SUBS_PER_BLOCK
     mbarrier.expect(q_ready, 2 * Q_DESC.block_type.nbytes)
-    tma.async_copy_global_to_shared(Q_DESC, [off_b, off_h, start_m, 0], q_ready, q_smem.index(0))
-    tma.async_copy_global_to_shared(Q_DESC, [off_b, off_h, start_m + _ROWS, 0], q_ready, q_smem.index(1))
+    tma_load(Q_DESC, [off_b, off_h, start_m, 0], q_ready, q_smem.index(0))
+    tma_load(Q_DESC, [off_b, off_h, start_m + _ROWS, 0], q_ready, q_smem.index(1))
     for j in range((sub_tiles + PARTS - 1) // PARTS):
         stage = j % STAGES
         # a fresh barrier counts as released in the phase before its first: the first round of stages goes at once
@@ -297,10 +301,10 @@ def _loader(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.cons
         for part in gl.static_range(PARTS):
             sub = gl.minimum(PARTS * j + part, sub_tiles - 1)  # an odd count's last tile repeats its sub tile
             row = gl.load(index_row + sub // SUBS_PER_BLOCK) * BLOCK_KV + (sub % SUBS_PER_BLOCK) * SUB_N
-            tma.async_copy_global_to_shared(K_DESC, [off_b, off_hkv, row, 0], k_ready.index(stage),
-                                            _sub_tile(k_smem, stage, part, SUB_N))
-            tma.async_copy_global_to_shared(V_DESC, [off_b, off_hkv, row, 0], v_ready.index(stage),
-                                            _sub_tile(v_smem, stage, part, SUB_N))
+            tma_load(K_DESC, [off_b, off_hkv, row, 0], k_ready.index(stage),
+                     _sub_tile(k_smem, stage, part, SUB_N))
+            tma_load(V_DESC, [off_b, off_hkv, row, 0], v_ready.index(stage),
+                     _sub_tile(v_smem, stage, part, SUB_N))
 
 
 @gluon.jit
