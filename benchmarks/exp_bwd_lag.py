@@ -21,7 +21,8 @@ CASES = {
     "design": [Case(density=d) for d in (1.0, 0.5, 0.25, 0.1)],
     "gqa": [Case(heads=32, kv_heads=8, seq=16384, density=d) for d in (0.5, 0.1)],
     "causal": [Case(pattern="causal", density=0.5)],
-    "short": [Case(batch=8, heads=16, kv_heads=16, seq=4096, density=0.5)],
+    "short": [Case(batch=8, heads=16, kv_heads=16, seq=s, density=0.5) for s in (2048, 4096)]
+    + [Case(batch=8, heads=16, kv_heads=16, seq=4096, pattern="causal", density=0.5)],
 }
 VARIANTS = [False, True]  # LAGGED_DQ
 

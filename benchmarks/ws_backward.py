@@ -5,6 +5,7 @@ backward on the same block mask, in one process: ms and effective TFLOP/s per ca
     python benchmarks/ws_backward.py                       # the design cases, 128x128 blocks, densities 1 .. 0.1
     python benchmarks/ws_backward.py --cases short gqa     # B8 H16 S2048/4096 d=0.5; GQA 32/8 S16384
     python benchmarks/ws_backward.py --cases causal blocks # causal (and cuDNN's causal backward); 256x256, 64x128
+    python benchmarks/ws_backward.py --cases d64           # head dim 64: densities 0.5 .. 0.1, causal, GQA, B8
     python benchmarks/ws_backward.py --profile             # also each backward's GPU time per kernel (torch.profiler)
 """
 
@@ -25,6 +26,10 @@ SUITES = {
     # is_causal over the block-causal mask at 128x128 (the warp-specialized backward needs 128-key blocks)
     "causal": [Case(pattern="causal", density=0.5), Case(batch=8, heads=16, kv_heads=16, seq=4096, pattern="causal",
                                                        density=0.5)],
+    # head dim 64 (the kernel's dQ over each consumer's own keys)
+    "d64": [Case(dim=64, density=d) for d in (0.5, 0.25, 0.1)] + [
+        Case(dim=64, pattern="causal", density=0.5), Case(dim=64, heads=32, kv_heads=8, seq=16384, density=0.25),
+        Case(dim=64, batch=8, heads=16, kv_heads=16, seq=4096, density=0.5)],
 }
 
 

@@ -33,6 +33,7 @@ def test_qualifying_calls():
     assert _qualifies(block_q=64)
     assert _qualifies(block_q=256, block_kv=256)
     assert _qualifies(is_causal=True)
+    assert _qualifies(q=_meta(2, 4, 1000, 64), k=_meta(2, 2, 1024, 64))
     assert _qualifies(q=_meta(2, 4, 1000, 128, dtype=torch.float16), k=_meta(2, 2, 1024, 128, dtype=torch.float16))
     # bshd storage seen as bhsd: strides (S*H*D, D, H*D, 1), all 16-byte multiples
     bshd = _meta(2, 1024, 4, 128).transpose(1, 2)
@@ -47,7 +48,8 @@ def test_calls_it_declines(change):
     assert not _qualifies(**change), change
 
 
-@pytest.mark.parametrize("tensors", ["fp32", "mixed dtypes", "grad dtype", "head dim 64", "value dim 64",
+@pytest.mark.parametrize("tensors", ["fp32", "mixed dtypes", "grad dtype", "head dim 96", "value dim 64",
+                                     "value dim 128 at 64",
                                      "ragged keys", "unaligned stride", "strided last dim", "unaligned start",
                                      "broadcast grad"])
 def test_tensors_it_declines(tensors):
@@ -59,11 +61,14 @@ def test_tensors_it_declines(tensors):
         v = _meta(2, 2, 1024, 128, dtype=torch.float16)
     elif tensors == "grad dtype":
         grad_out = q.float()
-    elif tensors == "head dim 64":
-        q, k, v = _meta(2, 4, 1000, 64), _meta(2, 2, 1024, 64), _meta(2, 2, 1024, 64)
+    elif tensors == "head dim 96":  # not in HEAD_DIMS (64, 128)
+        q, k, v = _meta(2, 4, 1000, 96), _meta(2, 2, 1024, 96), _meta(2, 2, 1024, 96)
         grad_out = q
     elif tensors == "value dim 64":
         v = _meta(2, 2, 1024, 64)
+    elif tensors == "value dim 128 at 64":
+        q, k, v = _meta(2, 4, 1000, 64), _meta(2, 2, 1024, 64), _meta(2, 2, 1024, 128)
+        grad_out = _meta(2, 4, 1000, 128)
     elif tensors == "ragged keys":  # the sequence's end inside a key block needs element tests
         k = v = _meta(2, 2, 1000, 128)
     elif tensors == "unaligned stride":  # rows 129 elements apart: 258 bytes, not a multiple of 16
@@ -116,14 +121,15 @@ def test_mha_calls_lag_dq():
         backward_ws.LAGGED_DQ = previous
 
 
-@pytest.mark.parametrize("blocks, dtype, grouped, causal, lagged", [((128, 128), "bfloat16", False, False, None),
-                                                                    ((64, 256), "float16", True, True, None),
-                                                                    ((128, 128), "bfloat16", False, True, False)])
-def test_compiles_for_sm90_with_its_register_split(blocks, dtype, grouped, causal, lagged):
+@pytest.mark.parametrize("blocks, dtype, grouped, causal, lagged, dim", [
+    ((128, 128), "bfloat16", False, False, None, 128), ((64, 256), "float16", True, True, None, 128),
+    ((128, 128), "bfloat16", False, True, False, 128), ((128, 128), "bfloat16", False, True, None, 64),
+    ((64, 128), "float16", True, False, None, 64)])
+def test_compiles_for_sm90_with_its_register_split(blocks, dtype, grouped, causal, lagged, dim):
     """Each variant (lagged: None as a launch would, lagged_dq()) compiles with the register split, wgmma, TMA copies
     and adds, in shared memory, without local memory."""
     report = sm90_report(f"backward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.{dtype}, grouped={grouped}, "
-                         f"causal={causal}, lagged={lagged})")
+                         f"causal={causal}, lagged={lagged}, dim={dim})")
     assert {backward_ws.CONSUMER_REGS, backward_ws.LOADER_REGS} <= set(report["registers"]), report
     assert report["wgmma"] and report["tma"] and report["reduction"], report
     assert report["shared"] <= 227 * 1024, report
@@ -133,26 +139,31 @@ def test_compiles_for_sm90_with_its_register_split(blocks, dtype, grouped, causa
 # ---------------------------------------------------------------- against the oracle
 
 CASES = {
-    # name: (batch, heads, kv_heads, seq_q, seq_kv, block, dtype, layout); "one mask" cases share one [nq, nk] mask
+    # name: (batch, heads, kv_heads, seq_q, seq_kv, block, dtype, layout, head dim); "one mask" cases share one
+    # [nq, nk] mask
     # across batch and heads (the lists' batch and head strides are 0)
-    "128x128 bf16": (2, 4, 4, 2048, 2048, (128, 128), torch.bfloat16, "bhsd"),
+    "128x128 bf16": (2, 4, 4, 2048, 2048, (128, 128), torch.bfloat16, "bhsd", 128),
     # 1000 = 15 * 64 + 40: the last step's rows end inside it
-    "64x128 fp16, query tail": (1, 4, 4, 1000, 1024, (64, 128), torch.float16, "bhsd"),
+    "64x128 fp16, query tail": (1, 4, 4, 1000, 1024, (64, 128), torch.float16, "bhsd", 128),
     # 900 = 7 * 128 + 4: the last block's second 64-row step lies wholly past the end
-    "short query tail": (1, 2, 2, 900, 1024, (128, 128), torch.bfloat16, "bhsd"),
-    "256x256 gqa": (1, 8, 2, 1024, 1024, (256, 256), torch.bfloat16, "bhsd"),
-    "bshd layout": (2, 2, 2, 1536, 1024, (128, 128), torch.bfloat16, "bshd"),
-    "one mask, batch 3, gqa": (3, 4, 2, 1024, 1280, (128, 128), torch.bfloat16, "bhsd"),
+    "short query tail": (1, 2, 2, 900, 1024, (128, 128), torch.bfloat16, "bhsd", 128),
+    "256x256 gqa": (1, 8, 2, 1024, 1024, (256, 256), torch.bfloat16, "bhsd", 128),
+    "bshd layout": (2, 2, 2, 1536, 1024, (128, 128), torch.bfloat16, "bshd", 128),
+    "one mask, batch 3, gqa": (3, 4, 2, 1024, 1280, (128, 128), torch.bfloat16, "bhsd", 128),
+    # D = 64: each consumer's dQ over its own keys (GQA meeting each step, MHA lagging dQ)
+    "d64 gqa, query tail": (1, 4, 2, 1000, 1024, (128, 128), torch.bfloat16, "bhsd", 64),
+    "d64 64x128 fp16": (2, 2, 2, 1024, 1024, (64, 128), torch.float16, "bshd", 64),
 }
 CAUSAL_CASES = {
     # Sq < Sk: top-left alignment, the query tail ends inside its step
-    "128x128 causal, query tail": (1, 4, 4, 1000, 1024, (128, 128), torch.bfloat16, "bhsd"),
+    "128x128 causal, query tail": (1, 4, 4, 1000, 1024, (128, 128), torch.bfloat16, "bhsd", 128),
     # 64-row blocks: the diagonal crosses two steps of each 128-key tile
-    "64x128 causal gqa fp16": (2, 4, 2, 1024, 1024, (64, 128), torch.float16, "bhsd"),
+    "64x128 causal gqa fp16": (2, 4, 2, 1024, 1024, (64, 128), torch.float16, "bhsd", 128),
     # the last query block keeps only the key block starting halfway down it: its first 128 rows see no key
-    "256x128 causal": (1, 2, 2, 1024, 1024, (256, 128), torch.bfloat16, "bhsd"),
+    "256x128 causal": (1, 2, 2, 1024, 1024, (256, 128), torch.bfloat16, "bhsd", 128),
     # Sq > Sk: the last query blocks see every key
-    "more queries than keys": (1, 2, 2, 1536, 512, (128, 128), torch.bfloat16, "bshd"),
+    "more queries than keys": (1, 2, 2, 1536, 512, (128, 128), torch.bfloat16, "bshd", 128),
+    "d64 causal": (1, 2, 2, 1024, 1024, (128, 128), torch.bfloat16, "bhsd", 64),
 }
 
 
@@ -175,9 +186,9 @@ def test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls):
     keeps (exact zeros for its dk and dv) and, where the mask is per head, a head that keeps nothing. Causal cases
     keep, in their last query block, only the key block holding its middle row."""
     is_causal = case in CAUSAL_CASES
-    batch, heads, kv_heads, seq_q, seq_kv, block, dtype, layout = (CAUSAL_CASES if is_causal else CASES)[case]
+    batch, heads, kv_heads, seq_q, seq_kv, block, dtype, layout, dim = (CAUSAL_CASES if is_causal else CASES)[case]
     heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
-    q, k, v = qkv(batch, heads, seq_q, 128, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
+    q, k, v = qkv(batch, heads, seq_q, dim, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -215,7 +226,7 @@ def test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls):
     assert not grads[1][:, :, unkept].any() and not grads[2][:, :, unkept].any(), "dk / dv of an unkept key block"
 
 
-@pytest.mark.parametrize("case", ["short query tail", "128x128 causal, query tail"])
+@pytest.mark.parametrize("case", ["short query tail", "128x128 causal, query tail", "d64 64x128 fp16"])
 def test_gradients_with_consumers_meeting_each_step(case, poisoned, warp_specialized_calls, monkeypatch):
     """As above on MHA cases, with dQ not lagged (LAGGED_DQ off: both consumers meet at each step's dS, as GQA
     calls run): the kernel's other dQ schedule."""

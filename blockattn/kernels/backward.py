@@ -491,7 +491,7 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
 
     dq = buffers.empty_like(q) if need_dq else None
     dk, dv = (buffers.empty_like(k), buffers.empty_like(v)) if need_dkdv else (None, None)
-    if warp_specialized:  # (D = BD = 128: dq_acc4 is the contiguous [B, H, Sq, 128] buffer it adds into)
+    if warp_specialized:  # (D = BD, 64 or 128: dq_acc4 is the contiguous [B, H, Sq, D] buffer it adds into)
         warp_specialized.attention_backward_ws(q, k, v, grad_out, lse2, delta, q_count, q_index, block_q, block_kv,
                                                scale * LOG2E, bool(is_causal), dq_acc4, dk, dv)
         _finish_dq(dq_acc4, dq, scale)

@@ -12,7 +12,7 @@ warp-specialized backward"). Measured on the H200 at B1 H24 S32768 D128, density
 against 20.02 for the Triton backward and 21.25 for FlexAttention's (BENCHMARKS.md, twentieth session).
 
 It covers the plain walk and the causal one (the test key <= query on the steps the diagonal crosses): no other
-element tests (no token mask, kv_valid, gathered block mask or packed batch), bf16 or fp16, head dim 128, key
+element tests (no token mask, kv_valid, gathered block mask or packed batch), bf16 or fp16, head dim 64 or 128, key
 blocks of whole 128-key tiles and query blocks of whole 64-row ones.
 The dQ adds land in a nondeterministic order, so deterministic mode runs the Triton backward. `plan()` says whether
 a call qualifies; backward.attention_backward runs the Triton kernels otherwise. Triton's interpreter cannot run
@@ -44,7 +44,10 @@ ENABLED = True
 STEP_ROWS = 64
 CONSUMER_KEYS = 64
 TILE_N = 2 * CONSUMER_KEYS
-HEAD_DIM = 128
+# Head dims (D = Dv) the kernel takes. At 128 each consumer computes half of dQ's columns over the tile's 128 keys;
+# at 64 a half (32 columns, 64 bytes) would cut the 128-byte swizzled rows of K in shared memory, which a wgmma
+# operand cannot start inside, so each consumer computes all 64 columns over its own 64 keys and both add them.
+HEAD_DIMS = (64, 128)
 # Ring stages of Q and dO tiles (32 KiB a stage): 2 and 3 measured alike (17.47 / 17.54 ms at the design case).
 STAGES = 2
 # Whether MHA calls lag dQ a step (each step computes the step before's dQ, whose dS^T halves are both in by then, so
@@ -117,13 +120,17 @@ def _box(tile):
 
 
 @gluon.jit
-def _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, W: gl.constexpr):
-    """Add consumer W's dQ share (fp32 [64 rows, 64 columns]) at rows row0.. of query head off_h, columns W*64..,
-    through the TMA unit, from the consumer's shared tile once the previous reduction has read it."""
+def _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, W: gl.constexpr, OWN_KEYS: gl.constexpr):
+    """Add consumer W's dQ share (fp32 [64 rows, 64 columns]) at rows row0.. of query head off_h, columns W*64..
+    (OWN_KEYS: columns 0..63, the sum over its own keys), through the TMA unit, from the consumer's shared tile once
+    the previous reduction has read it."""
     tma.store_wait(0)
     dq_smem.index(W).store(dq)
     fence_async_shared()
-    _tma_add(DQ_DESC, [off_b, off_h, row0, W * _KEYS], dq_tile)
+    if OWN_KEYS:
+        _tma_add(DQ_DESC, [off_b, off_h, row0, 0], dq_tile)
+    else:
+        _tma_add(DQ_DESC, [off_b, off_h, row0, W * _KEYS], dq_tile)
 
 
 @gluon.jit
@@ -137,16 +144,20 @@ def _store_ds_half(ds_smem, ds_ready, dst, i, W: gl.constexpr):
 
 
 @gluon.jit
-def _dq_product(ds_smem, ds_ready, k_columns, st_zero, i):
-    """dQ's columns of program step i (dS K over the tile's 128 keys), once both consumers have stored their halves
-    of dS^T for it: an async wgmma to wait for."""
+def _dq_product(ds_smem, ds_ready, k_dq, st_zero, i, W: gl.constexpr, OWN_KEYS: gl.constexpr):
+    """Consumer W's share of program step i's dQ, once both consumers have stored their halves of dS^T for it: an
+    async wgmma to wait for. dS K over the tile's 128 keys for k_dq's 64 columns, or (OWN_KEYS) over its own 64 keys
+    for all of D = 64 (k_dq: its keys' rows of K)."""
     buf = i % 2
     mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
-    return warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_columns, st_zero, use_acc=False, is_async=True)
+    ds_t = ds_smem.index(buf)
+    if OWN_KEYS:
+        ds_t = ds_t.slice(W * _KEYS, _KEYS, dim=0)
+    return warpgroup_mma(ds_t.permute((1, 0)), k_dq, st_zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
-def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_half, k_columns, dq_tile, st_zero,
+def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_half, k_dq, dq_tile, st_zero,
                W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                LAGGED_DQ: gl.constexpr):
     """Consumer W's steps over query head off_h's q list for the key block, from the program's step `it` on:
@@ -159,6 +170,7 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
      group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb,
      stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     dtype: gl.constexpr = Q_DESC.dtype
+    OWN_KEYS: gl.constexpr = Q_DESC.block_type.shape[3] != 2 * _KEYS  # D = 64: dQ over the consumer's own keys
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
     along_rows: gl.constexpr = gl.SliceLayout(0, st_zero.type.layout)
     first_key = start_n + W * _KEYS
@@ -203,10 +215,10 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
         if LAGGED_DQ:
             if step > 0:
                 # the step before's dQ: the other consumer stored its half of that dS^T at the end of its step
-                dq = _dq_product(ds_smem, ds_ready, k_columns, st_zero, i - 1)
+                dq = _dq_product(ds_smem, ds_ready, k_dq, st_zero, i - 1, W, OWN_KEYS)
                 dq = warpgroup_mma_wait(0, deps=(dq, ))  # and so this step's products before it
                 mbarrier.arrive(q_empty.index(stage), count=1)
-                _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, pending_row0, W)
+                _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, pending_row0, W, OWN_KEYS)
             # (a wgmma's result is a different type until waited for, so the branch cannot rebind dv and dk)
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
             if step == 0:
@@ -220,15 +232,15 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
             # dS^T's half into shared memory: dQ's product runs over all 128 keys, so it waits for both halves.
             # Two buffers: a consumer writes one again two steps on, after the other has met it at the one between.
             _store_ds_half(ds_smem, ds_ready, dst, i, W)
-            dq = _dq_product(ds_smem, ds_ready, k_columns, st_zero, i)
+            dq = _dq_product(ds_smem, ds_ready, k_dq, st_zero, i, W, OWN_KEYS)
             dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_op, dst_op))
             mbarrier.arrive(q_empty.index(stage), count=1)
-            _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, W)
+            _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, W, OWN_KEYS)
     if LAGGED_DQ:
         if steps > 0:  # the walk's last dQ
-            dq = _dq_product(ds_smem, ds_ready, k_columns, st_zero, it + steps - 1)
+            dq = _dq_product(ds_smem, ds_ready, k_dq, st_zero, it + steps - 1, W, OWN_KEYS)
             dq = warpgroup_mma_wait(0, deps=(dq, ))
-            _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, pending_row0, W)
+            _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, pending_row0, W, OWN_KEYS)
     return dk, dv, it + steps
 
 
@@ -254,7 +266,10 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
     st_zero = gl.zeros([_KEYS, _ROWS], gl.float32, st_layout)
     k_half = k_smem.slice(W * _KEYS, _KEYS, dim=0)       # [64 keys, D]
     v_half = v_smem.slice(W * _KEYS, _KEYS, dim=0)
-    k_columns = k_smem.slice(W * _KEYS, _KEYS, dim=1)    # [128 keys, 64 of D]: this consumer's dQ columns
+    if D == 2 * _KEYS:
+        k_dq = k_smem.slice(W * _KEYS, _KEYS, dim=1)     # [128 keys, 64 of D]: this consumer's dQ columns
+    else:
+        k_dq = k_half                                    # D = 64: all columns, over its own keys
     dq_tile = _box(dq_smem.index(W))
     mbarrier.wait(kv_ready, 0)
     # The MHA walk is one loop: a loop over the group around it keeps more state live across the inner one, and
@@ -263,9 +278,9 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
         it = 0  # steps so far, over the group's heads: the ring's and the dS buffers' phases
         for g in range(group_size):
             dk, dv, it = _head_walk(shared, dk, dv, it, off_b, off_hkv * group_size + g, start_n, key_block, k_half,
-                                    v_half, k_columns, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL, LAGGED_DQ)
+                                    v_half, k_dq, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL, LAGGED_DQ)
     else:
-        dk, dv, _ = _head_walk(shared, dk, dv, 0, off_b, off_hkv, start_n, key_block, k_half, v_half, k_columns,
+        dk, dv, _ = _head_walk(shared, dk, dv, 0, off_b, off_hkv, start_n, key_block, k_half, v_half, k_dq,
                                dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL, LAGGED_DQ)
     tma.store_wait(0)  # the last reduction has read its tile before the program's shared memory goes
     keys = start_n + W * _KEYS + gl.arange(0, _KEYS, gl.SliceLayout(1, acc_layout))
@@ -316,10 +331,10 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, DK, DV, Ls
                             LAGGED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                             LOADER_REGS: gl.constexpr):
     """Grid (Sk / 128, launch.batch_head_axes(B, Hkv)). Q_DESC / DO_DESC: Gluon host descriptors of q and dO
-    [B, H, Sq, 128] with [1, 1, 64, 128] boxes; K_DESC / V_DESC of k, v [B, Hkv, Sk, 128] with [1, 1, 128, 128];
-    DQ_DESC of a zeroed fp32 [B, H, Sq, 128] buffer with [1, 1, 64, 64] boxes (it gets dS K without the softmax
-    scale). Lse2 / Delta fp32 [B, H, Sq] (strides stride_l*): the row terms of backward._row_terms. Q_COUNT int32
-    [Bm, Hm, nk], Q_INDEX int32 [Bm, Hm, nk, L] (size-1 mask dims with stride 0). DK / DV [B, Hkv, Sk, 128], last
+    [B, H, Sq, D] with [1, 1, 64, D] boxes (D = 64 or 128); K_DESC / V_DESC of k, v [B, Hkv, Sk, D] with
+    [1, 1, 128, D]; DQ_DESC of a zeroed fp32 [B, H, Sq, D] buffer with [1, 1, 64, 64] boxes (it gets dS K without
+    the softmax scale). Lse2 / Delta fp32 [B, H, Sq] (strides stride_l*): the row terms of backward._row_terms. Q_COUNT int32
+    [Bm, Hm, nk], Q_INDEX int32 [Bm, Hm, nk, L] (size-1 mask dims with stride 0). DK / DV [B, Hkv, Sk, D], last
     dim contiguous. Sk is a multiple of BLOCK_KV, a multiple of 128; BLOCK_Q is a multiple of 64. GROUPED: Hkv < H.
     CAUSAL: only keys at or before each query row count (the lists those of BlockSparsity.causal() or fewer).
     LAGGED_DQ: each step computes the step before's dQ, the second consumer starting after the first (lagged_dq())."""
@@ -377,7 +392,7 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch
               *, is_causal: bool, token_mask, block_mask, kv_valid, varlen, min_work: int) -> bool:
     """plan()'s conditions on the call, whatever the device: no element tests but the causal one (no token_mask,
     block_mask, kv_valid or varlen, Sk a multiple of block_kv); bf16 or fp16 for q, k, v and grad_out alike;
-    D = Dv = 128; block_kv a multiple of 128 and block_q of 64; at least min_work of dense work (B * H * Sq * Sk *
+    D = Dv in HEAD_DIMS; block_kv a multiple of 128 and block_q of 64; at least min_work of dense work (B * H * Sq * Sk *
     D); every tensor's last dim contiguous, its other strides positive (a broadcast gradient has zeros) and, with
     its start, 16-byte aligned (TMA's rule)."""
     if any(x is not None for x in (token_mask, block_mask, kv_valid, varlen)):
@@ -386,7 +401,7 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch
         return False
     batch, heads, seq_q, dim = q.shape
     seq_kv = k.shape[2]
-    if dim != HEAD_DIM or v.shape[-1] != HEAD_DIM or block_kv % TILE_N or block_q % STEP_ROWS or seq_kv % block_kv:
+    if dim not in HEAD_DIMS or v.shape[-1] != dim or block_kv % TILE_N or block_q % STEP_ROWS or seq_kv % block_kv:
         return False
     if batch * heads * seq_q * seq_kv * dim < min_work:
         return False
@@ -397,8 +412,8 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch
 
 def attention_backward_ws(q, k, v, grad_out, lse2, delta, q_count, q_index, block_q: int, block_kv: int,
                           scale_log2: float, causal: bool, dq_acc, dk, dv) -> None:
-    """Run the kernel: dS K (unscaled) added into dq_acc (fp32 [B, H, Sq, 128], zeroed, contiguous), dk and dv
-    [B, Hkv, Sk, 128] stored. lse2 / delta fp32 [B, H, Sq]: the row terms (backward._row_terms). causal: the
+    """Run the kernel: dS K (unscaled) added into dq_acc (fp32 [B, H, Sq, D], zeroed, contiguous), dk and dv
+    [B, Hkv, Sk, D] stored. lse2 / delta fp32 [B, H, Sq]: the row terms (backward._row_terms). causal: the
     key <= query test on the steps the diagonal crosses."""
     batch, heads, seq_q, _ = q.shape
     kv_heads, seq_kv = k.shape[1], k.shape[2]
@@ -421,14 +436,14 @@ def attention_backward_ws(q, k, v, grad_out, lse2, delta, q_count, q_index, bloc
 
 
 def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = torch.bfloat16,
-                 grouped: bool = False, causal: bool = False, lagged: Optional[bool] = None):
+                 grouped: bool = False, causal: bool = False, lagged: Optional[bool] = None, dim: int = 128):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for q lists at (block_q, block_kv), GQA (grouped) or not, causal or not, dQ lagged a step or not (None:
-    as a launch would, lagged_dq()), with the launch's register settings."""
+    as a launch would, lagged_dq()), head dim `dim` (HEAD_DIMS), with the launch's register settings."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     name = _GL_DTYPES[dtype][0]
-    rows_desc, keys_desc = descriptor_signature(dtype, STEP_ROWS), descriptor_signature(dtype, TILE_N)
+    rows_desc, keys_desc = descriptor_signature(dtype, STEP_ROWS, dim), descriptor_signature(dtype, TILE_N, dim)
     descriptors = dict(Q_DESC=rows_desc, DO_DESC=rows_desc, K_DESC=keys_desc, V_DESC=keys_desc,
                        DQ_DESC=descriptor_signature(torch.float32, STEP_ROWS, CONSUMER_KEYS))
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, STAGES=STAGES, GROUPED=grouped, CAUSAL=causal,
