@@ -1,13 +1,12 @@
 """Experiment: the warp-specialized backward with dQ lagged a step and a staggered start (backward_ws.LAGGED_DQ: each
 step computes the previous step's dQ, so the two consumer warpgroups need not meet within a step, and the second
-starts once the first has its first scores) against the consumers meeting at every step's dS. LAGGED_DQ applies
-to MHA calls only (backward_ws.lagged_dq), so GQA cases time the same kernel twice unless --grouped-lag makes GQA
-calls follow LAGGED_DQ too (each head's walk then ends with its own last dQ). Times each variant's backward
-(ms, effective TFLOP/s at 5 products) in two interleaved rounds (the faster of the two medians) and its largest
-relative gap to the Triton backward's gradients. (The twentieth session ran earlier versions with the staggered
+starts once the first has its first scores) against the consumers meeting at every step's dS, for MHA and GQA
+calls alike (GQA lags too from the twenty-first session on). Times each variant's backward (ms, effective TFLOP/s at
+5 products) in two interleaved rounds (the faster of the two medians) and its largest relative gap to the Triton
+backward's gradients. (The twentieth session ran earlier versions with the staggered
 start as a flag of its own and with FA3-style turns: benchmarks/results-2026-12-02-h200-session20.md.)
 
-    python benchmarks/exp_bwd_lag.py [--cases design gqa causal] [--grouped-lag]
+    python benchmarks/exp_bwd_lag.py [--cases design gqa causal]
 """
 
 import argparse
@@ -30,10 +29,7 @@ VARIANTS = [False, True]  # LAGGED_DQ
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=["design", "gqa", "causal"], choices=list(CASES))
-    parser.add_argument("--grouped-lag", action="store_true", help="GQA calls lag dQ too when LAGGED_DQ is on")
     args = parser.parse_args()
-    if args.grouped_lag:
-        backward_ws.lagged_dq = lambda grouped: backward_ws.LAGGED_DQ
     device = torch.device("cuda")
     default = backward_ws.LAGGED_DQ
     print("| case | " + " | ".join(f"LAGGED_DQ={lagged}" for lagged in VARIANTS) + " |")

@@ -110,23 +110,12 @@ def test_switched_off_deterministic_or_off_hopper_it_declines(monkeypatch):
     assert backward.warp_specialized_module(*dispatch, None) is None
 
 
-def test_mha_calls_lag_dq():
-    """dQ lags a step for MHA launches, not for GQA ones, and for neither with LAGGED_DQ off."""
-    assert backward_ws.lagged_dq(grouped=False) and not backward_ws.lagged_dq(grouped=True)
-    previous = backward_ws.LAGGED_DQ
-    try:
-        backward_ws.LAGGED_DQ = False
-        assert not backward_ws.lagged_dq(grouped=False)
-    finally:
-        backward_ws.LAGGED_DQ = previous
-
-
 @pytest.mark.parametrize("blocks, dtype, grouped, causal, lagged, dim", [
     ((128, 128), "bfloat16", False, False, None, 128), ((64, 256), "float16", True, True, None, 128),
     ((128, 128), "bfloat16", False, True, False, 128), ((128, 128), "bfloat16", False, True, None, 64),
     ((64, 128), "float16", True, False, None, 64)])
 def test_compiles_for_sm90_with_its_register_split(blocks, dtype, grouped, causal, lagged, dim):
-    """Each variant (lagged: None as a launch would, lagged_dq()) compiles with the register split, wgmma, TMA copies
+    """Each variant (lagged: None as a launch would, LAGGED_DQ) compiles with the register split, wgmma, TMA copies
     and adds, in shared memory, without local memory."""
     report = sm90_report(f"backward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.{dtype}, grouped={grouped}, "
                          f"causal={causal}, lagged={lagged}, dim={dim})")
@@ -226,10 +215,10 @@ def test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls):
     assert not grads[1][:, :, unkept].any() and not grads[2][:, :, unkept].any(), "dk / dv of an unkept key block"
 
 
-@pytest.mark.parametrize("case", ["short query tail", "128x128 causal, query tail", "d64 64x128 fp16"])
+@pytest.mark.parametrize("case", ["short query tail", "128x128 causal, query tail", "d64 64x128 fp16", "256x256 gqa"])
 def test_gradients_with_consumers_meeting_each_step(case, poisoned, warp_specialized_calls, monkeypatch):
-    """As above on MHA cases, with dQ not lagged (LAGGED_DQ off: both consumers meet at each step's dS, as GQA
-    calls run): the kernel's other dQ schedule."""
+    """As above with dQ not lagged (LAGGED_DQ off: both consumers meet at each step's dS): the kernel's other dQ
+    schedule."""
     monkeypatch.setattr(backward_ws, "LAGGED_DQ", False)
     test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls)
 

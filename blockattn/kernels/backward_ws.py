@@ -1,15 +1,15 @@
 """The warp-specialized backward for Hopper, written in Gluon: FlashAttention-3's structure over blockattn's q lists.
 
-One program takes one 128-key tile of one (batch, kv head) and walks the q lists of the query heads that share it.
-A loader warp reads the tile's K and V once, then each listed query block's 64-row tiles of Q and dO into a ring of
-shared-memory stages through TMA. Two consumer warpgroups own 64 keys each. Per query tile a consumer computes
-S^T = K Q^T and dP^T = V dO^T for its keys, P^T and dS^T in registers, adds P^T dO into dV and dS^T Q into dK,
-and stores dS^T into shared memory; once both halves are there, each computes half of dQ's columns (dS K) and
-adds them into an fp32 buffer through the TMA unit (a bulk tensor reduction from shared memory). For MHA calls dQ
-lags a step (LAGGED_DQ): a step computes the step before's dQ, so the consumers need not meet within a step. Five
-tile products per step, against seven for the Triton kernels' deterministic dQ walk (kernels/README.md, "The
-warp-specialized backward"). Measured on the H200 at B1 H24 S32768 D128, density 0.25, 128x128 blocks: 16.74 ms
-against 20.02 for the Triton backward and 21.25 for FlexAttention's (BENCHMARKS.md, twentieth session).
+One program takes one 128-key tile of one (batch, kv head) and walks the q lists of the query heads that share it. A
+loader warp reads the tile's K and V once, then each listed query block's 64-row tiles of Q and dO into a ring of
+shared-memory stages through TMA. Two consumer warpgroups own 64 keys each. Per query tile a consumer computes S^T =
+K Q^T and dP^T = V dO^T for its keys, P^T and dS^T in registers, adds P^T dO into dV and dS^T Q into dK, and stores dS^T
+into shared memory; once both halves are there, each computes half of dQ's columns (dS K; at D=64 all columns over its
+own keys) and adds them into an fp32 buffer through the TMA unit (a bulk tensor reduction from shared memory). dQ lags a
+step (LAGGED_DQ): a step computes the step before's dQ, so the consumers need not meet within a step. Five tile products
+per step, against seven for the Triton kernels' deterministic dQ walk (kernels/README.md, "The warp-specialized
+backward"). Measured on the H200 at B1 H24 S32768 D128, density 0.25, 128x128 blocks: 16.74 ms against 20.02 for the
+Triton backward and 21.25 for FlexAttention's (BENCHMARKS.md, twentieth session).
 
 It covers the plain walk and the causal one (the test key <= query on the steps the diagonal crosses): no other
 element tests (no token mask, kv_valid, gathered block mask or packed batch), bf16 or fp16, head dim 64 or 128, key
@@ -50,20 +50,15 @@ TILE_N = 2 * CONSUMER_KEYS
 HEAD_DIMS = (64, 128)
 # Ring stages of Q and dO tiles (32 KiB a stage): 2 and 3 measured alike (17.47 / 17.54 ms at the design case).
 STAGES = 2
-# Whether MHA calls lag dQ a step (each step computes the step before's dQ, whose dS^T halves are both in by then, so
-# the two consumers do not meet within a step) with a staggered start (the second consumer starts once the first has
-# its first scores): 1.7-4.5% faster at B1 H24 S32k than meeting each step (d = 1 .. 0.1, causal), both measured apart
-# and together in BENCHMARKS.md, twentieth session. Not under GQA: there it ran 5-8% slower (GQA 32/8 S16k, d = 0.5
-# and 0.1) when the pending dQ was carried across the group's heads; each head's walk now ends with its own last dQ
-# (sm_90 SASS: 65 spill stores against 72 then and 56 unlagged), not yet measured. Taking turns (FA3's ping-pong: each
-# consumer waits for the other to issue its products before issuing its own) ran 5-6% slower than lagging alone, and
-# four dS buffers with each half stored as soon as it is computed 0-3% slower.
+# Whether dQ lags a step (each step computes the step before's dQ, whose dS^T halves are both in by then, so the two
+# consumers do not meet within a step) with a staggered start (the second consumer starts once the first has its
+# first scores): 1.7-4.5% faster at B1 H24 S32k than meeting each step (d = 1 .. 0.1, causal), both measured apart and
+# together in BENCHMARKS.md, twentieth session. GQA calls lag too since each head's walk ends with its own last dQ
+# (0.8-1.3% faster at GQA 32/8 S16k d=0.5, even at d=0.1; twenty-first session): carried across the group's heads it
+# had run 5-8% slower. Taking turns (FA3's ping-pong: each consumer waits for the other to issue its products before
+# issuing its own) ran 5-6% slower than lagging alone, and four dS buffers with each half stored as soon as it is
+# computed 0-3% slower.
 LAGGED_DQ = True
-
-
-def lagged_dq(grouped: bool) -> bool:
-    """Whether a launch lags dQ a step (LAGGED_DQ), for GQA (grouped) or not."""
-    return LAGGED_DQ and not grouped
 
 _ROWS = gl.constexpr(STEP_ROWS)
 _KEYS = gl.constexpr(CONSUMER_KEYS)
@@ -330,14 +325,14 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, DK, DV, Ls
                             STAGES: gl.constexpr, GROUPED: gl.constexpr, CAUSAL: gl.constexpr,
                             LAGGED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                             LOADER_REGS: gl.constexpr):
-    """Grid (Sk / 128, launch.batch_head_axes(B, Hkv)). Q_DESC / DO_DESC: Gluon host descriptors of q and dO
-    [B, H, Sq, D] with [1, 1, 64, D] boxes (D = 64 or 128); K_DESC / V_DESC of k, v [B, Hkv, Sk, D] with
-    [1, 1, 128, D]; DQ_DESC of a zeroed fp32 [B, H, Sq, D] buffer with [1, 1, 64, 64] boxes (it gets dS K without
-    the softmax scale). Lse2 / Delta fp32 [B, H, Sq] (strides stride_l*): the row terms of backward._row_terms. Q_COUNT int32
-    [Bm, Hm, nk], Q_INDEX int32 [Bm, Hm, nk, L] (size-1 mask dims with stride 0). DK / DV [B, Hkv, Sk, D], last
-    dim contiguous. Sk is a multiple of BLOCK_KV, a multiple of 128; BLOCK_Q is a multiple of 64. GROUPED: Hkv < H.
-    CAUSAL: only keys at or before each query row count (the lists those of BlockSparsity.causal() or fewer).
-    LAGGED_DQ: each step computes the step before's dQ, the second consumer starting after the first (lagged_dq())."""
+    """Grid (Sk / 128, launch.batch_head_axes(B, Hkv)). Q_DESC / DO_DESC: Gluon host descriptors of q and dO [B, H, Sq,
+    D] with [1, 1, 64, D] boxes (D = 64 or 128); K_DESC / V_DESC of k, v [B, Hkv, Sk, D] with [1, 1, 128, D]; DQ_DESC of
+    a zeroed fp32 [B, H, Sq, D] buffer with [1, 1, 64, 64] boxes (it gets dS K without the softmax scale). Lse2 / Delta
+    fp32 [B, H, Sq] (strides stride_l*): the row terms of backward._row_terms. Q_COUNT int32 [Bm, Hm, nk], Q_INDEX int32
+    [Bm, Hm, nk, L] (size-1 mask dims with stride 0). DK / DV [B, Hkv, Sk, D], last dim contiguous. Sk is a multiple of
+    BLOCK_KV, a multiple of 128; BLOCK_Q is a multiple of 64. GROUPED: Hkv < H. CAUSAL: only keys at or before each
+    query row count (the lists those of BlockSparsity.causal() or fewer). LAGGED_DQ: each step computes the step
+    before's dQ, the second consumer starting after the first."""
     D: gl.constexpr = Q_DESC.block_type.shape[3]
     dtype: gl.constexpr = Q_DESC.dtype
     row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, D], dtype)
@@ -391,10 +386,10 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tens
 def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, block_q: int, block_kv: int,
               *, is_causal: bool, token_mask, block_mask, kv_valid, varlen, min_work: int) -> bool:
     """plan()'s conditions on the call, whatever the device: no element tests but the causal one (no token_mask,
-    block_mask, kv_valid or varlen, Sk a multiple of block_kv); bf16 or fp16 for q, k, v and grad_out alike;
-    D = Dv in HEAD_DIMS; block_kv a multiple of 128 and block_q of 64; at least min_work of dense work (B * H * Sq * Sk *
-    D); every tensor's last dim contiguous, its other strides positive (a broadcast gradient has zeros) and, with
-    its start, 16-byte aligned (TMA's rule)."""
+    block_mask, kv_valid or varlen, Sk a multiple of block_kv); bf16 or fp16 for q, k, v and grad_out alike; D = Dv in
+    HEAD_DIMS; block_kv a multiple of 128 and block_q of 64; at least min_work of dense work (B * H * Sq * Sk * D);
+    every tensor's last dim contiguous, its other strides positive (a broadcast gradient has zeros) and, with its start,
+    16-byte aligned (TMA's rule)."""
     if any(x is not None for x in (token_mask, block_mask, kv_valid, varlen)):
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype == grad_out.dtype):
@@ -427,7 +422,7 @@ def attention_backward_ws(q, k, v, grad_out, lse2, delta, q_count, q_index, bloc
             # the lists' size-1 batch and head dims broadcast: stride 0
             **stride_args("c", q_count, "bh"), **stride_args("i", q_index, "bhk"), **stride_args("l", lse2, "bhs"),
             **stride_args("dk", dk, "bhs"), **stride_args("dv", dv, "bhs"), BLOCK_Q=block_q, BLOCK_KV=block_kv,
-            STAGES=STAGES, GROUPED=heads != kv_heads, CAUSAL=causal, LAGGED_DQ=lagged_dq(heads != kv_heads),
+            STAGES=STAGES, GROUPED=heads != kv_heads, CAUSAL=causal, LAGGED_DQ=LAGGED_DQ,
             CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
         return (seq_kv // TILE_N, *launch.batch_head_axes(batch, kv_heads)), descriptors, static
     launch_warp_specialized(attention_bwd_ws_kernel, (block_q, block_kv, scale_log2, causal, STAGES, LAGGED_DQ),
@@ -439,7 +434,7 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
                  grouped: bool = False, causal: bool = False, lagged: Optional[bool] = None, dim: int = 128):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for q lists at (block_q, block_kv), GQA (grouped) or not, causal or not, dQ lagged a step or not (None:
-    as a launch would, lagged_dq()), head dim `dim` (HEAD_DIMS), with the launch's register settings."""
+    as a launch would, LAGGED_DQ), head dim `dim` (HEAD_DIMS), with the launch's register settings."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     name = _GL_DTYPES[dtype][0]
@@ -447,7 +442,7 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
     descriptors = dict(Q_DESC=rows_desc, DO_DESC=rows_desc, K_DESC=keys_desc, V_DESC=keys_desc,
                        DQ_DESC=descriptor_signature(torch.float32, STEP_ROWS, CONSUMER_KEYS))
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, STAGES=STAGES, GROUPED=grouped, CAUSAL=causal,
-                     LAGGED_DQ=lagged_dq(grouped) if lagged is None else lagged,
+                     LAGGED_DQ=LAGGED_DQ if lagged is None else lagged,
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
     signature = {}
     for param in attention_bwd_ws_kernel.params:
