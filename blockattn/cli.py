@@ -31,18 +31,21 @@ def _density(text: str) -> float:
     return value
 
 
-def _wall_ms(fn, device, repeats: int) -> float:
-    """Median wall time of fn in ms (synchronizing the GPU around each run)."""
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2]
+def _wall_ms(fns, device, repeats: int) -> list:
+    """Median wall time in ms of each of fns (synchronizing the GPU around each run), after a warm-up run each. The
+    functions take turns, so a slow spell of a shared machine falls on all of them rather than on one."""
+    times = [[] for _ in fns]
+    for round_ in range(repeats + 1):
+        for fn, fn_times in zip(fns, times):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if round_ > 0:
+                fn_times.append((time.perf_counter() - start) * 1e3)
+    return [sorted(t)[len(t) // 2] for t in times]
 
 
 def demo(args) -> int:
@@ -76,13 +79,11 @@ def demo(args) -> int:
     steps.update()
 
     out = blockattn.attention(q, k, v, blocks)  # also compiles/tunes the kernels on the GPU
-    sparse_ms = _wall_ms(lambda: blockattn.attention(q, k, v, blocks), device, args.repeats)
-    steps.set_postfix_str("sparse attention")
-    steps.update()
-
-    dense_ms = _wall_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), device, args.repeats)
-    steps.set_postfix_str("dense attention")
-    steps.update()
+    sparse_ms, dense_ms = _wall_ms([lambda: blockattn.attention(q, k, v, blocks),
+                                    lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)],
+                                   device, args.repeats)
+    steps.set_postfix_str("sparse and dense attention")
+    steps.update(2)
 
     # Exactness: dense attention restricted to the same blocks, in fp32, a few heads and at most 8192 query rows
     # at a time (the token-level mask of a whole 32k problem would not fit).
@@ -177,7 +178,7 @@ def main(argv=None) -> int:
     p.add_argument("--block", type=_block, default=(128, 128), help="block QxKV (default 128x128)")
     p.add_argument("--density", type=_density, default=0.25, help="kept fraction of blocks (default 0.25)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="default bf16 on a GPU, fp32 on the CPU")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs (median)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs of each, taking turns (median)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="blockattn-demo-mask.png", help="where to write the mask picture")
     p.set_defaults(func=demo)
