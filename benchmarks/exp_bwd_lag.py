@@ -3,8 +3,8 @@ step computes the previous step's dQ, so the two consumer warpgroups need not me
 starts once the first has its first scores) against the consumers meeting at every step's dS, for MHA and GQA
 calls alike (GQA lags too from the twenty-first session on). Times each variant's backward (ms, effective TFLOP/s at
 5 products) in two interleaved rounds (the faster of the two medians) and its largest relative gap to the Triton
-backward's gradients. (The twentieth session ran earlier versions with the staggered
-start as a flag of its own and with FA3-style turns: benchmarks/results-2026-12-02-h200-session20.md.)
+backward's gradients. (The twentieth session ran earlier versions with the staggered start as a flag of its own and
+with FA3-style turns: benchmarks/results-2026-12-02-h200-session20.md.)
 
     python benchmarks/exp_bwd_lag.py [--cases design gqa causal]
 """

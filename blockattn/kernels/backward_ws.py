@@ -154,18 +154,18 @@ def _dq_product(ds_smem, ds_ready, k_dq, st_zero, i, W: gl.constexpr, OWN_KEYS: 
 @gluon.jit
 def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_half, k_dq, dq_tile, st_zero,
                W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-               LAGGED_DQ: gl.constexpr):
+               LAGGED_DQ: gl.constexpr, OWN_KEYS: gl.constexpr):
     """Consumer W's steps over query head off_h's q list for the key block, from the program's step `it` on:
     (dk, dv, it) after them. CAUSAL: P = 0 where a key lies past the query row (key > row, absolute indices).
     LAGGED_DQ: each step computes the dQ of the step before and the walk's last one follows it, so the two consumers
     need not meet within a step; the second starts its first step once the first has its first scores, so that
-    their exponentials need not fall at the same time."""
+    their exponentials need not fall at the same time. OWN_KEYS (D = 64): each step's dQ share is over the
+    consumer's own keys (k_dq its rows of K), not over all 128 for its columns."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
      q_ready, q_empty, ds_ready, start_gate, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads,
      group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb,
      stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     dtype: gl.constexpr = Q_DESC.dtype
-    OWN_KEYS: gl.constexpr = Q_DESC.block_type.shape[3] != 2 * _KEYS  # D = 64: dQ over the consumer's own keys
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
     along_rows: gl.constexpr = gl.SliceLayout(0, st_zero.type.layout)
     first_key = start_n + W * _KEYS
@@ -261,10 +261,11 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
     st_zero = gl.zeros([_KEYS, _ROWS], gl.float32, st_layout)
     k_half = k_smem.slice(W * _KEYS, _KEYS, dim=0)       # [64 keys, D]
     v_half = v_smem.slice(W * _KEYS, _KEYS, dim=0)
-    if D == 2 * _KEYS:
-        k_dq = k_smem.slice(W * _KEYS, _KEYS, dim=1)     # [128 keys, 64 of D]: this consumer's dQ columns
+    OWN_KEYS: gl.constexpr = D != 2 * _KEYS  # D = 64: dQ over the consumer's own keys (HEAD_DIMS' comment)
+    if OWN_KEYS:
+        k_dq = k_half                                    # all of D's columns, over its own keys
     else:
-        k_dq = k_half                                    # D = 64: all columns, over its own keys
+        k_dq = k_smem.slice(W * _KEYS, _KEYS, dim=1)     # [128 keys, 64 of D]: this consumer's dQ columns
     dq_tile = _box(dq_smem.index(W))
     mbarrier.wait(kv_ready, 0)
     # The MHA walk is one loop: a loop over the group around it keeps more state live across the inner one, and
@@ -273,10 +274,11 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
         it = 0  # steps so far, over the group's heads: the ring's and the dS buffers' phases
         for g in range(group_size):
             dk, dv, it = _head_walk(shared, dk, dv, it, off_b, off_hkv * group_size + g, start_n, key_block, k_half,
-                                    v_half, k_dq, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL, LAGGED_DQ)
+                                    v_half, k_dq, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL, LAGGED_DQ,
+                                    OWN_KEYS)
     else:
         dk, dv, _ = _head_walk(shared, dk, dv, 0, off_b, off_hkv, start_n, key_block, k_half, v_half, k_dq,
-                               dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL, LAGGED_DQ)
+                               dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL, LAGGED_DQ, OWN_KEYS)
     tma.store_wait(0)  # the last reduction has read its tile before the program's shared memory goes
     keys = start_n + W * _KEYS + gl.arange(0, _KEYS, gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
