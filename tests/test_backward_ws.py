@@ -4,6 +4,9 @@ against the fp64 oracle. On the CPU the same cases must take the Triton backward
 and meet the same oracle."""
 
 
+import math
+import types
+
 import pytest
 import torch
 import blockattn
@@ -132,15 +135,15 @@ CASES = {
     # [nq, nk] mask
     # across batch and heads (the lists' batch and head strides are 0)
     "128x128 bf16": (2, 4, 4, 2048, 2048, (128, 128), torch.bfloat16, "bhsd", 128),
-    # 1000 = 15 * 64 + 40: the last step's rows end inside it
-    "64x128 fp16, query tail": (1, 4, 4, 1000, 1024, (64, 128), torch.float16, "bhsd", 128),
+    # 1001 = 15 * 64 + 41: the last step's rows end inside it (and the row terms' rows are padded to 1004)
+    "64x128 fp16, query tail": (1, 4, 4, 1001, 1024, (64, 128), torch.float16, "bhsd", 128),
     # 900 = 7 * 128 + 4: the last block's second 64-row step lies wholly past the end
     "short query tail": (1, 2, 2, 900, 1024, (128, 128), torch.bfloat16, "bhsd", 128),
     "256x256 gqa": (1, 8, 2, 1024, 1024, (256, 256), torch.bfloat16, "bhsd", 128),
     "bshd layout": (2, 2, 2, 1536, 1024, (128, 128), torch.bfloat16, "bshd", 128),
     "one mask, batch 3, gqa": (3, 4, 2, 1024, 1280, (128, 128), torch.bfloat16, "bhsd", 128),
     # D = 64: each consumer's dQ over its own keys (GQA meeting each step, MHA lagging dQ)
-    "d64 gqa, query tail": (1, 4, 2, 1000, 1024, (128, 128), torch.bfloat16, "bhsd", 64),
+    "d64 gqa, query tail": (1, 4, 2, 999, 1024, (128, 128), torch.bfloat16, "bhsd", 64),
     "d64 64x128 fp16": (2, 2, 2, 1024, 1024, (64, 128), torch.float16, "bshd", 64),
 }
 CAUSAL_CASES = {
@@ -163,7 +166,7 @@ def warp_specialized_calls(monkeypatch) -> list:
     run = backward_ws.attention_backward_ws
 
     def spy(*args):
-        calls.append(tuple(args[8:10]))  # (block_q, block_kv)
+        calls.append(tuple(args[7:9]))  # (block_q, block_kv)
         return run(*args)
     monkeypatch.setattr(backward_ws, "attention_backward_ws", spy)
     return calls
@@ -213,6 +216,46 @@ def test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls):
         assert err < 1e-2, f"d{name} relative error {err:.2e}"
     unkept = slice(seq_kv - block[1], seq_kv)
     assert not grads[1][:, :, unkept].any() and not grads[2][:, :, unkept].any(), "dk / dv of an unkept key block"
+
+
+def test_row_terms_reach_it_in_their_padded_buffer(poisoned, monkeypatch):
+    """On any machine: attention_backward with the Gluon kernel stood in for by its arithmetic in fp64 (the row terms
+    it is handed, dQ unscaled into the zeroed buffer) gives the oracle's gradients at Sq = 141, so the preprocess
+    wrote lse2 and delta into row_terms_buffer's rows (padded to 144 entries, as TMA's 16-byte strides need), and
+    the zeroing and the dQ finish pass did their part. A head keeps nothing (lse2 = +inf: its P is exactly 0)."""
+    block, seq_q, seq_kv = (64, 64), 141, 128
+    q, k, v = (t.requires_grad_() for t in qkv(1, 4, seq_q, 64, kv_heads=2, seq_kv=seq_kv, seed=7))
+    keep = random_keep(1, 4, seq_q, seq_kv, block, density=0.5)
+    keep[0, 1] = False
+    visible = expand(keep, block, seq_q, seq_kv)
+    handed = []
+
+    def kernel_arithmetic(q, k, v, grad_out, row_terms, q_count, q_index, block_q, block_kv, scale_log2, causal,
+                          dq_acc, dk, dv):
+        handed.append(row_terms)
+        group = q.shape[1] // k.shape[1]
+        kx, vx = (t.double().repeat_interleave(group, 1) for t in (k, v))
+        lse2, delta = row_terms[:, :, 0, :, None].double(), row_terms[:, :, 1, :, None].double()
+        p = torch.where(visible, torch.exp2(q.double() @ kx.transpose(-1, -2) * scale_log2 - lse2), 0.0)
+        ds = p * (grad_out.double() @ vx.transpose(-1, -2) - delta)
+        dq_acc += (ds @ kx).float()
+        unflat = (k.shape[0], k.shape[1], group, *k.shape[2:])
+        dk.copy_((ds.transpose(-1, -2) @ q.double()).view(unflat).sum(2) * (scale_log2 / math.log2(math.e)))
+        dv.copy_((p.transpose(-1, -2) @ grad_out.double()).view(unflat).sum(2))
+    stand_in = types.SimpleNamespace(row_terms_buffer=backward_ws.row_terms_buffer,
+                                     attention_backward_ws=kernel_arithmetic)
+    monkeypatch.setattr(backward, "warp_specialized_module", lambda *args: stand_in)
+    out = blockattn.attention(q, k, v, keep, block, backend="triton")
+    grad_out = torch.randn(out.shape, generator=torch.Generator(device=DEVICE).manual_seed(8), device=DEVICE)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype))
+    (terms,) = handed
+    assert terms.shape == (1, 4, 2, seq_q) and terms.stride() == (4 * 2 * 144, 2 * 144, 144, 1)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(oracle(*leaves, visible)[0], leaves, grad_out.double())
+    for name, got, ref in zip("qkv", grads, want):
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        assert torch.isfinite(got).all() and err < 1e-2, f"d{name} relative error {err:.2e}"
+    assert not grads[0][:, 1].any(), "dq of the head that keeps nothing"
 
 
 @pytest.mark.parametrize("case", ["short query tail", "128x128 causal, query tail", "d64 64x128 fp16", "256x256 gqa"])

@@ -27,7 +27,7 @@ from .primitives import (batch_and_head, dot, element_keep, first_entry_at_or_af
 # the dK/dV kernel's Q/dO tiles read through descriptors (its loop then has no atomics), it ran 79.3 / 19.4 / 8.1 ms
 # at densities 1 / 0.25 / 0.1 (128x128 blocks) against 87.7 / 21.0 / 9.0 for "atomic", which is bound by the
 # atomic traffic. It is also deterministic. Deterministic mode always runs "kernel".
-# On Hopper, calls without element tests at head dim 128 and the default mode take the warp-specialized Gluon
+# On Hopper, calls without element tests at head dim 64 or 128 and the default mode take the warp-specialized Gluon
 # backward instead (kernels/backward_ws.py: 5 products, dQ added through the TMA unit; warp_specialized_module).
 DQ_MODES = ("kernel", "atomic", "tma")
 DQ_MODE_DEFAULT = "auto"
@@ -40,14 +40,16 @@ def attention_bwd_preprocess_kernel(Out, DO, GradLse, Lse, Lse2, Delta, DQ_ACC, 
                                     stride_ob, stride_oh, stride_os, stride_od,
                                     stride_db, stride_dh, stride_ds, stride_dd,
                                     stride_gb, stride_gh, stride_gs,
+                                    stride_lb, stride_lh, stride_ls,
                                     stride_eb, stride_eh, stride_es,
                                     stride_ab, stride_ah, stride_as,
                                     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
                                     ZERO_DQ_ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The backward's row terms (_row_terms), fp32 [B, H, Sq] each in Lse's layout (strides stride_e*), for the
-    accumulating dQ modes; in dQ mode "kernel" the dQ kernel computes them itself. Packed batches run as one
-    sequence of all their tokens. ZERO_DQ_ACC: also zero the same rows of DQ_ACC, fp32 [B, H, Sq, BLOCK_D] (last
-    stride 1), the buffer the dQ tiles are then added into (one pass over the rows instead of a fill launch)."""
+    """The backward's row terms (_row_terms) from Lse fp32 [B, H, Sq] (strides stride_l*) into Lse2 and Delta, fp32 [B,
+    H, Sq] each with strides stride_e* (Lse's, or backward_ws.row_terms_buffer's), for the accumulating dQ modes and the
+    warp-specialized backward; in dQ mode "kernel" the dQ kernel computes them itself. Packed batches run as one
+    sequence of all their tokens. ZERO_DQ_ACC: also zero the same rows of DQ_ACC, fp32 [B, H, Sq, BLOCK_D] (last stride
+    1), the buffer the dQ tiles are then added into (one pass over the rows instead of a fill launch)."""
     pid_m = tl.program_id(0)
     off_b, off_h = batch_and_head(num_heads)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -65,6 +67,7 @@ def attention_bwd_preprocess_kernel(Out, DO, GradLse, Lse, Lse2, Delta, DQ_ACC, 
                  + offs_dv[None, :] * stride_dd, mask=ok, other=0.0)
     _row_terms(o, do, GradLse, Lse, Lse2, Delta,
                off_b.to(tl.int64) * stride_gb + off_h.to(tl.int64) * stride_gh + rows * stride_gs,
+               off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + rows * stride_ls,
                off_b.to(tl.int64) * stride_eb + off_h.to(tl.int64) * stride_eh + rows * stride_es, m_ok, HAS_GRAD_LSE)
 
 
@@ -87,16 +90,17 @@ def attention_bwd_dq_finish_kernel(DQ_ACC, DQ, scale, seq_q, num_heads, stride_a
 
 
 @triton.jit
-def _row_terms(o, do, GradLse, Lse, Lse2, Delta, grad_rows, rows, rows_ok, HAS_GRAD_LSE: tl.constexpr):
-    """The backward's row terms for a tile of rows, from its O and dO tiles [BM, BDV] (zero past the end):
-    (lse2, delta) [BM], also stored at Lse2 + rows and Delta + rows (GradLse + grad_rows: the LSE's gradient).
+def _row_terms(o, do, GradLse, Lse, Lse2, Delta, grad_rows, lse_rows, rows, rows_ok, HAS_GRAD_LSE: tl.constexpr):
+    """The backward's row terms for a tile of rows, from its O and dO tiles [BM, BDV] (zero past the end) and
+    Lse + lse_rows: (lse2, delta) [BM], also stored at Lse2 + rows and Delta + rows (GradLse + grad_rows: the LSE's
+    gradient).
     delta = rowsum(dO * O) - dLSE, the softmax-backward term (dLSE folds in here because d lse / d s = p, the
     same shape as the dO term); lse2 = LSE in log2 units, +inf where a row saw nothing or lies past the end (so
     p = exp2(s - lse2) is exactly 0), which spares the dK/dV loop a multiply and a select per element."""
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if HAS_GRAD_LSE:
         delta -= tl.load(GradLse + grad_rows, mask=rows_ok, other=0.0)
-    lse = tl.load(Lse + rows, mask=rows_ok, other=float("-inf"))
+    lse = tl.load(Lse + lse_rows, mask=rows_ok, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     tl.store(Delta + rows, delta, mask=rows_ok)
     tl.store(Lse2 + rows, lse2, mask=rows_ok)
@@ -204,10 +208,10 @@ def attention_bwd_dq_kernel(
     o = tl.load(Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + rows * stride_os
                 + offs_dv[None, :] * stride_od, mask=m_ok[:, None] & dv_ok[None, :], other=0.0)  # [BM, BDV]
     row_index = (q_start + offs_m).to(tl.int64)
+    row_offsets = off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + row_index * stride_ls
     lse2, delta = _row_terms(o, do, GradLse, Lse, Lse2, Delta,
                              off_b.to(tl.int64) * stride_gb + off_h.to(tl.int64) * stride_gh + row_index * stride_gs,
-                             off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + row_index * stride_ls,
-                             m_ok, HAS_GRAD_LSE)  # [BM] each
+                             row_offsets, row_offsets, m_ok, HAS_GRAD_LSE)  # [BM] each
 
     count, index_row, k_base, v_base = kv_list_start(
         KV_COUNT, KV_INDEX, K, V, off_b, off_h, off_hkv, q_block, kv_start, stride_cb, stride_ch, stride_ib, stride_ih,
@@ -459,15 +463,20 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
     device = q.device
     if 0 in lse.stride():
         lse = lse.contiguous()
-    # The row terms in lse's layout (for "thd" batches a token-major one): the kernels read all three with one set
-    # of strides.
-    delta = buffers.empty_strided(lse.shape, lse.stride(), dtype=torch.float32, device=device)
-    lse2 = buffers.empty_strided(lse.shape, lse.stride(), dtype=torch.float32, device=device)
+    warp_specialized = need_dq and need_dkdv and warp_specialized_module(
+        q, k, v, grad_out, block_q, block_kv, is_causal, token_mask, block_mask, kv_valid, varlen, dq_mode)
+    if warp_specialized:
+        # both in one buffer whose layout TMA can read (backward_ws.row_terms_buffer)
+        terms = warp_specialized.row_terms_buffer(q.shape[0], heads, q.shape[2], device)
+        lse2, delta = terms[:, :, 0], terms[:, :, 1]
+    else:
+        # The row terms in lse's layout (for "thd" batches a token-major one): the Triton kernels read all three with
+        # one set of strides.
+        delta = buffers.empty_strided(lse.shape, lse.stride(), dtype=torch.float32, device=device)
+        lse2 = buffers.empty_strided(lse.shape, lse.stride(), dtype=torch.float32, device=device)
     if grad_lse is not None:
         grad_lse = grad_lse.float()
     row_terms = dict(Out=out, GradLse=delta if grad_lse is None else grad_lse, Lse=lse, Lse2=lse2, Delta=delta)
-    warp_specialized = need_dq and need_dkdv and warp_specialized_module(
-        q, k, v, grad_out, block_q, block_kv, is_causal, token_mask, block_mask, kv_valid, varlen, dq_mode)
     if warp_specialized:
         accumulate = True  # its dQ tiles go into dq_acc, through the TMA unit
     else:
@@ -485,14 +494,16 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         dq_acc = dq_acc4 = None
     if accumulate or not need_dq:  # (else the dQ kernel computes the row terms: a launch fewer)
         # (dq_acc4's layout follows from out's and its width BD, which the key holds)
-        launch.run(attention_bwd_preprocess_kernel, (heads, grad_lse is None, dq_acc4.shape[3] if accumulate else 0),
+        # (lse2's and delta's layout, left out of the plan key, follows from lse's and whether the Gluon kernel runs)
+        launch.run(attention_bwd_preprocess_kernel,
+                   (heads, grad_lse is None, dq_acc4.shape[3] if accumulate else 0, bool(warp_specialized)),
                    dict(row_terms, DO=grad_out, DQ_ACC=dq_acc4 if accumulate else delta),
-                   lambda: _preprocess_spec(out, grad_out, grad_lse, delta, heads, dq_acc4), fresh=_FRESH)
+                   lambda: _preprocess_spec(out, grad_out, grad_lse, lse, delta, heads, dq_acc4), fresh=_FRESH)
 
     dq = buffers.empty_like(q) if need_dq else None
     dk, dv = (buffers.empty_like(k), buffers.empty_like(v)) if need_dkdv else (None, None)
     if warp_specialized:  # (D = BD, 64 or 128: dq_acc4 is the contiguous [B, H, Sq, D] buffer it adds into)
-        warp_specialized.attention_backward_ws(q, k, v, grad_out, lse2, delta, q_count, q_index, block_q, block_kv,
+        warp_specialized.attention_backward_ws(q, k, v, grad_out, terms, q_count, q_index, block_q, block_kv,
                                                scale * LOG2E, bool(is_causal), dq_acc4, dk, dv)
         _finish_dq(dq_acc4, dq, scale)
         return dq, dk, dv
@@ -622,15 +633,15 @@ def warp_specialized_module(q, k, v, grad_out, block_q: int, block_kv: int, is_c
 _PREPROCESS_CONFIGS = [triton.Config({"BLOCK_M": 64}, num_warps=4)]
 
 
-def _preprocess_spec(out, grad_out, grad_lse, delta, heads: int, dq_acc4: Optional[torch.Tensor]
+def _preprocess_spec(out, grad_out, grad_lse, lse, delta, heads: int, dq_acc4: Optional[torch.Tensor]
                      ) -> launch.LaunchSpec:
     head_dim_v, block_dv = out.shape[-1], head_dims(out, out)[3]
     rows = delta if grad_lse is None else grad_lse
     static = dict(seq_q=out.shape[2], num_heads=heads, **stride_args("o", out, "bhsd"),
                   **stride_args("d", grad_out, "bhsd"), **stride_args("g", rows, "bhs"),
-                  **stride_args("e", delta, "bhs"), **stride_args("a", dq_acc4, "bhs"), HEAD_DIM_V=head_dim_v,
-                  BLOCK_DV=block_dv, HAS_GRAD_LSE=grad_lse is not None, ZERO_DQ_ACC=dq_acc4 is not None,
-                  BLOCK_D=1 if dq_acc4 is None else dq_acc4.shape[3])
+                  **stride_args("l", lse, "bhs"), **stride_args("e", delta, "bhs"), **stride_args("a", dq_acc4, "bhs"),
+                  HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, HAS_GRAD_LSE=grad_lse is not None,
+                  ZERO_DQ_ACC=dq_acc4 is not None, BLOCK_D=1 if dq_acc4 is None else dq_acc4.shape[3])
     return launch.LaunchSpec(grid=lambda meta: (triton.cdiv(out.shape[2], meta["BLOCK_M"]),
                                                 *launch.batch_head_axes(out.shape[0], heads)),
                              configs=_PREPROCESS_CONFIGS, tuning_key=(), static=static)

@@ -1,15 +1,15 @@
 """The warp-specialized backward for Hopper, written in Gluon: FlashAttention-3's structure over blockattn's q lists.
 
 One program takes one 128-key tile of one (batch, kv head) and walks the q lists of the query heads that share it. A
-loader warp reads the tile's K and V once, then each listed query block's 64-row tiles of Q and dO into a ring of
-shared-memory stages through TMA. Two consumer warpgroups own 64 keys each. Per query tile a consumer computes S^T =
-K Q^T and dP^T = V dO^T for its keys, P^T and dS^T in registers, adds P^T dO into dV and dS^T Q into dK, and stores dS^T
-into shared memory; once both halves are there, each computes half of dQ's columns (dS K; at D=64 all columns over its
-own keys) and adds them into an fp32 buffer through the TMA unit (a bulk tensor reduction from shared memory). dQ lags a
-step (LAGGED_DQ): a step computes the step before's dQ, so the consumers need not meet within a step. Five tile products
-per step, against seven for the Triton kernels' deterministic dQ walk (kernels/README.md, "The warp-specialized
-backward"). Measured on the H200 at B1 H24 S32768 D128, density 0.25, 128x128 blocks: 16.74 ms against 20.02 for the
-Triton backward and 21.25 for FlexAttention's (BENCHMARKS.md, twentieth session).
+loader warp reads the tile's K and V once, then each listed query block's 64-row tiles of Q and dO, with the rows' lse2
+and delta, into a ring of shared-memory stages through TMA. Two consumer warpgroups own 64 keys each. Per query tile a
+consumer computes S^T = K Q^T and dP^T = V dO^T for its keys, P^T and dS^T in registers, adds P^T dO into dV and dS^T Q
+into dK, and stores dS^T into shared memory; once both halves are there, each computes half of dQ's columns (dS K; at
+D=64 all columns over its own keys) and adds them into an fp32 buffer through the TMA unit (a bulk tensor reduction from
+shared memory). dQ lags a step (LAGGED_DQ): a step computes the step before's dQ, so the consumers need not meet within
+a step. Five tile products per step, against seven for the Triton kernels' deterministic dQ walk (kernels/README.md,
+"The warp-specialized backward"). Measured on the H200 at B1 H24 S32768 D128, density 0.25, 128x128 blocks: 16.74 ms
+against 20.02 for the Triton backward and 21.25 for FlexAttention's (BENCHMARKS.md, twentieth session).
 
 It covers the plain walk and the causal one (the test key <= query on the steps the diagonal crosses): no other
 element tests (no token mask, kv_valid, gathered block mask or packed batch), bf16 or fp16, head dim 64 or 128, key
@@ -30,7 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from . import launch
+from . import buffers, launch
 from .forward import stride_args
 # Registers per thread for a consumer warpgroup and for the loader (setmaxnreg) and the launch options (the
 # register bound among them): the forward's. Its host descriptors, their compile signatures and the launch
@@ -77,13 +77,17 @@ else:  # Triton 3.6 has the operation (a bulk tensor reduction) without a Gluon 
                                                   src.handle)
 
 
+# A view of shared memory in another layout (Triton 3.9 renamed it)
+_reinterpret = getattr(gl.shared_memory_descriptor, "reinterpret", None) or gl.shared_memory_descriptor._reinterpret
+
+
 @gluon.jit
 def _program(shared, BLOCK_KV: gl.constexpr):
     """(off_b, off_hkv, start_n, key_block) of this program: its batch, kv head, first key and key block."""
-    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
-     q_ready, q_empty, ds_ready, start_gate, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads,
-     group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb,
-     stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, q_smem, do_smem, terms_smem, k_smem, v_smem, ds_smem,
+     dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, scale_log2, kv_heads,
+     group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_dkb, stride_dkh, stride_dks, stride_dvb,
+     stride_dvh, stride_dvs) = shared
     pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)
     start_n = gl.program_id(0) * (2 * _KEYS)
     return pid_bh // kv_heads, pid_bh % kv_heads, start_n, start_n // BLOCK_KV
@@ -92,10 +96,10 @@ def _program(shared, BLOCK_KV: gl.constexpr):
 @gluon.jit
 def _q_list(shared, off_b, off_h, key_block, BLOCK_Q: gl.constexpr):
     """(steps, index_row): query head off_h's count of 64-row tiles for the key block, and its q list's pointer."""
-    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
-     q_ready, q_empty, ds_ready, start_gate, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads,
-     group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb,
-     stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, q_smem, do_smem, terms_smem, k_smem, v_smem, ds_smem,
+     dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, scale_log2, kv_heads,
+     group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_dkb, stride_dkh, stride_dks, stride_dvb,
+     stride_dvh, stride_dvs) = shared
     count = gl.load(Q_COUNT + off_b * stride_cb + off_h * stride_ch + key_block)
     index_row = Q_INDEX + off_b.to(gl.int64) * stride_ib + off_h.to(gl.int64) * stride_ih + key_block * stride_ik
     return count * (BLOCK_Q // _ROWS), index_row
@@ -161,26 +165,22 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
     need not meet within a step; the second starts its first step once the first has its first scores, so that
     their exponentials need not fall at the same time. OWN_KEYS (D = 64): each step's dQ share is over the
     consumer's own keys (k_dq its rows of K), not over all 128 for its columns."""
-    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
-     q_ready, q_empty, ds_ready, start_gate, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads,
-     group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb,
-     stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, q_smem, do_smem, terms_smem, k_smem, v_smem, ds_smem,
+     dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, scale_log2, kv_heads,
+     group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_dkb, stride_dkh, stride_dks, stride_dvb,
+     stride_dvh, stride_dvs) = shared
     dtype: gl.constexpr = Q_DESC.dtype
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
     along_rows: gl.constexpr = gl.SliceLayout(0, st_zero.type.layout)
     first_key = start_n + W * _KEYS
     steps, index_row = _q_list(shared, off_b, off_h, key_block, BLOCK_Q)
-    row_terms = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh  # Lse2 and Delta share a layout
     pending_row0 = 0  # LAGGED_DQ: the first row of the step whose dQ is still to come
+    # the ring's row terms as [2 * STAGES] rows of 64 (TMA writes them through a layout whose rows cannot be indexed)
+    terms_rows = _reinterpret(terms_smem, gl.float32, [2 * STAGES, _ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     for step in range(steps):
         i = it + step  # the program's step: the ring's and the dS buffers' phases
         stage = i % STAGES
         row0 = _first_row(index_row, step, BLOCK_Q)
-        rows = row0 + gl.arange(0, _ROWS, along_rows)
-        # rows past the end: Q and dO read as zeros, lse2 = +inf makes P = 0 and so dS = 0
-        in_seq = rows < seq_q
-        lse2 = gl.load(Lse2 + row_terms + rows * stride_ls, mask=in_seq, other=float("inf"))
-        delta = gl.load(Delta + row_terms + rows * stride_ls, mask=in_seq, other=0.0)
         if LAGGED_DQ:
             if W == 1:
                 if i == 0:  # the staggered start
@@ -190,6 +190,9 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
         do_tile = do_smem.index(stage)
         st = warpgroup_mma(k_half, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_half, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        # The rows' terms came with the tiles. Rows past the end read as zeros throughout: Q and dO, so S = dP = 0,
+        # and lse2 = delta = 0, so P = 1 and dS = 0; dO = 0 keeps them out of dV too.
+        lse2 = terms_rows.index(2 * stage).load(along_rows)
         st = warpgroup_mma_wait(1, deps=(st, ))
         if LAGGED_DQ:
             if W == 0:
@@ -202,6 +205,7 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
                 keys = (first_key - row0) + gl.arange(0, _KEYS, gl.SliceLayout(1, st_zero.type.layout))
                 pt = gl.where(keys[:, None] <= gl.arange(0, _ROWS, along_rows)[None, :], pt, 0.0)
         dpt = warpgroup_mma_wait(0, deps=(dpt, ))
+        delta = terms_rows.index(2 * stage + 1).load(along_rows)
         dst = (pt * (dpt - delta[None, :])).to(dtype)
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         dst_op = gl.convert_layout(dst, op_layout)
@@ -245,10 +249,10 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
     """Keys W*64 .. W*64+63 of the program's tile: dK and dV over the group's q lists, stored at the end, and dQ's
     columns W*64 .. W*64+63 of each step, added into the fp32 buffer behind DQ_DESC (without the softmax scale).
     shared: the kernel's arguments and buffers, as attention_bwd_ws_kernel packs them."""
-    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
-     q_ready, q_empty, ds_ready, start_gate, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads,
-     group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb,
-     stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, q_smem, do_smem, terms_smem, k_smem, v_smem, ds_smem,
+     dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, scale_log2, kv_heads,
+     group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_dkb, stride_dkh, stride_dks, stride_dvb,
+     stride_dvh, stride_dvs) = shared
     off_b, off_hkv, start_n, key_block = _program(shared, BLOCK_KV)
     D: gl.constexpr = Q_DESC.block_type.shape[3]
     # [64 keys, 64 rows] scores (and dQ's [64 rows, 64 columns]); [64 keys, D] gradients
@@ -294,10 +298,10 @@ def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constex
             GROUPED: gl.constexpr, CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr):
     """One warp: the tile's K and V, then each step's Q and dO tiles into the ring, a stage once both consumers
     have released it. (Same parameters as _consumer: Gluon's worker partitions share one signature.)"""
-    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
-     q_ready, q_empty, ds_ready, start_gate, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q, kv_heads,
-     group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb,
-     stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, q_smem, do_smem, terms_smem, k_smem, v_smem, ds_smem,
+     dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, scale_log2, kv_heads,
+     group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_dkb, stride_dkh, stride_dks, stride_dvb,
+     stride_dvh, stride_dvs) = shared
     off_b, off_hkv, start_n, key_block = _program(shared, BLOCK_KV)
     mbarrier.expect(kv_ready, K_DESC.block_type.nbytes + V_DESC.block_type.nbytes)
     tma_load(K_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(k_smem))
@@ -311,30 +315,30 @@ def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constex
             # a fresh barrier counts as released in the phase before its first: the first round goes at once
             mbarrier.wait(q_empty.index(stage), ((it // STAGES) & 1) ^ 1)
             row0 = _first_row(index_row, step, BLOCK_Q)
-            mbarrier.expect(q_ready.index(stage), Q_DESC.block_type.nbytes + DO_DESC.block_type.nbytes)
-            tma_load(Q_DESC, [off_b, off_h, row0, 0], q_ready.index(stage),
-                     _box(q_smem.index(stage)))
-            tma_load(DO_DESC, [off_b, off_h, row0, 0], q_ready.index(stage),
-                     _box(do_smem.index(stage)))
+            mbarrier.expect(q_ready.index(stage), Q_DESC.block_type.nbytes + DO_DESC.block_type.nbytes
+                            + TERMS_DESC.block_type.nbytes)
+            tma_load(Q_DESC, [off_b, off_h, row0, 0], q_ready.index(stage), _box(q_smem.index(stage)))
+            tma_load(DO_DESC, [off_b, off_h, row0, 0], q_ready.index(stage), _box(do_smem.index(stage)))
+            tma_load(TERMS_DESC, [off_b, off_h, 0, row0], q_ready.index(stage), _box(terms_smem.index(stage)))
             it += 1
 
 
 @gluon.jit
-def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX,
-                            scale_log2, seq_q, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
-                            stride_ik, stride_lb, stride_lh, stride_ls, stride_dkb, stride_dkh, stride_dks,
-                            stride_dvb, stride_dvh, stride_dvs, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr,
+def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK, DV, Q_COUNT, Q_INDEX,
+                            scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
+                            stride_ik, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
+                            BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr,
                             STAGES: gl.constexpr, GROUPED: gl.constexpr, CAUSAL: gl.constexpr,
                             LAGGED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                             LOADER_REGS: gl.constexpr):
     """Grid (Sk / 128, launch.batch_head_axes(B, Hkv)). Q_DESC / DO_DESC: Gluon host descriptors of q and dO [B, H, Sq,
     D] with [1, 1, 64, D] boxes (D = 64 or 128); K_DESC / V_DESC of k, v [B, Hkv, Sk, D] with [1, 1, 128, D]; DQ_DESC of
-    a zeroed fp32 [B, H, Sq, D] buffer with [1, 1, 64, 64] boxes (it gets dS K without the softmax scale). Lse2 / Delta
-    fp32 [B, H, Sq] (strides stride_l*): the row terms of backward._row_terms. Q_COUNT int32 [Bm, Hm, nk], Q_INDEX int32
-    [Bm, Hm, nk, L] (size-1 mask dims with stride 0). DK / DV [B, Hkv, Sk, D], last dim contiguous. Sk is a multiple of
-    BLOCK_KV, a multiple of 128; BLOCK_Q is a multiple of 64. GROUPED: Hkv < H. CAUSAL: only keys at or before each
-    query row count (the lists those of BlockSparsity.causal() or fewer). LAGGED_DQ: each step computes the step
-    before's dQ, the second consumer starting after the first."""
+    a zeroed fp32 [B, H, Sq, D] buffer with [1, 1, 64, 64] boxes (it gets dS K without the softmax scale). TERMS_DESC of
+    the row terms (backward._row_terms) fp32 [B, H, 2, Sq] (lse2, delta) with [1, 1, 2, 64] boxes. Q_COUNT int32 [Bm,
+    Hm, nk], Q_INDEX int32 [Bm, Hm, nk, L] (size-1 mask dims with stride 0). DK / DV [B, Hkv, Sk, D], last dim
+    contiguous. Sk is a multiple of BLOCK_KV, a multiple of 128; BLOCK_Q is a multiple of 64. GROUPED: Hkv < H. CAUSAL:
+    only keys at or before each query row count (the lists those of BlockSparsity.causal() or fewer). LAGGED_DQ: each
+    step computes the step before's dQ, the second consumer starting after the first."""
     D: gl.constexpr = Q_DESC.block_type.shape[3]
     dtype: gl.constexpr = Q_DESC.dtype
     row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, D], dtype)
@@ -343,6 +347,9 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, DK, DV, Ls
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, _KEYS], gl.float32)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, _ROWS, D], row_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, _ROWS, D], row_layout)
+    # each step's rows' lse2 and delta: 64 fp32 each, unswizzled (256-byte rows)
+    terms_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2, _ROWS], gl.float32)
+    terms_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 2, _ROWS], terms_layout)
     k_smem = gl.allocate_shared_memory(dtype, [2 * _KEYS, D], key_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2 * _KEYS, D], key_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * _KEYS, _ROWS], ds_layout)
@@ -360,10 +367,10 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, DK, DV, Ls
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)  # both consumers' halves of dS^T
     fence_async_shared()
-    shared = (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
-              q_ready, q_empty, ds_ready, start_gate, DK, DV, Lse2, Delta, Q_COUNT, Q_INDEX, scale_log2, seq_q,
-              kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_lb, stride_lh,
-              stride_ls, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs)
+    shared = (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, q_smem, do_smem, terms_smem, k_smem, v_smem,
+              ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX,
+              scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik,
+              stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs)
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
     gl.warp_specialize([
@@ -407,29 +414,37 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch
                for t in (q, k, v, grad_out))
 
 
-def attention_backward_ws(q, k, v, grad_out, lse2, delta, q_count, q_index, block_q: int, block_kv: int,
+def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_q: int, block_kv: int,
                           scale_log2: float, causal: bool, dq_acc, dk, dv) -> None:
     """Run the kernel: dS K (unscaled) added into dq_acc (fp32 [B, H, Sq, D], zeroed, contiguous), dk and dv
-    [B, Hkv, Sk, D] stored. lse2 / delta fp32 [B, H, Sq]: the row terms (backward._row_terms). causal: the
-    key <= query test on the steps the diagonal crosses."""
-    batch, heads, seq_q, _ = q.shape
+    [B, Hkv, Sk, D] stored. row_terms fp32 [B, H, 2, Sq]: lse2 and delta (backward._row_terms), from
+    row_terms_buffer. causal: the key <= query test on the steps the diagonal crosses."""
+    batch, heads = q.shape[:2]
     kv_heads, seq_kv = k.shape[1], k.shape[2]
 
     def arguments():
         descriptors = dict(Q_DESC=host_descriptor(q, STEP_ROWS), K_DESC=host_descriptor(k, TILE_N),
                            V_DESC=host_descriptor(v, TILE_N), DO_DESC=host_descriptor(grad_out, STEP_ROWS),
-                           DQ_DESC=host_descriptor(dq_acc, STEP_ROWS, CONSUMER_KEYS))
+                           DQ_DESC=host_descriptor(dq_acc, STEP_ROWS, CONSUMER_KEYS),
+                           TERMS_DESC=host_descriptor(row_terms, 2, STEP_ROWS))
         static = dict(
-            scale_log2=scale_log2, seq_q=seq_q, kv_heads=kv_heads, group_size=heads // kv_heads,
+            scale_log2=scale_log2, kv_heads=kv_heads, group_size=heads // kv_heads,
             # the lists' size-1 batch and head dims broadcast: stride 0
-            **stride_args("c", q_count, "bh"), **stride_args("i", q_index, "bhk"), **stride_args("l", lse2, "bhs"),
+            **stride_args("c", q_count, "bh"), **stride_args("i", q_index, "bhk"),
             **stride_args("dk", dk, "bhs"), **stride_args("dv", dv, "bhs"), BLOCK_Q=block_q, BLOCK_KV=block_kv,
             STAGES=STAGES, GROUPED=heads != kv_heads, CAUSAL=causal, LAGGED_DQ=LAGGED_DQ,
             CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
         return (seq_kv // TILE_N, *launch.batch_head_axes(batch, kv_heads)), descriptors, static
     launch_warp_specialized(attention_bwd_ws_kernel, (block_q, block_kv, scale_log2, causal, STAGES, LAGGED_DQ),
                             dict(Q_DESC=q, K_DESC=k, V_DESC=v, DO_DESC=grad_out, DQ_DESC=dq_acc, DK=dk, DV=dv,
-                                 Lse2=lse2, Delta=delta, Q_COUNT=q_count, Q_INDEX=q_index), arguments)
+                                 TERMS_DESC=row_terms, Q_COUNT=q_count, Q_INDEX=q_index), arguments)
+
+
+def row_terms_buffer(batch: int, heads: int, seq_q: int, device) -> torch.Tensor:
+    """fp32 [B, H, 2, Sq] for the row terms (lse2 at [:, :, 0], delta at [:, :, 1]): rows padded to a multiple of 4
+    entries, so that the strides are multiples of 16 bytes as TMA requires."""
+    padded = -(-seq_q // 4) * 4
+    return buffers.empty(batch, heads, 2, padded, device=device, dtype=torch.float32)[..., :seq_q]
 
 
 def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = torch.bfloat16,
@@ -442,7 +457,8 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
     name = _GL_DTYPES[dtype][0]
     rows_desc, keys_desc = descriptor_signature(dtype, STEP_ROWS, dim), descriptor_signature(dtype, TILE_N, dim)
     descriptors = dict(Q_DESC=rows_desc, DO_DESC=rows_desc, K_DESC=keys_desc, V_DESC=keys_desc,
-                       DQ_DESC=descriptor_signature(torch.float32, STEP_ROWS, CONSUMER_KEYS))
+                       DQ_DESC=descriptor_signature(torch.float32, STEP_ROWS, CONSUMER_KEYS),
+                       TERMS_DESC=descriptor_signature(torch.float32, 2, STEP_ROWS))
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, STAGES=STAGES, GROUPED=grouped, CAUSAL=causal,
                      LAGGED_DQ=LAGGED_DQ if lagged is None else lagged,
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
@@ -452,7 +468,7 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
             signature[param.name] = "constexpr"
         else:
             signature[param.name] = descriptors.get(param.name) or {
-                "DK": f"*{name}", "DV": f"*{name}", "Lse2": "*fp32", "Delta": "*fp32", "Q_COUNT": "*i32",
+                "DK": f"*{name}", "DV": f"*{name}", "Q_COUNT": "*i32",
                 "Q_INDEX": "*i32", "scale_log2": "fp32"}.get(param.name, "i32")
     source = GluonASTSource(attention_bwd_ws_kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH_OPTIONS))
