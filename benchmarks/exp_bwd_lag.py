@@ -7,9 +7,11 @@ backward's gradients. (The twentieth session ran earlier versions with the stagg
 with FA3-style turns: benchmarks/results-2026-12-02-h200-session20.md.)
 
     python benchmarks/exp_bwd_lag.py [--cases design gqa causal]
+    python benchmarks/exp_bwd_lag.py --flag STAGES --values 2 3   # another of backward_ws's launch constants
 """
 
 import argparse
+import ast
 import torch
 
 import blockattn
@@ -23,17 +25,20 @@ CASES = {
     "short": [Case(batch=8, heads=16, kv_heads=16, seq=s, density=0.5) for s in (2048, 4096)]
     + [Case(batch=8, heads=16, kv_heads=16, seq=4096, pattern="causal", density=0.5)],
 }
-VARIANTS = [False, True]  # LAGGED_DQ
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=["design", "gqa", "causal"], choices=list(CASES))
+    parser.add_argument("--flag", default="LAGGED_DQ", choices=["LAGGED_DQ", "STAGES"],
+                        help="the backward_ws constant to vary (each is part of the launch's plan key)")
+    parser.add_argument("--values", nargs="+", default=["False", "True"], help="its values (Python literals)")
     args = parser.parse_args()
     device = torch.device("cuda")
-    default = backward_ws.LAGGED_DQ
-    print("| case | " + " | ".join(f"LAGGED_DQ={lagged}" for lagged in VARIANTS) + " |")
-    print("| --- |" + " --- |" * len(VARIANTS))
+    flag, variants = args.flag, [ast.literal_eval(v) for v in args.values]
+    default = getattr(backward_ws, flag)
+    print("| case | " + " | ".join(f"{flag}={value}" for value in variants) + " |")
+    print("| --- |" + " --- |" * len(variants))
     for case in [c for name in args.cases for c in CASES[name]]:
         keep = block_mask(case, device)
         blocks = blockattn.BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
@@ -47,16 +52,16 @@ def main():
         backward_ws.ENABLED = False
         reference = [g.float() for g in backward()]
         backward_ws.ENABLED = True
-        gaps, times = {}, {variant: [] for variant in VARIANTS}
+        gaps, times = {}, {variant: [] for variant in variants}
         for round_ in range(2):
-            for variant in VARIANTS:
-                backward_ws.LAGGED_DQ = variant
+            for variant in variants:
+                setattr(backward_ws, flag, variant)
                 if round_ == 0:
                     gaps[variant] = max(((a.float() - b).norm() / b.norm()).item()
                                         for a, b in zip(backward(), reference))
                 times[variant].append(_time_ms(backward))
-        backward_ws.LAGGED_DQ = default
-        cells = [f"{min(times[v]):.3f} ({flops / min(times[v]) / 1e9:.0f}; gap {gaps[v]:.1e})" for v in VARIANTS]
+        setattr(backward_ws, flag, default)
+        cells = [f"{min(times[v]):.3f} ({flops / min(times[v]) / 1e9:.0f}; gap {gaps[v]:.1e})" for v in variants]
         print(f"| {case.label} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -48,7 +48,8 @@ TILE_N = 2 * CONSUMER_KEYS
 # at 64 a half (32 columns, 64 bytes) would cut the 128-byte swizzled rows of K in shared memory, which a wgmma
 # operand cannot start inside, so each consumer computes all 64 columns over its own 64 keys and both add them.
 HEAD_DIMS = (64, 128)
-# Ring stages of Q and dO tiles (32 KiB a stage): 2 and 3 measured alike (17.47 / 17.54 ms at the design case).
+# Ring stages of Q and dO tiles and their rows' terms (32.5 KiB a stage): 2 and 3 measured alike (17.47 / 17.54 ms at
+# the design case, seventeenth session); with the terms in the ring 3 ran 0-8% slower (twenty-second session).
 STAGES = 2
 # Whether dQ lags a step (each step computes the step before's dQ, whose dS^T halves are both in by then, so the two
 # consumers do not meet within a step) with a staggered start (the second consumer starts once the first has its
