@@ -24,6 +24,10 @@ CASES = {
     "causal": [Case(pattern="causal", density=0.5)],
     "short": [Case(batch=8, heads=16, kv_heads=16, seq=s, density=0.5) for s in (2048, 4096)]
     + [Case(batch=8, heads=16, kv_heads=16, seq=4096, pattern="causal", density=0.5)],
+    # head dim 64: a ring stage is half as large, so STAGES 3 and 4 fit too
+    "d64": [Case(dim=64, density=d) for d in (0.5, 0.1)] + [Case(dim=64, heads=32, kv_heads=8, seq=16384, density=0.25),
+                                                             Case(dim=64, batch=8, heads=16, kv_heads=16, seq=4096,
+                                                                  density=0.5)],
 }
 
 
