@@ -227,7 +227,8 @@ def test_warp_specialized_launchers_pass_every_parameter_by_name(monkeypatch, pl
                                         forward_ws.Plan(128, causal=True))
         want_grid = (2, 8, 1)
     else:
-        backward_ws.attention_backward_ws(q, kv, kv, q, backward_ws.row_terms_buffer(2, 4, 256, "meta"), *lists, 128, 128, 0.1, True,
+        row_terms = backward_ws.row_terms_buffer(2, 4, 256, "meta")
+        backward_ws.attention_backward_ws(q, kv, kv, q, row_terms, *lists, 128, 128, 0.1, True,
                                           meta(2, 4, 256, 128, dtype=torch.float32), kv, kv)
         want_grid = (2, 4, 1)
     (args, grid, kwargs), = calls
