@@ -466,24 +466,22 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
     warp_specialized = need_dq and need_dkdv and warp_specialized_module(
         q, k, v, grad_out, block_q, block_kv, is_causal, token_mask, block_mask, kv_valid, varlen, dq_mode)
     if warp_specialized:
-        # both in one buffer whose layout TMA can read (backward_ws.row_terms_buffer)
+        # the row terms in one buffer whose layout TMA can read (backward_ws.row_terms_buffer)
         terms = warp_specialized.row_terms_buffer(q.shape[0], heads, q.shape[2], device)
         lse2, delta = terms[:, :, 0], terms[:, :, 1]
+        accumulate = True  # its dQ tiles go into dq_acc, through the TMA unit
     else:
         # The row terms in lse's layout (for "thd" batches a token-major one): the Triton kernels read all three with
         # one set of strides.
         delta = buffers.empty_strided(lse.shape, lse.stride(), dtype=torch.float32, device=device)
         lse2 = buffers.empty_strided(lse.shape, lse.stride(), dtype=torch.float32, device=device)
-    if grad_lse is not None:
-        grad_lse = grad_lse.float()
-    row_terms = dict(Out=out, GradLse=delta if grad_lse is None else grad_lse, Lse=lse, Lse2=lse2, Delta=delta)
-    if warp_specialized:
-        accumulate = True  # its dQ tiles go into dq_acc, through the TMA unit
-    else:
         dq_mode = resolve_dq_mode(dq_mode, attention_bwd_dkdv_kernel, device)
         if not (need_dq and need_dkdv):
             dq_mode = "kernel"  # one side alone: its own kernel, no atomics
         accumulate = dq_mode != "kernel"
+    if grad_lse is not None:
+        grad_lse = grad_lse.float()
+    row_terms = dict(Out=out, GradLse=delta if grad_lse is None else grad_lse, Lse=lse, Lse2=lse2, Delta=delta)
     if accumulate:
         # fp32 [B * H, Sq, BD] (a packed batch: [H, T, BD]); BD-wide rows keep a descriptor's strides aligned. The
         # preprocess zeroes it.

@@ -248,7 +248,8 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
 def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, STAGES: gl.constexpr,
               GROUPED: gl.constexpr, CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr):
     """Keys W*64 .. W*64+63 of the program's tile: dK and dV over the group's q lists, stored at the end, and dQ's
-    columns W*64 .. W*64+63 of each step, added into the fp32 buffer behind DQ_DESC (without the softmax scale).
+    columns W*64 .. W*64+63 of each step (at D = 64 all columns over its own keys), added into the fp32 buffer behind
+    DQ_DESC (without the softmax scale).
     shared: the kernel's arguments and buffers, as attention_bwd_ws_kernel packs them."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, q_smem, do_smem, terms_smem, k_smem, v_smem, ds_smem,
      dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, scale_log2, kv_heads,
@@ -297,8 +298,8 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
 @gluon.jit
 def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, STAGES: gl.constexpr,
             GROUPED: gl.constexpr, CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr):
-    """One warp: the tile's K and V, then each step's Q and dO tiles into the ring, a stage once both consumers
-    have released it. (Same parameters as _consumer: Gluon's worker partitions share one signature.)"""
+    """One warp: the tile's K and V, then each step's Q and dO tiles and its rows' lse2 and delta into the ring, a
+    stage once both consumers have released it. (Same parameters as _consumer: Gluon's worker partitions share one signature.)"""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, q_smem, do_smem, terms_smem, k_smem, v_smem, ds_smem,
      dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, scale_log2, kv_heads,
      group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_dkb, stride_dkh, stride_dks, stride_dvb,
