@@ -113,19 +113,51 @@ def test_switched_off_deterministic_or_off_hopper_it_declines(monkeypatch):
     assert backward.warp_specialized_module(*dispatch, None) is None
 
 
-@pytest.mark.parametrize("blocks, dtype, grouped, causal, lagged, dim", [
-    ((128, 128), "bfloat16", False, False, None, 128), ((64, 256), "float16", True, True, None, 128),
-    ((128, 128), "bfloat16", False, True, False, 128), ((128, 128), "bfloat16", False, True, None, 64),
-    ((64, 128), "float16", True, False, None, 64)])
-def test_compiles_for_sm90_with_its_register_split(blocks, dtype, grouped, causal, lagged, dim):
-    """Each variant (lagged: None as a launch would, LAGGED_DQ) compiles with the register split, wgmma, TMA copies
-    and adds, in shared memory, without local memory."""
+@pytest.mark.parametrize("blocks, dtype, grouped, causal, lagged, dim, ordered", [
+    ((128, 128), "bfloat16", False, False, None, 128, None), ((64, 256), "float16", True, True, None, 128, True),
+    ((128, 128), "bfloat16", False, True, False, 128, False), ((128, 128), "bfloat16", False, True, None, 64, None),
+    ((64, 128), "float16", True, False, None, 64, True)])
+def test_compiles_for_sm90_with_its_register_split(blocks, dtype, grouped, causal, lagged, dim, ordered):
+    """Each variant (lagged, ordered: None as a launch would, LAGGED_DQ and ORDERED) compiles with the register
+    split, wgmma, TMA copies and adds, in shared memory, without local memory."""
     report = sm90_report(f"backward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.{dtype}, grouped={grouped}, "
-                         f"causal={causal}, lagged={lagged}, dim={dim})")
+                         f"causal={causal}, lagged={lagged}, dim={dim}, ordered={ordered})")
     assert {backward_ws.CONSUMER_REGS, backward_ws.LOADER_REGS} <= set(report["registers"]), report
     assert report["wgmma"] and report["tma"] and report["reduction"], report
     assert report["shared"] <= 227 * 1024, report
     assert "LOCAL:0" in report["usage"], f"registers spill: {report['usage']}"
+
+
+@pytest.mark.parametrize("heads, kv_heads, tiles_per_block", [(6, 2, 1), (4, 4, 2), (1, 3, 1)])
+def test_tile_order_puts_each_kv_heads_longest_walks_first(heads, kv_heads, tiles_per_block):
+    """tile_order: per (batch, kv head) a permutation of the key tiles whose walks (the q lists' counts summed over
+    the kv head's query heads; heads = 1 stands for one mask shared by all) never grow along it, ties in key
+    order."""
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    q_count = torch.randint(0, 5, (3, heads, 7), generator=gen, dtype=torch.int32)
+    order = backward_ws.tile_order(q_count, kv_heads, tiles_per_block)
+    assert order.dtype == torch.int32 and order.shape == (3, min(heads, kv_heads), 7 * tiles_per_block)
+    summed = q_count.long().reshape(3, -1, max(heads // kv_heads, 1), 7).sum(2)
+    walks = summed.repeat_interleave(tiles_per_block, -1).gather(-1, order.long())
+    assert (order.sort(-1).values == torch.arange(7 * tiles_per_block, dtype=torch.int32)).all()
+    assert (walks[..., 1:] <= walks[..., :-1]).all()
+    ties = walks[..., 1:] == walks[..., :-1]
+    assert (order[..., 1:] > order[..., :-1])[ties].all(), "equal walks out of key order"
+
+
+def test_tile_order_is_kept_per_lists_tensor():
+    """cached_tile_order computes a lists tensor's order once, again after the tensor is written in place, and lets
+    the entry go with the tensor."""
+    q_count = torch.tensor([[[1, 3, 2, 3]]], dtype=torch.int32)
+    first = backward_ws.cached_tile_order(q_count, 1, 1)
+    assert first.tolist() == [[[1, 3, 2, 0]]]
+    assert backward_ws.cached_tile_order(q_count, 1, 1) is first
+    assert backward_ws.cached_tile_order(q_count.clone(), 1, 1) is not first
+    q_count[0, 0, 0] = 9
+    assert backward_ws.cached_tile_order(q_count, 1, 1).tolist() == [[[0, 1, 3, 2]]]
+    entries = len(backward_ws._TILE_ORDERS)
+    del q_count
+    assert len(backward_ws._TILE_ORDERS) < entries
 
 
 # ---------------------------------------------------------------- against the oracle
@@ -263,6 +295,14 @@ def test_gradients_with_consumers_meeting_each_step(case, poisoned, warp_special
     """As above with dQ not lagged (LAGGED_DQ off: both consumers meet at each step's dS): the kernel's other dQ
     schedule."""
     monkeypatch.setattr(backward_ws, "LAGGED_DQ", False)
+    test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls)
+
+
+@pytest.mark.parametrize("case", ["256x256 gqa", "one mask, batch 3, gqa", "64x128 causal gqa fp16", "d64 causal"])
+def test_gradients_with_tiles_longest_first(case, poisoned, warp_specialized_calls, monkeypatch):
+    """As above with each (batch, kv head)'s tiles taken longest walk first (ORDERED): the programs' tiles come from
+    tile_order, for one mask shared by all heads and masks per head, two tiles a key block and one."""
+    monkeypatch.setattr(backward_ws, "ORDERED", True)
     test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls)
 
 

@@ -21,6 +21,7 @@ Gluon, so on the CPU the tests compile this kernel for sm_90 without running it.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -60,6 +61,10 @@ STAGES = 2
 # issuing its own) ran 5-6% slower than lagging alone, and four dS buffers with each half stored as soon as it is
 # computed 0-3% slower.
 LAGGED_DQ = True
+# Whether each (batch, kv head)'s programs take its tiles longest walk first (tile_order) instead of in key order:
+# the grid's last programs are then the short ones, and its tail shorter (benchmarks/tail_sim.py models it); a kv
+# head's programs still run together, sharing its rows of Q, dO and dQ in L2.
+ORDERED = False
 
 _ROWS = gl.constexpr(STEP_ROWS)
 _KEYS = gl.constexpr(CONSUMER_KEYS)
@@ -83,24 +88,30 @@ _reinterpret = getattr(gl.shared_memory_descriptor, "reinterpret", None) or gl.s
 
 
 @gluon.jit
-def _program(shared, BLOCK_KV: gl.constexpr):
-    """(off_b, off_hkv, start_n, key_block) of this program: its batch, kv head, first key and key block."""
+def _program(shared, BLOCK_KV: gl.constexpr, ORDERED: gl.constexpr):
+    """(off_b, off_hkv, start_n, key_block) of this program: its batch, kv head, first key and key block (ORDERED:
+    the tile TILE_ORDER puts at the program's place among its (batch, kv head)'s; else the program's own)."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, q_smem, do_smem, terms_smem, k_smem, v_smem, ds_smem,
-     dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, scale_log2, kv_heads,
-     group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_dkb, stride_dkh, stride_dks, stride_dvb,
-     stride_dvh, stride_dvs) = shared
+     dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER, scale_log2,
+     kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh, stride_dkb,
+     stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)
-    start_n = gl.program_id(0) * (2 * _KEYS)
-    return pid_bh // kv_heads, pid_bh % kv_heads, start_n, start_n // BLOCK_KV
+    off_b, off_hkv = pid_bh // kv_heads, pid_bh % kv_heads
+    if ORDERED:
+        tile = gl.load(TILE_ORDER + off_b * stride_ob + off_hkv * stride_oh + gl.program_id(0))
+    else:
+        tile = gl.program_id(0)
+    start_n = tile * (2 * _KEYS)
+    return off_b, off_hkv, start_n, start_n // BLOCK_KV
 
 
 @gluon.jit
 def _q_list(shared, off_b, off_h, key_block, BLOCK_Q: gl.constexpr):
     """(steps, index_row): query head off_h's count of 64-row tiles for the key block, and its q list's pointer."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, q_smem, do_smem, terms_smem, k_smem, v_smem, ds_smem,
-     dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, scale_log2, kv_heads,
-     group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_dkb, stride_dkh, stride_dks, stride_dvb,
-     stride_dvh, stride_dvs) = shared
+     dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER, scale_log2,
+     kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh, stride_dkb,
+     stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     count = gl.load(Q_COUNT + off_b * stride_cb + off_h * stride_ch + key_block)
     index_row = Q_INDEX + off_b.to(gl.int64) * stride_ib + off_h.to(gl.int64) * stride_ih + key_block * stride_ik
     return count * (BLOCK_Q // _ROWS), index_row
@@ -167,9 +178,9 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
     their exponentials need not fall at the same time. OWN_KEYS (D = 64): each step's dQ share is over the
     consumer's own keys (k_dq its rows of K), not over all 128 for its columns."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, q_smem, do_smem, terms_smem, k_smem, v_smem, ds_smem,
-     dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, scale_log2, kv_heads,
-     group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_dkb, stride_dkh, stride_dks, stride_dvb,
-     stride_dvh, stride_dvs) = shared
+     dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER, scale_log2,
+     kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh, stride_dkb,
+     stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     dtype: gl.constexpr = Q_DESC.dtype
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
     along_rows: gl.constexpr = gl.SliceLayout(0, st_zero.type.layout)
@@ -246,16 +257,16 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
 
 @gluon.jit
 def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, STAGES: gl.constexpr,
-              GROUPED: gl.constexpr, CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr):
+              GROUPED: gl.constexpr, CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr, ORDERED: gl.constexpr):
     """Keys W*64 .. W*64+63 of the program's tile: dK and dV over the group's q lists, stored at the end, and dQ's
     columns W*64 .. W*64+63 of each step (at D = 64 all columns over its own keys), added into the fp32 buffer behind
     DQ_DESC (without the softmax scale).
     shared: the kernel's arguments and buffers, as attention_bwd_ws_kernel packs them."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, q_smem, do_smem, terms_smem, k_smem, v_smem, ds_smem,
-     dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, scale_log2, kv_heads,
-     group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_dkb, stride_dkh, stride_dks, stride_dvb,
-     stride_dvh, stride_dvs) = shared
-    off_b, off_hkv, start_n, key_block = _program(shared, BLOCK_KV)
+     dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER, scale_log2,
+     kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh, stride_dkb,
+     stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    off_b, off_hkv, start_n, key_block = _program(shared, BLOCK_KV, ORDERED)
     D: gl.constexpr = Q_DESC.block_type.shape[3]
     # [64 keys, 64 rows] scores (and dQ's [64 rows, 64 columns]); [64 keys, D] gradients
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -297,14 +308,15 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
 
 @gluon.jit
 def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, STAGES: gl.constexpr,
-            GROUPED: gl.constexpr, CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr):
-    """One warp: the tile's K and V, then each step's Q and dO tiles and its rows' lse2 and delta into the ring, a
-    stage once both consumers have released it. (Same parameters as _consumer: Gluon's worker partitions share one signature.)"""
+            GROUPED: gl.constexpr, CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr, ORDERED: gl.constexpr):
+    """One warp: the tile's K and V, then each step's Q and dO tiles and its rows' lse2 and delta into the ring, a stage
+    once both consumers have released it. (Same parameters as _consumer: Gluon's worker partitions share one
+    signature.)"""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, q_smem, do_smem, terms_smem, k_smem, v_smem, ds_smem,
-     dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, scale_log2, kv_heads,
-     group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_dkb, stride_dkh, stride_dks, stride_dvb,
-     stride_dvh, stride_dvs) = shared
-    off_b, off_hkv, start_n, key_block = _program(shared, BLOCK_KV)
+     dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER, scale_log2,
+     kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh, stride_dkb,
+     stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    off_b, off_hkv, start_n, key_block = _program(shared, BLOCK_KV, ORDERED)
     mbarrier.expect(kv_ready, K_DESC.block_type.nbytes + V_DESC.block_type.nbytes)
     tma_load(K_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(k_smem))
     tma_load(V_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(v_smem))
@@ -327,20 +339,21 @@ def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constex
 
 @gluon.jit
 def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK, DV, Q_COUNT, Q_INDEX,
-                            scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
-                            stride_ik, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-                            BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr,
+                            TILE_ORDER, scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
+                            stride_ik, stride_ob, stride_oh, stride_dkb, stride_dkh, stride_dks, stride_dvb,
+                            stride_dvh, stride_dvs, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr,
                             STAGES: gl.constexpr, GROUPED: gl.constexpr, CAUSAL: gl.constexpr,
-                            LAGGED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            LAGGED_DQ: gl.constexpr, ORDERED: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                             LOADER_REGS: gl.constexpr):
     """Grid (Sk / 128, launch.batch_head_axes(B, Hkv)). Q_DESC / DO_DESC: Gluon host descriptors of q and dO [B, H, Sq,
     D] with [1, 1, 64, D] boxes (D = 64 or 128); K_DESC / V_DESC of k, v [B, Hkv, Sk, D] with [1, 1, 128, D]; DQ_DESC of
     a zeroed fp32 [B, H, Sq, D] buffer with [1, 1, 64, 64] boxes (it gets dS K without the softmax scale). TERMS_DESC of
     the row terms (backward._row_terms) fp32 [B, H, 2, Sq] (lse2, delta) with [1, 1, 2, 64] boxes. Q_COUNT int32 [Bm,
-    Hm, nk], Q_INDEX int32 [Bm, Hm, nk, L] (size-1 mask dims with stride 0). DK / DV [B, Hkv, Sk, D], last dim
-    contiguous. Sk is a multiple of BLOCK_KV, a multiple of 128; BLOCK_Q is a multiple of 64. GROUPED: Hkv < H. CAUSAL:
-    only keys at or before each query row count (the lists those of BlockSparsity.causal() or fewer). LAGGED_DQ: each
-    step computes the step before's dQ, the second consumer starting after the first."""
+    Hm, nk], Q_INDEX int32 [Bm, Hm, nk, L] (size-1 mask dims with stride 0). ORDERED: TILE_ORDER int32 [Bm, Hkv or 1, Sk
+    / 128] (tile_order) gives each (batch, kv head)'s tiles in the order its programs take them. DK / DV [B, Hkv, Sk,
+    D], last dim contiguous. Sk is a multiple of BLOCK_KV, a multiple of 128; BLOCK_Q is a multiple of 64. GROUPED: Hkv
+    < H. CAUSAL: only keys at or before each query row count (the lists those of BlockSparsity.causal() or fewer).
+    LAGGED_DQ: each step computes the step before's dQ, the second consumer starting after the first."""
     D: gl.constexpr = Q_DESC.block_type.shape[3]
     dtype: gl.constexpr = Q_DESC.dtype
     row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, D], dtype)
@@ -371,14 +384,14 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC
     fence_async_shared()
     shared = (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, q_smem, do_smem, terms_smem, k_smem, v_smem,
               ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX,
-              scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik,
-              stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs)
+              TILE_ORDER, scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik,
+              stride_ob, stride_oh, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs)
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
     gl.warp_specialize([
-        (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ)),
-        (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ)),
-        (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ)),
+        (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ, ORDERED)),
+        (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ, ORDERED)),
+        (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ, ORDERED)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -423,6 +436,9 @@ def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_
     row_terms_buffer. causal: the key <= query test on the steps the diagonal crosses."""
     batch, heads = q.shape[:2]
     kv_heads, seq_kv = k.shape[1], k.shape[2]
+    ordered = ORDERED
+    # (unordered, the kernel reads no order: q_count stands in for the pointer)
+    order = cached_tile_order(q_count, kv_heads, block_kv // TILE_N) if ordered else q_count
 
     def arguments():
         descriptors = dict(Q_DESC=host_descriptor(q, STEP_ROWS), K_DESC=host_descriptor(k, TILE_N),
@@ -432,14 +448,48 @@ def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_
         static = dict(
             scale_log2=scale_log2, kv_heads=kv_heads, group_size=heads // kv_heads,
             # the lists' size-1 batch and head dims broadcast: stride 0
-            **stride_args("c", q_count, "bh"), **stride_args("i", q_index, "bhk"),
+            **stride_args("c", q_count, "bh"), **stride_args("i", q_index, "bhk"), **stride_args("o", order, "bh"),
             **stride_args("dk", dk, "bhs"), **stride_args("dv", dv, "bhs"), BLOCK_Q=block_q, BLOCK_KV=block_kv,
-            STAGES=STAGES, GROUPED=heads != kv_heads, CAUSAL=causal, LAGGED_DQ=LAGGED_DQ,
+            STAGES=STAGES, GROUPED=heads != kv_heads, CAUSAL=causal, LAGGED_DQ=LAGGED_DQ, ORDERED=ordered,
             CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
         return (seq_kv // TILE_N, *launch.batch_head_axes(batch, kv_heads)), descriptors, static
-    launch_warp_specialized(attention_bwd_ws_kernel, (block_q, block_kv, scale_log2, causal, STAGES, LAGGED_DQ),
+    launch_warp_specialized(attention_bwd_ws_kernel,
+                            (block_q, block_kv, scale_log2, causal, STAGES, LAGGED_DQ, ordered),
                             dict(Q_DESC=q, K_DESC=k, V_DESC=v, DO_DESC=grad_out, DQ_DESC=dq_acc, DK=dk, DV=dv,
-                                 TERMS_DESC=row_terms, Q_COUNT=q_count, Q_INDEX=q_index), arguments)
+                                 TERMS_DESC=row_terms, Q_COUNT=q_count, Q_INDEX=q_index, TILE_ORDER=order),
+                            arguments)
+
+
+def tile_order(q_count: torch.Tensor, kv_heads: int, tiles_per_block: int) -> torch.Tensor:
+    """int32 [Bm, Hkv or 1, nk * tiles_per_block]: each (batch, kv head)'s 128-key tiles, longest walk first (the
+    q lists' counts summed over the query heads sharing the kv head; ties in key order). q_count int32 [Bm, Hm, nk]
+    with Hm = H (a multiple of kv_heads) or 1 (one mask for all heads)."""
+    batch, heads, blocks = q_count.shape
+    counts = q_count.long()
+    if heads > 1:
+        counts = counts.reshape(batch, kv_heads, heads // kv_heads, blocks).sum(2)
+    counts = counts.repeat_interleave(tiles_per_block, dim=-1)
+    return torch.argsort(counts, dim=-1, descending=True, stable=True).to(torch.int32)
+
+
+# tile_order's results by (id of q_count, its version, the call's shape terms): (weak reference to q_count, order).
+# Lists are made once and used by many calls (every layer of a model, every step of a mask that stays); an entry goes
+# with its q_count.
+_TILE_ORDERS: dict = {}
+
+
+def cached_tile_order(q_count: torch.Tensor, kv_heads: int, tiles_per_block: int) -> torch.Tensor:
+    """tile_order(q_count, ...), computed once per lists tensor (and again if it is written in place). Under CUDA
+    graph capture it is computed afresh and not kept: the capture's memory belongs to the graph."""
+    if q_count.is_cuda and torch.cuda.is_current_stream_capturing():
+        return tile_order(q_count, kv_heads, tiles_per_block)
+    key = (id(q_count), q_count._version, kv_heads, tiles_per_block)
+    entry = _TILE_ORDERS.get(key)
+    if entry is not None and entry[0]() is q_count:
+        return entry[1]
+    order = tile_order(q_count, kv_heads, tiles_per_block)
+    _TILE_ORDERS[key] = (weakref.ref(q_count, lambda _, key=key: _TILE_ORDERS.pop(key, None)), order)
+    return order
 
 
 def row_terms_buffer(batch: int, heads: int, seq_q: int, device) -> torch.Tensor:
@@ -450,10 +500,12 @@ def row_terms_buffer(batch: int, heads: int, seq_q: int, device) -> torch.Tensor
 
 
 def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = torch.bfloat16,
-                 grouped: bool = False, causal: bool = False, lagged: Optional[bool] = None, dim: int = 128):
+                 grouped: bool = False, causal: bool = False, lagged: Optional[bool] = None, dim: int = 128,
+                 ordered: Optional[bool] = None):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for q lists at (block_q, block_kv), GQA (grouped) or not, causal or not, dQ lagged a step or not (None:
-    as a launch would, LAGGED_DQ), head dim `dim` (HEAD_DIMS), with the launch's register settings."""
+    as a launch would, LAGGED_DQ), head dim `dim` (HEAD_DIMS), tiles in tile_order's order or not (None: ORDERED),
+    with the launch's register settings."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     name = _GL_DTYPES[dtype][0]
@@ -462,7 +514,7 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
                        DQ_DESC=descriptor_signature(torch.float32, STEP_ROWS, CONSUMER_KEYS),
                        TERMS_DESC=descriptor_signature(torch.float32, 2, STEP_ROWS))
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, STAGES=STAGES, GROUPED=grouped, CAUSAL=causal,
-                     LAGGED_DQ=LAGGED_DQ if lagged is None else lagged,
+                     LAGGED_DQ=LAGGED_DQ if lagged is None else lagged, ORDERED=ORDERED if ordered is None else ordered,
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
     signature = {}
     for param in attention_bwd_ws_kernel.params:
@@ -471,6 +523,6 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
         else:
             signature[param.name] = descriptors.get(param.name) or {
                 "DK": f"*{name}", "DV": f"*{name}", "Q_COUNT": "*i32",
-                "Q_INDEX": "*i32", "scale_log2": "fp32"}.get(param.name, "i32")
+                "Q_INDEX": "*i32", "TILE_ORDER": "*i32", "scale_log2": "fp32"}.get(param.name, "i32")
     source = GluonASTSource(attention_bwd_ws_kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH_OPTIONS))
