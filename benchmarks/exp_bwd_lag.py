@@ -34,7 +34,7 @@ CASES = {
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=["design", "gqa", "causal"], choices=list(CASES))
-    parser.add_argument("--flag", default="LAGGED_DQ", choices=["LAGGED_DQ", "STAGES"],
+    parser.add_argument("--flag", default="LAGGED_DQ", choices=["LAGGED_DQ", "STAGES", "ORDERED"],
                         help="the backward_ws constant to vary (each is part of the launch's plan key)")
     parser.add_argument("--values", nargs="+", default=["False", "True"], help="its values (Python literals)")
     args = parser.parse_args()

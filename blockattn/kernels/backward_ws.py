@@ -36,8 +36,8 @@ from .forward import stride_args
 # Registers per thread for a consumer warpgroup and for the loader (setmaxnreg) and the launch options (the
 # register bound among them): the forward's. Its host descriptors, their compile signatures and the launch
 # (launch_warp_specialized) also come from there.
-from .forward_ws import (CONSUMER_REGS, LAUNCH_OPTIONS, LOADER_REGS, _GL_DTYPES, _LOG2E, descriptor_signature,
-                         host_descriptor, launch_warp_specialized, tma_load)
+from .forward_ws import (CONSUMER_REGS, LAUNCH_OPTIONS, LOADER_REGS, _LOG2E, descriptor_signature,
+                         host_descriptor, launch_warp_specialized, tma_load, tma_store)
 
 # Whether attention_backward may take this kernel (benchmarks switch it off to time the Triton backward).
 ENABLED = True
@@ -91,10 +91,10 @@ _reinterpret = getattr(gl.shared_memory_descriptor, "reinterpret", None) or gl.s
 def _program(shared, BLOCK_KV: gl.constexpr, ORDERED: gl.constexpr):
     """(off_b, off_hkv, start_n, key_block) of this program: its batch, kv head, first key and key block (ORDERED:
     the tile TILE_ORDER puts at the program's place among its (batch, kv head)'s; else the program's own)."""
-    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, q_smem, do_smem, terms_smem, k_smem, v_smem, ds_smem,
-     dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER, scale_log2,
-     kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh, stride_dkb,
-     stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
+     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, Q_COUNT, Q_INDEX, TILE_ORDER,
+     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob,
+     stride_oh) = shared
     pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)
     off_b, off_hkv = pid_bh // kv_heads, pid_bh % kv_heads
     if ORDERED:
@@ -108,10 +108,10 @@ def _program(shared, BLOCK_KV: gl.constexpr, ORDERED: gl.constexpr):
 @gluon.jit
 def _q_list(shared, off_b, off_h, key_block, BLOCK_Q: gl.constexpr):
     """(steps, index_row): query head off_h's count of 64-row tiles for the key block, and its q list's pointer."""
-    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, q_smem, do_smem, terms_smem, k_smem, v_smem, ds_smem,
-     dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER, scale_log2,
-     kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh, stride_dkb,
-     stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
+     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, Q_COUNT, Q_INDEX, TILE_ORDER,
+     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob,
+     stride_oh) = shared
     count = gl.load(Q_COUNT + off_b * stride_cb + off_h * stride_ch + key_block)
     index_row = Q_INDEX + off_b.to(gl.int64) * stride_ib + off_h.to(gl.int64) * stride_ih + key_block * stride_ik
     return count * (BLOCK_Q // _ROWS), index_row
@@ -177,10 +177,10 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
     need not meet within a step; the second starts its first step once the first has its first scores, so that
     their exponentials need not fall at the same time. OWN_KEYS (D = 64): each step's dQ share is over the
     consumer's own keys (k_dq its rows of K), not over all 128 for its columns."""
-    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, q_smem, do_smem, terms_smem, k_smem, v_smem, ds_smem,
-     dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER, scale_log2,
-     kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh, stride_dkb,
-     stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
+     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, Q_COUNT, Q_INDEX, TILE_ORDER,
+     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob,
+     stride_oh) = shared
     dtype: gl.constexpr = Q_DESC.dtype
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
     along_rows: gl.constexpr = gl.SliceLayout(0, st_zero.type.layout)
@@ -262,12 +262,13 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
     columns W*64 .. W*64+63 of each step (at D = 64 all columns over its own keys), added into the fp32 buffer behind
     DQ_DESC (without the softmax scale).
     shared: the kernel's arguments and buffers, as attention_bwd_ws_kernel packs them."""
-    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, q_smem, do_smem, terms_smem, k_smem, v_smem, ds_smem,
-     dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER, scale_log2,
-     kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh, stride_dkb,
-     stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
+     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, Q_COUNT, Q_INDEX, TILE_ORDER,
+     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob,
+     stride_oh) = shared
     off_b, off_hkv, start_n, key_block = _program(shared, BLOCK_KV, ORDERED)
     D: gl.constexpr = Q_DESC.block_type.shape[3]
+    dtype: gl.constexpr = Q_DESC.dtype
     # [64 keys, 64 rows] scores (and dQ's [64 rows, 64 columns]); [64 keys, D] gradients
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, 64, 16])
@@ -296,14 +297,20 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
     else:
         dk, dv, _ = _head_walk(shared, dk, dv, 0, off_b, off_hkv, start_n, key_block, k_half, v_half, k_dq,
                                dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL, LAGGED_DQ, OWN_KEYS)
-    tma.store_wait(0)  # the last reduction has read its tile before the program's shared memory goes
-    keys = start_n + W * _KEYS + gl.arange(0, _KEYS, gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
-    gl.store(DK + off_b.to(gl.int64) * stride_dkb + off_hkv.to(gl.int64) * stride_dkh
-             + keys.to(gl.int64)[:, None] * stride_dks + cols[None, :],
-             (dk * (scale_log2 / _LOG2E)).to(DK.dtype.element_ty))
-    gl.store(DV + off_b.to(gl.int64) * stride_dvb + off_hkv.to(gl.int64) * stride_dvh
-             + keys.to(gl.int64)[:, None] * stride_dvs + cols[None, :], dv.to(DV.dtype.element_ty))
+    # dK and dV go out through the TMA unit from the dQ tile's shared memory (16 KiB: [64 keys, D] at D = 128), once
+    # the last reduction has read it: scattered stores from the accumulator's layout took 32 per thread per tensor.
+    tma.store_wait(0)
+    out_tile = _reinterpret(dq_smem.index(W), dtype, [_KEYS, D], gl.NVMMASharedLayout.get_default_for([_KEYS, D],
+                                                                                                       dtype))
+    first_key = start_n + W * _KEYS
+    out_tile.store((dk * (scale_log2 / _LOG2E)).to(dtype))
+    fence_async_shared()
+    tma_store(DK_DESC, [off_b, off_hkv, first_key, 0], _box(out_tile))
+    tma.store_wait(0)
+    out_tile.store(dv.to(dtype))
+    fence_async_shared()
+    tma_store(DV_DESC, [off_b, off_hkv, first_key, 0], _box(out_tile))
+    tma.store_wait(0)  # before the program's shared memory goes
 
 
 @gluon.jit
@@ -312,10 +319,10 @@ def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constex
     """One warp: the tile's K and V, then each step's Q and dO tiles and its rows' lse2 and delta into the ring, a stage
     once both consumers have released it. (Same parameters as _consumer: Gluon's worker partitions share one
     signature.)"""
-    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, q_smem, do_smem, terms_smem, k_smem, v_smem, ds_smem,
-     dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER, scale_log2,
-     kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh, stride_dkb,
-     stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
+     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, Q_COUNT, Q_INDEX, TILE_ORDER,
+     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob,
+     stride_oh) = shared
     off_b, off_hkv, start_n, key_block = _program(shared, BLOCK_KV, ORDERED)
     mbarrier.expect(kv_ready, K_DESC.block_type.nbytes + V_DESC.block_type.nbytes)
     tma_load(K_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(k_smem))
@@ -338,10 +345,9 @@ def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constex
 
 
 @gluon.jit
-def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK, DV, Q_COUNT, Q_INDEX,
-                            TILE_ORDER, scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
-                            stride_ik, stride_ob, stride_oh, stride_dkb, stride_dkh, stride_dks, stride_dvb,
-                            stride_dvh, stride_dvs, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr,
+def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, Q_COUNT,
+                            Q_INDEX, TILE_ORDER, scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib,
+                            stride_ih, stride_ik, stride_ob, stride_oh, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr,
                             STAGES: gl.constexpr, GROUPED: gl.constexpr, CAUSAL: gl.constexpr,
                             LAGGED_DQ: gl.constexpr, ORDERED: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                             LOADER_REGS: gl.constexpr):
@@ -350,10 +356,11 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC
     a zeroed fp32 [B, H, Sq, D] buffer with [1, 1, 64, 64] boxes (it gets dS K without the softmax scale). TERMS_DESC of
     the row terms (backward._row_terms) fp32 [B, H, 2, Sq] (lse2, delta) with [1, 1, 2, 64] boxes. Q_COUNT int32 [Bm,
     Hm, nk], Q_INDEX int32 [Bm, Hm, nk, L] (size-1 mask dims with stride 0). ORDERED: TILE_ORDER int32 [Bm, Hkv or 1, Sk
-    / 128] (tile_order) gives each (batch, kv head)'s tiles in the order its programs take them. DK / DV [B, Hkv, Sk,
-    D], last dim contiguous. Sk is a multiple of BLOCK_KV, a multiple of 128; BLOCK_Q is a multiple of 64. GROUPED: Hkv
-    < H. CAUSAL: only keys at or before each query row count (the lists those of BlockSparsity.causal() or fewer).
-    LAGGED_DQ: each step computes the step before's dQ, the second consumer starting after the first."""
+    / 128] (tile_order) gives each (batch, kv head)'s tiles in the order its programs take them. DK_DESC / DV_DESC of
+    dk, dv [B, Hkv, Sk, D] with [1, 1, 64, D] boxes. Sk is a multiple of BLOCK_KV, a multiple of 128; BLOCK_Q is a
+    multiple of 64. GROUPED: Hkv < H. CAUSAL: only keys at or before each query row count (the lists those of
+    BlockSparsity.causal() or fewer). LAGGED_DQ: each step computes the step before's dQ, the second consumer starting
+    after the first."""
     D: gl.constexpr = Q_DESC.block_type.shape[3]
     dtype: gl.constexpr = Q_DESC.dtype
     row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, D], dtype)
@@ -382,10 +389,10 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)  # both consumers' halves of dS^T
     fence_async_shared()
-    shared = (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, q_smem, do_smem, terms_smem, k_smem, v_smem,
-              ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX,
+    shared = (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem,
+              k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, Q_COUNT, Q_INDEX,
               TILE_ORDER, scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik,
-              stride_ob, stride_oh, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs)
+              stride_ob, stride_oh)
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
     gl.warp_specialize([
@@ -444,18 +451,19 @@ def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_
         descriptors = dict(Q_DESC=host_descriptor(q, STEP_ROWS), K_DESC=host_descriptor(k, TILE_N),
                            V_DESC=host_descriptor(v, TILE_N), DO_DESC=host_descriptor(grad_out, STEP_ROWS),
                            DQ_DESC=host_descriptor(dq_acc, STEP_ROWS, CONSUMER_KEYS),
-                           TERMS_DESC=host_descriptor(row_terms, 2, STEP_ROWS))
+                           TERMS_DESC=host_descriptor(row_terms, 2, STEP_ROWS),
+                           DK_DESC=host_descriptor(dk, CONSUMER_KEYS), DV_DESC=host_descriptor(dv, CONSUMER_KEYS))
         static = dict(
             scale_log2=scale_log2, kv_heads=kv_heads, group_size=heads // kv_heads,
             # the lists' size-1 batch and head dims broadcast: stride 0
             **stride_args("c", q_count, "bh"), **stride_args("i", q_index, "bhk"), **stride_args("o", order, "bh"),
-            **stride_args("dk", dk, "bhs"), **stride_args("dv", dv, "bhs"), BLOCK_Q=block_q, BLOCK_KV=block_kv,
+            BLOCK_Q=block_q, BLOCK_KV=block_kv,
             STAGES=STAGES, GROUPED=heads != kv_heads, CAUSAL=causal, LAGGED_DQ=LAGGED_DQ, ORDERED=ordered,
             CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
         return (seq_kv // TILE_N, *launch.batch_head_axes(batch, kv_heads)), descriptors, static
     launch_warp_specialized(attention_bwd_ws_kernel,
                             (block_q, block_kv, scale_log2, causal, STAGES, LAGGED_DQ, ordered),
-                            dict(Q_DESC=q, K_DESC=k, V_DESC=v, DO_DESC=grad_out, DQ_DESC=dq_acc, DK=dk, DV=dv,
+                            dict(Q_DESC=q, K_DESC=k, V_DESC=v, DO_DESC=grad_out, DQ_DESC=dq_acc, DK_DESC=dk, DV_DESC=dv,
                                  TERMS_DESC=row_terms, Q_COUNT=q_count, Q_INDEX=q_index, TILE_ORDER=order),
                             arguments)
 
@@ -508,11 +516,12 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
     with the launch's register settings."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    name = _GL_DTYPES[dtype][0]
     rows_desc, keys_desc = descriptor_signature(dtype, STEP_ROWS, dim), descriptor_signature(dtype, TILE_N, dim)
     descriptors = dict(Q_DESC=rows_desc, DO_DESC=rows_desc, K_DESC=keys_desc, V_DESC=keys_desc,
                        DQ_DESC=descriptor_signature(torch.float32, STEP_ROWS, CONSUMER_KEYS),
-                       TERMS_DESC=descriptor_signature(torch.float32, 2, STEP_ROWS))
+                       TERMS_DESC=descriptor_signature(torch.float32, 2, STEP_ROWS),
+                       DK_DESC=descriptor_signature(dtype, CONSUMER_KEYS, dim),
+                       DV_DESC=descriptor_signature(dtype, CONSUMER_KEYS, dim))
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, STAGES=STAGES, GROUPED=grouped, CAUSAL=causal,
                      LAGGED_DQ=LAGGED_DQ if lagged is None else lagged, ORDERED=ORDERED if ordered is None else ordered,
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
@@ -522,7 +531,6 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
             signature[param.name] = "constexpr"
         else:
             signature[param.name] = descriptors.get(param.name) or {
-                "DK": f"*{name}", "DV": f"*{name}", "Q_COUNT": "*i32",
-                "Q_INDEX": "*i32", "TILE_ORDER": "*i32", "scale_log2": "fp32"}.get(param.name, "i32")
+                "Q_COUNT": "*i32", "Q_INDEX": "*i32", "TILE_ORDER": "*i32", "scale_log2": "fp32"}.get(param.name, "i32")
     source = GluonASTSource(attention_bwd_ws_kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH_OPTIONS))

@@ -34,6 +34,8 @@ from . import launch
 # A TMA copy from global into shared memory: async_load from Triton 3.9 on, where the older name raises; Triton 3.6
 # has only async_copy_global_to_shared (same arguments: descriptor, coordinates, barrier, destination).
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+# and from shared memory to global: async_store, or async_copy_shared_to_global (descriptor, coordinates, source)
+tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
 
 # Whether attention_forward may take this kernel (benchmarks switch it off to time the Triton forward).
 ENABLED = True
