@@ -36,7 +36,7 @@ from .forward import stride_args
 # Registers per thread for a consumer warpgroup and for the loader (setmaxnreg) and the launch options (the
 # register bound among them): the forward's. Its host descriptors, their compile signatures and the launch
 # (launch_warp_specialized) also come from there.
-from .forward_ws import (CONSUMER_REGS, LAUNCH_OPTIONS, LOADER_REGS, _LOG2E, descriptor_signature,
+from .forward_ws import (CONSUMER_REGS, LAUNCH_OPTIONS, LOADER_REGS, _GL_DTYPES, _LOG2E, descriptor_signature,
                          host_descriptor, launch_warp_specialized, tma_load, tma_store)
 
 # Whether attention_backward may take this kernel (benchmarks switch it off to time the Triton backward).
@@ -63,8 +63,9 @@ STAGES = 2
 LAGGED_DQ = True
 # Whether each (batch, kv head)'s programs take its tiles longest walk first (tile_order) instead of in key order:
 # the grid's last programs are then the short ones, and its tail shorter (benchmarks/tail_sim.py models it); a kv
-# head's programs still run together, sharing its rows of Q, dO and dQ in L2.
-ORDERED = False
+# head's programs still run together, sharing its rows of Q, dO and dQ in L2. Measured against key order (twenty-third
+# session): GQA 32/8 S16k 6.8% faster at density 0.1, 2.3% at 0.5; B1 H24 S32k 0.2-1.2%; B8 H16 S4096 2.5%.
+ORDERED = True
 
 _ROWS = gl.constexpr(STEP_ROWS)
 _KEYS = gl.constexpr(CONSUMER_KEYS)
@@ -92,9 +93,9 @@ def _program(shared, BLOCK_KV: gl.constexpr, ORDERED: gl.constexpr):
     """(off_b, off_hkv, start_n, key_block) of this program: its batch, kv head, first key and key block (ORDERED:
     the tile TILE_ORDER puts at the program's place among its (batch, kv head)'s; else the program's own)."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
-     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, Q_COUNT, Q_INDEX, TILE_ORDER,
-     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob,
-     stride_oh) = shared
+     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
+     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
+     stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)
     off_b, off_hkv = pid_bh // kv_heads, pid_bh % kv_heads
     if ORDERED:
@@ -109,9 +110,9 @@ def _program(shared, BLOCK_KV: gl.constexpr, ORDERED: gl.constexpr):
 def _q_list(shared, off_b, off_h, key_block, BLOCK_Q: gl.constexpr):
     """(steps, index_row): query head off_h's count of 64-row tiles for the key block, and its q list's pointer."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
-     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, Q_COUNT, Q_INDEX, TILE_ORDER,
-     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob,
-     stride_oh) = shared
+     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
+     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
+     stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     count = gl.load(Q_COUNT + off_b * stride_cb + off_h * stride_ch + key_block)
     index_row = Q_INDEX + off_b.to(gl.int64) * stride_ib + off_h.to(gl.int64) * stride_ih + key_block * stride_ik
     return count * (BLOCK_Q // _ROWS), index_row
@@ -178,9 +179,9 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
     their exponentials need not fall at the same time. OWN_KEYS (D = 64): each step's dQ share is over the
     consumer's own keys (k_dq its rows of K), not over all 128 for its columns."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
-     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, Q_COUNT, Q_INDEX, TILE_ORDER,
-     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob,
-     stride_oh) = shared
+     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
+     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
+     stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     dtype: gl.constexpr = Q_DESC.dtype
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
     along_rows: gl.constexpr = gl.SliceLayout(0, st_zero.type.layout)
@@ -263,9 +264,9 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
     DQ_DESC (without the softmax scale).
     shared: the kernel's arguments and buffers, as attention_bwd_ws_kernel packs them."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
-     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, Q_COUNT, Q_INDEX, TILE_ORDER,
-     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob,
-     stride_oh) = shared
+     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
+     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
+     stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     off_b, off_hkv, start_n, key_block = _program(shared, BLOCK_KV, ORDERED)
     D: gl.constexpr = Q_DESC.block_type.shape[3]
     dtype: gl.constexpr = Q_DESC.dtype
@@ -297,19 +298,35 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
     else:
         dk, dv, _ = _head_walk(shared, dk, dv, 0, off_b, off_hkv, start_n, key_block, k_half, v_half, k_dq,
                                dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL, LAGGED_DQ, OWN_KEYS)
-    # dK and dV go out through the TMA unit from the dQ tile's shared memory (16 KiB: [64 keys, D] at D = 128), once
-    # the last reduction has read it: scattered stores from the accumulator's layout took 32 per thread per tensor.
-    tma.store_wait(0)
-    out_tile = _reinterpret(dq_smem.index(W), dtype, [_KEYS, D], gl.NVMMASharedLayout.get_default_for([_KEYS, D],
-                                                                                                       dtype))
-    first_key = start_n + W * _KEYS
-    out_tile.store((dk * (scale_log2 / _LOG2E)).to(dtype))
+    tma.store_wait(0)  # the last dQ reduction has read its tile
+    if GROUPED:
+        # stores from the accumulator's layout: the TMA path below made GQA 32/8 S16k 2-3% slower (its loop's
+        # registers come out worse), MHA 1-5% faster (twenty-third session)
+        keys = start_n + W * _KEYS + gl.arange(0, _KEYS, gl.SliceLayout(1, acc_layout))
+        cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
+        gl.store(DK + off_b.to(gl.int64) * stride_dkb + off_hkv.to(gl.int64) * stride_dkh
+                 + keys.to(gl.int64)[:, None] * stride_dks + cols[None, :], (dk * (scale_log2 / _LOG2E)).to(dtype))
+        gl.store(DV + off_b.to(gl.int64) * stride_dvb + off_hkv.to(gl.int64) * stride_dvh
+                 + keys.to(gl.int64)[:, None] * stride_dvs + cols[None, :], dv.to(dtype))
+    else:
+        _store_through_tma(DK_DESC, DV_DESC, dq_smem.index(W), dk * (scale_log2 / _LOG2E), dv,
+                           [off_b, off_hkv, start_n + W * _KEYS, 0])
+
+
+@gluon.jit
+def _store_through_tma(DK_DESC, DV_DESC, tile, dk, dv, coord):
+    """dk and dv (fp32 [64 keys, D]) into the [1, 1, 64, D] boxes at coord through the TMA unit, staged in turn in
+    the free fp32 tile `tile` (a dQ tile: 16 KiB, as a [64, D] tile of the gradients' dtype at D = 128)."""
+    dtype: gl.constexpr = DK_DESC.dtype
+    D: gl.constexpr = DK_DESC.block_type.shape[3]
+    out_tile = _reinterpret(tile, dtype, [_KEYS, D], gl.NVMMASharedLayout.get_default_for([_KEYS, D], dtype))
+    out_tile.store(dk.to(dtype))
     fence_async_shared()
-    tma_store(DK_DESC, [off_b, off_hkv, first_key, 0], _box(out_tile))
+    tma_store(DK_DESC, coord, _box(out_tile))
     tma.store_wait(0)
     out_tile.store(dv.to(dtype))
     fence_async_shared()
-    tma_store(DV_DESC, [off_b, off_hkv, first_key, 0], _box(out_tile))
+    tma_store(DV_DESC, coord, _box(out_tile))
     tma.store_wait(0)  # before the program's shared memory goes
 
 
@@ -320,9 +337,9 @@ def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constex
     once both consumers have released it. (Same parameters as _consumer: Gluon's worker partitions share one
     signature.)"""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
-     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, Q_COUNT, Q_INDEX, TILE_ORDER,
-     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob,
-     stride_oh) = shared
+     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
+     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
+     stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     off_b, off_hkv, start_n, key_block = _program(shared, BLOCK_KV, ORDERED)
     mbarrier.expect(kv_ready, K_DESC.block_type.nbytes + V_DESC.block_type.nbytes)
     tma_load(K_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(k_smem))
@@ -345,9 +362,10 @@ def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constex
 
 
 @gluon.jit
-def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, Q_COUNT,
-                            Q_INDEX, TILE_ORDER, scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib,
-                            stride_ih, stride_ik, stride_ob, stride_oh, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr,
+def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, DK, DV,
+                            Q_COUNT, Q_INDEX, TILE_ORDER, scale_log2, kv_heads, group_size, stride_cb, stride_ch,
+                            stride_ib, stride_ih, stride_ik, stride_ob, stride_oh, stride_dkb, stride_dkh, stride_dks,
+                            stride_dvb, stride_dvh, stride_dvs, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr,
                             STAGES: gl.constexpr, GROUPED: gl.constexpr, CAUSAL: gl.constexpr,
                             LAGGED_DQ: gl.constexpr, ORDERED: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                             LOADER_REGS: gl.constexpr):
@@ -357,10 +375,10 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC
     the row terms (backward._row_terms) fp32 [B, H, 2, Sq] (lse2, delta) with [1, 1, 2, 64] boxes. Q_COUNT int32 [Bm,
     Hm, nk], Q_INDEX int32 [Bm, Hm, nk, L] (size-1 mask dims with stride 0). ORDERED: TILE_ORDER int32 [Bm, Hkv or 1, Sk
     / 128] (tile_order) gives each (batch, kv head)'s tiles in the order its programs take them. DK_DESC / DV_DESC of
-    dk, dv [B, Hkv, Sk, D] with [1, 1, 64, D] boxes. Sk is a multiple of BLOCK_KV, a multiple of 128; BLOCK_Q is a
-    multiple of 64. GROUPED: Hkv < H. CAUSAL: only keys at or before each query row count (the lists those of
-    BlockSparsity.causal() or fewer). LAGGED_DQ: each step computes the step before's dQ, the second consumer starting
-    after the first."""
+    dk, dv [B, Hkv, Sk, D] with [1, 1, 64, D] boxes, for MHA calls; DK / DV the same tensors, last dim contiguous, for
+    GQA calls. Sk is a multiple of BLOCK_KV, a multiple of 128; BLOCK_Q is a multiple of 64. GROUPED: Hkv < H. CAUSAL:
+    only keys at or before each query row count (the lists those of BlockSparsity.causal() or fewer). LAGGED_DQ: each
+    step computes the step before's dQ, the second consumer starting after the first."""
     D: gl.constexpr = Q_DESC.block_type.shape[3]
     dtype: gl.constexpr = Q_DESC.dtype
     row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, D], dtype)
@@ -390,9 +408,9 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC
         mbarrier.init(ds_ready.index(i), count=2)  # both consumers' halves of dS^T
     fence_async_shared()
     shared = (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem,
-              k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, Q_COUNT, Q_INDEX,
-              TILE_ORDER, scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik,
-              stride_ob, stride_oh)
+              k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT,
+              Q_INDEX, TILE_ORDER, scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
+              stride_ik, stride_ob, stride_oh, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs)
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
     gl.warp_specialize([
@@ -457,13 +475,14 @@ def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_
             scale_log2=scale_log2, kv_heads=kv_heads, group_size=heads // kv_heads,
             # the lists' size-1 batch and head dims broadcast: stride 0
             **stride_args("c", q_count, "bh"), **stride_args("i", q_index, "bhk"), **stride_args("o", order, "bh"),
-            BLOCK_Q=block_q, BLOCK_KV=block_kv,
+            **stride_args("dk", dk, "bhs"), **stride_args("dv", dv, "bhs"), BLOCK_Q=block_q, BLOCK_KV=block_kv,
             STAGES=STAGES, GROUPED=heads != kv_heads, CAUSAL=causal, LAGGED_DQ=LAGGED_DQ, ORDERED=ordered,
             CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
         return (seq_kv // TILE_N, *launch.batch_head_axes(batch, kv_heads)), descriptors, static
     launch_warp_specialized(attention_bwd_ws_kernel,
                             (block_q, block_kv, scale_log2, causal, STAGES, LAGGED_DQ, ordered),
-                            dict(Q_DESC=q, K_DESC=k, V_DESC=v, DO_DESC=grad_out, DQ_DESC=dq_acc, DK_DESC=dk, DV_DESC=dv,
+                            dict(Q_DESC=q, K_DESC=k, V_DESC=v, DO_DESC=grad_out, DQ_DESC=dq_acc, DK_DESC=dk,
+                                 DV_DESC=dv, DK=dk, DV=dv,
                                  TERMS_DESC=row_terms, Q_COUNT=q_count, Q_INDEX=q_index, TILE_ORDER=order),
                             arguments)
 
@@ -516,6 +535,7 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
     with the launch's register settings."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+    name = _GL_DTYPES[dtype][0]
     rows_desc, keys_desc = descriptor_signature(dtype, STEP_ROWS, dim), descriptor_signature(dtype, TILE_N, dim)
     descriptors = dict(Q_DESC=rows_desc, DO_DESC=rows_desc, K_DESC=keys_desc, V_DESC=keys_desc,
                        DQ_DESC=descriptor_signature(torch.float32, STEP_ROWS, CONSUMER_KEYS),
@@ -531,6 +551,7 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
             signature[param.name] = "constexpr"
         else:
             signature[param.name] = descriptors.get(param.name) or {
-                "Q_COUNT": "*i32", "Q_INDEX": "*i32", "TILE_ORDER": "*i32", "scale_log2": "fp32"}.get(param.name, "i32")
+                "DK": f"*{name}", "DV": f"*{name}", "Q_COUNT": "*i32", "Q_INDEX": "*i32", "TILE_ORDER": "*i32",
+                "scale_log2": "fp32"}.get(param.name, "i32")
     source = GluonASTSource(attention_bwd_ws_kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH_OPTIONS))
