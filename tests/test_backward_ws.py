@@ -147,7 +147,7 @@ def test_tile_order_puts_each_kv_heads_longest_walks_first(heads, kv_heads, tile
 
 def test_tile_order_is_kept_per_lists_tensor():
     """cached_tile_order computes a lists tensor's order once, again after the tensor is written in place, and lets
-    the entry go with the tensor."""
+    the entry go with the tensor; an inference tensor's (no version counter) it computes each time."""
     q_count = torch.tensor([[[1, 3, 2, 3]]], dtype=torch.int32)
     first = backward_ws.cached_tile_order(q_count, 1, 1)
     assert first.tolist() == [[[1, 3, 2, 0]]]
@@ -157,6 +157,10 @@ def test_tile_order_is_kept_per_lists_tensor():
     assert backward_ws.cached_tile_order(q_count, 1, 1).tolist() == [[[0, 1, 3, 2]]]
     entries = len(backward_ws._TILE_ORDERS)
     del q_count
+    assert len(backward_ws._TILE_ORDERS) < entries
+    with torch.inference_mode():
+        made_there = torch.tensor([[[2, 5]]], dtype=torch.int32)
+    assert backward_ws.cached_tile_order(made_there, 1, 2).tolist() == [[[2, 3, 0, 1]]]
     assert len(backward_ws._TILE_ORDERS) < entries
 
 

@@ -507,8 +507,9 @@ _TILE_ORDERS: dict = {}
 
 def cached_tile_order(q_count: torch.Tensor, kv_heads: int, tiles_per_block: int) -> torch.Tensor:
     """tile_order(q_count, ...), computed once per lists tensor (and again if it is written in place). Under CUDA
-    graph capture it is computed afresh and not kept: the capture's memory belongs to the graph."""
-    if q_count.is_cuda and torch.cuda.is_current_stream_capturing():
+    graph capture it is computed afresh and not kept: the capture's memory belongs to the graph; so is an inference
+    tensor's, which has no version counter to tell a write in place."""
+    if q_count.is_inference() or (q_count.is_cuda and torch.cuda.is_current_stream_capturing()):
         return tile_order(q_count, kv_heads, tiles_per_block)
     key = (id(q_count), q_count._version, kv_heads, tiles_per_block)
     entry = _TILE_ORDERS.get(key)
