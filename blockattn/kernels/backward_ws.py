@@ -8,9 +8,10 @@ into dK, and stores dS^T into shared memory; once both halves are there, each co
 D=64 all columns over its own keys) and adds them into an fp32 buffer through the TMA unit (a bulk tensor reduction from
 shared memory). dQ lags a step (LAGGED_DQ): a step computes the step before's dQ, so the consumers need not meet within
 a step. Each (batch, kv head)'s programs take its tiles longest walk first (ORDERED, tile_order), and MHA programs store
-dK and dV through the TMA unit. Five tile products per step, against seven for the Triton kernels' deterministic dQ walk (kernels/README.md,
-"The warp-specialized backward"). Measured on the H200 at B1 H24 S32768 D128, density 0.25, 128x128 blocks: 15.62 ms
-against 19.78 for the Triton backward and 21.06 for FlexAttention's (BENCHMARKS.md, twenty-second session).
+dK and dV through the TMA unit. Five tile products per step, against seven for the Triton kernels' deterministic dQ walk
+(kernels/README.md, "The warp-specialized backward"). Measured on the H200 at B1 H24 S32768 D128, density 0.25, 128x128
+blocks: 15.64 ms against 20.28 for the Triton backward and 21.64 for FlexAttention's (BENCHMARKS.md, twenty-third
+session).
 
 It covers the plain walk and the causal one (the test key <= query on the steps the diagonal crosses): no other
 element tests (no token mask, kv_valid, gathered block mask or packed batch), bf16 or fp16, head dim 64 or 128, key
