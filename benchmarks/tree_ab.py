@@ -14,16 +14,12 @@ import torch
 
 import blockattn
 from blockattn.bench import Case, _inputs, _time_ms, block_mask
+from ws_backward import SUITES as WS_SUITES
 
-SUITES = {
-    "design": [Case(density=d) for d in (1.0, 0.5, 0.25, 0.1)],
-    "gqa": [Case(heads=32, kv_heads=8, seq=16384, density=d) for d in (0.5, 0.1)],
-    "short": [Case(batch=8, heads=16, kv_heads=16, seq=s, density=0.5) for s in (2048, 4096)],
-    "causal": [Case(pattern="causal", density=0.5),
-               Case(batch=8, heads=16, kv_heads=16, seq=4096, pattern="causal", density=0.5)],
-    "d64": [Case(dim=64, density=d) for d in (0.5, 0.1)]
-    + [Case(dim=64, heads=32, kv_heads=8, seq=16384, density=0.25)],
-}
+# ws_backward.py's cases, but a shorter D=64 set (each tree runs every case three times)
+SUITES = {**{name: WS_SUITES[name] for name in ("design", "gqa", "short", "causal")},
+          "d64": [Case(dim=64, density=d) for d in (0.5, 0.1)]
+          + [Case(dim=64, heads=32, kv_heads=8, seq=16384, density=0.25)]}
 
 
 def main():
