@@ -8,6 +8,8 @@ with FA3-style turns: benchmarks/results-2026-12-02-h200-session20.md.)
 
     python benchmarks/exp_bwd_lag.py [--cases design gqa causal]
     python benchmarks/exp_bwd_lag.py --flag STAGES --values 2 3   # another of backward_ws's launch constants
+    python benchmarks/exp_bwd_lag.py --cases paired --flag PAIRED_STAGES --values 2 3   # 128x64 blocks
+    python benchmarks/exp_bwd_lag.py --flag STAGES,LAGGED_DQ --values "(2, True)" "(3, False)"  # a tuple a variant
 """
 
 import argparse
@@ -28,21 +30,30 @@ CASES = {
     "d64": [Case(dim=64, density=d) for d in (0.5, 0.1)] + [Case(dim=64, heads=32, kv_heads=8, seq=16384, density=0.25),
                                                              Case(dim=64, batch=8, heads=16, kv_heads=16, seq=4096,
                                                                   density=0.5)],
+    # 128x64 blocks: paired programs
+    "paired": [Case(block=(128, 64), density=d) for d in (0.5, 0.1)] + [
+        Case(block=(128, 64), heads=32, kv_heads=8, seq=16384, density=0.25)],
 }
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=["design", "gqa", "causal"], choices=list(CASES))
-    parser.add_argument("--flag", default="LAGGED_DQ", choices=["LAGGED_DQ", "STAGES", "ORDERED"],
-                        help="the backward_ws constant to vary (each is part of the launch's plan key)")
-    parser.add_argument("--values", nargs="+", default=["False", "True"], help="its values (Python literals)")
+    parser.add_argument("--flag", default="LAGGED_DQ",
+                        help="the backward_ws constant to vary (each is part of the launch's plan key): LAGGED_DQ, "
+                        "STAGES, ORDERED, PAIRED_STAGES; several joined by commas")
+    parser.add_argument("--values", nargs="+", default=["False", "True"],
+                        help="its values (Python literals; a tuple a variant for several constants)")
     args = parser.parse_args()
     device = torch.device("cuda")
-    flag, variants = args.flag, [ast.literal_eval(v) for v in args.values]
-    default = getattr(backward_ws, flag)
-    print("| case | " + " | ".join(f"{flag}={value}" for value in variants) + " |")
-    print("| --- |" + " --- |" * len(variants))
+    flags, variants = args.flag.split(","), [ast.literal_eval(v) for v in args.values]
+    defaults = [getattr(backward_ws, flag) for flag in flags]
+
+    def set_flags(values):
+        for flag, value in zip(flags, values if len(flags) > 1 else (values, )):
+            setattr(backward_ws, flag, value)
+    print("| case | Triton backward | " + " | ".join(f"{args.flag}={value}" for value in variants) + " |")
+    print("| --- | --- |" + " --- |" * len(variants))
     for case in [c for name in args.cases for c in CASES[name]]:
         keep = block_mask(case, device)
         blocks = blockattn.BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
@@ -55,18 +66,20 @@ def main():
             return torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
         backward_ws.ENABLED = False
         reference = [g.float() for g in backward()]
+        triton_ms = _time_ms(backward)
         backward_ws.ENABLED = True
         gaps, times = {}, {variant: [] for variant in variants}
         for round_ in range(2):
             for variant in variants:
-                setattr(backward_ws, flag, variant)
+                set_flags(variant)
                 if round_ == 0:
                     gaps[variant] = max(((a.float() - b).norm() / b.norm()).item()
                                         for a, b in zip(backward(), reference))
                 times[variant].append(_time_ms(backward))
-        setattr(backward_ws, flag, default)
+        set_flags(defaults if len(flags) > 1 else defaults[0])
         cells = [f"{min(times[v]):.3f} ({flops / min(times[v]) / 1e9:.0f}; gap {gaps[v]:.1e})" for v in variants]
-        print(f"| {case.label} | " + " | ".join(cells) + " |", flush=True)
+        print(f"| {case.label} | {triton_ms:.3f} ({flops / triton_ms / 1e9:.0f}) | " + " | ".join(cells) + " |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,10 @@ def test_qualifying_calls():
     assert _qualifies(block_q=64)
     assert _qualifies(block_q=256, block_kv=256)
     assert _qualifies(is_causal=True)
+    # key blocks of 64 (or an odd multiple): paired programs, two 64-key tiles each, so Sk a multiple of 128
+    assert _qualifies(block_kv=64)
+    assert _qualifies(block_q=64, block_kv=64, is_causal=True)
+    assert _qualifies(k=_meta(2, 2, 1152, 128), block_kv=192)
     assert _qualifies(q=_meta(2, 4, 1000, 64), k=_meta(2, 2, 1024, 64))
     assert _qualifies(q=_meta(2, 4, 1000, 128, dtype=torch.float16), k=_meta(2, 2, 1024, 128, dtype=torch.float16))
     # bshd storage seen as bhsd: strides (S*H*D, D, H*D, 1), all 16-byte multiples
@@ -45,9 +49,11 @@ def test_qualifying_calls():
 
 @pytest.mark.parametrize("change", [
     dict(token_mask=object()), dict(block_mask=object()), dict(kv_valid=object()),
-    dict(varlen=object()), dict(block_q=32), dict(block_q=96), dict(block_kv=64), dict(block_kv=192),
-    dict(min_work=2 * 4 * 1000 * 1024 * 128 + 1)])
+    dict(varlen=object()), dict(block_q=32), dict(block_q=96), dict(block_kv=32), dict(block_kv=96),
+    dict(block_kv=192), dict(block_kv=64, k=_meta(2, 2, 1088, 128)), dict(min_work=2 * 4 * 1000 * 1024 * 128 + 1)])
 def test_calls_it_declines(change):
+    """Element tests other than the causal one, blocks not of whole 64-row steps or 64-key tiles, Sk not a multiple
+    of the key block (192 at 1024) or of 128 (1088 = 17 tiles of 64: one would lack its pair), too little work."""
     assert not _qualifies(**change), change
 
 
@@ -116,7 +122,10 @@ def test_switched_off_deterministic_or_off_hopper_it_declines(monkeypatch):
 @pytest.mark.parametrize("blocks, dtype, grouped, causal, lagged, dim, ordered", [
     ((128, 128), "bfloat16", False, False, None, 128, None), ((64, 256), "float16", True, True, None, 128, True),
     ((128, 128), "bfloat16", False, True, False, 128, False), ((128, 128), "bfloat16", False, True, None, 64, None),
-    ((64, 128), "float16", True, False, None, 64, True)])
+    ((64, 128), "float16", True, False, None, 64, True),
+    # paired programs (64-key tiles)
+    ((128, 64), "bfloat16", False, False, None, 128, None), ((128, 64), "float16", True, True, None, 128, True),
+    ((64, 64), "bfloat16", False, True, None, 64, False), ((128, 192), "bfloat16", True, False, None, 64, None)])
 def test_compiles_for_sm90_with_its_register_split(blocks, dtype, grouped, causal, lagged, dim, ordered):
     """Each variant (lagged, ordered: None as a launch would, LAGGED_DQ and ORDERED) compiles with the register
     split, wgmma, TMA copies and adds, in shared memory, without local memory."""
@@ -181,6 +190,12 @@ CASES = {
     # D = 64: each consumer's dQ over its own keys (GQA meeting each step, MHA lagging dQ)
     "d64 gqa, query tail": (1, 4, 2, 999, 1024, (128, 128), torch.bfloat16, "bhsd", 64),
     "d64 64x128 fp16": (2, 2, 2, 1024, 1024, (64, 128), torch.float16, "bshd", 64),
+    # 64-key blocks (and 192 = 3 x 64): paired programs, each consumer its own 64-key tile and q list
+    "128x64 bf16": (2, 4, 4, 2048, 2048, (128, 64), torch.bfloat16, "bhsd", 128),
+    "128x64 gqa fp16, query tail": (1, 8, 2, 1001, 1024, (128, 64), torch.float16, "bshd", 128),
+    "one mask, batch 2, 64x64 gqa": (2, 4, 2, 1024, 768, (64, 64), torch.bfloat16, "bhsd", 128),
+    "d64 64x64 gqa": (2, 4, 2, 1024, 1024, (64, 64), torch.bfloat16, "bhsd", 64),
+    "128x192, query tail": (1, 2, 2, 1000, 1152, (128, 192), torch.bfloat16, "bhsd", 128),
 }
 CAUSAL_CASES = {
     # Sq < Sk: top-left alignment, the query tail ends inside its step
@@ -192,6 +207,8 @@ CAUSAL_CASES = {
     # Sq > Sk: the last query blocks see every key
     "more queries than keys": (1, 2, 2, 1536, 512, (128, 128), torch.bfloat16, "bshd", 128),
     "d64 causal": (1, 2, 2, 1024, 1024, (128, 128), torch.bfloat16, "bhsd", 64),
+    "128x64 causal gqa": (1, 4, 2, 1024, 1024, (128, 64), torch.bfloat16, "bhsd", 128),
+    "d64 64x64 causal fp16, query tail": (1, 2, 2, 1000, 1024, (64, 64), torch.float16, "bhsd", 64),
 }
 
 
@@ -310,19 +327,21 @@ def test_gradients_with_tiles_longest_first(case, poisoned, warp_specialized_cal
     test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls)
 
 
-@pytest.mark.parametrize("lagged", [True, False])
-def test_programs_of_zero_one_and_two_steps(poisoned, warp_specialized_calls, monkeypatch, lagged):
-    """64x128 blocks (a step per kept query block), MHA: key blocks kept by no query block, by exactly one (the
+@pytest.mark.parametrize("block, flag, value", [((64, 128), "LAGGED_DQ", True), ((64, 128), "LAGGED_DQ", False),
+                                               ((64, 64), "ORDERED", True), ((64, 64), "ORDERED", False)])
+def test_programs_of_zero_one_and_two_steps(poisoned, warp_specialized_calls, monkeypatch, block, flag, value):
+    """A step per kept query block, MHA: key blocks kept by no query block, by exactly one (with 128-key blocks the
     program's only step has no dQ before it to compute, so its dQ is the one after the walk), by two, and by all,
-    with dQ lagged and not. Gradients against the fp64 oracle; rows past the kept blocks and unkept key blocks get
-    exact zeros."""
-    monkeypatch.setattr(backward_ws, "LAGGED_DQ", lagged)
-    block, seq = (64, 128), 512
+    with dQ lagged and not; with 64-key blocks (paired programs: walks of unequal length, one of them empty) with
+    the tiles in key order and longest walk first. Gradients against the fp64 oracle; rows past the kept blocks and
+    unkept key blocks get exact zeros."""
+    monkeypatch.setattr(backward_ws, flag, value)
+    seq = 512
     q, k, v = (t.requires_grad_() for t in qkv(1, 2, seq, 128, seed=5))
     keep = torch.zeros(1, 2, seq // block[0], seq // block[1], dtype=torch.bool, device=DEVICE)
     keep[..., 3, 0] = True          # key block 0: one step
     keep[..., [1, 6], 1] = True     # key block 1: two steps
-    keep[..., :, 2] = True          # key block 2: every query block; key block 3: none
+    keep[..., :, 2] = True          # key block 2: every query block; key blocks 3 on: none
     out = blockattn.attention(q, k, v, keep, block, backend="triton")
     grad_out = torch.randn(out.shape, generator=torch.Generator(device=DEVICE).manual_seed(6), device=DEVICE)
     grads = torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype))

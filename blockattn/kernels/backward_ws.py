@@ -8,14 +8,16 @@ into dK, and stores dS^T into shared memory; once both halves are there, each co
 D=64 all columns over its own keys) and adds them into an fp32 buffer through the TMA unit (a bulk tensor reduction from
 shared memory). dQ lags a step (LAGGED_DQ): a step computes the step before's dQ, so the consumers need not meet within
 a step. Each (batch, kv head)'s programs take its tiles longest walk first (ORDERED, tile_order), and MHA programs store
-dK and dV through the TMA unit. Five tile products per step, against seven for the Triton kernels' deterministic dQ walk
+dK and dV through the TMA unit. Key blocks of 64 keys (128x64, 64x64, or an odd multiple) run paired programs
+(PAIRED): two 64-key tiles, one per consumer, each with its own walk, the walks interleaved in the ring, and dQ over
+each consumer's own keys. Five tile products per step, against seven for the Triton kernels' deterministic dQ walk
 (kernels/README.md, "The warp-specialized backward"). Measured on the H200 at B1 H24 S32768 D128, density 0.25, 128x128
 blocks: 15.64 ms against 20.28 for the Triton backward and 21.64 for FlexAttention's (BENCHMARKS.md, twenty-third
-session).
+session); 128x64 blocks: 19.16 ms against 19.57 for the Triton backward (twenty-fourth session).
 
 It covers the plain walk and the causal one (the test key <= query on the steps the diagonal crosses): no other
 element tests (no token mask, kv_valid, gathered block mask or packed batch), bf16 or fp16, head dim 64 or 128, key
-blocks of whole 128-key tiles and query blocks of whole 64-row ones.
+blocks of whole 64-key tiles with Sk a multiple of 128, and query blocks of whole 64-row ones.
 The dQ adds land in a nondeterministic order, so deterministic mode runs the Triton backward. `plan()` says whether
 a call qualifies; backward.attention_backward runs the Triton kernels otherwise. Triton's interpreter cannot run
 Gluon, so on the CPU the tests compile this kernel for sm_90 without running it.
@@ -68,6 +70,11 @@ LAGGED_DQ = True
 # head's programs still run together, sharing its rows of Q, dO and dQ in L2. Measured against key order (twenty-third
 # session): GQA 32/8 S16k 6.8% faster at density 0.1, 2.3% at 0.5; B1 H24 S32k 0.2-1.2%; B8 H16 S4096 2.5%.
 ORDERED = True
+# Key blocks of 64 keys (or an odd multiple: 128x64 is the library's default block): each program takes two 64-key
+# tiles, one per consumer, whose q lists differ, so the consumers walk apart; the loader interleaves their steps in
+# one ring (a stage holds one consumer's step) and each consumer computes the dQ over its own keys for all of D. Its
+# ring stages: with two dQ tiles and one dS^T buffer, 3 stages fill 209.5 KiB at D = 128.
+PAIRED_STAGES = 3
 
 _ROWS = gl.constexpr(STEP_ROWS)
 _KEYS = gl.constexpr(CONSUMER_KEYS)
@@ -91,20 +98,28 @@ _reinterpret = getattr(gl.shared_memory_descriptor, "reinterpret", None) or gl.s
 
 
 @gluon.jit
-def _program(shared, BLOCK_KV: gl.constexpr, ORDERED: gl.constexpr):
-    """(off_b, off_hkv, start_n, key_block) of this program: its batch, kv head, first key and key block (ORDERED:
-    the tile TILE_ORDER puts at the program's place among its (batch, kv head)'s; else the program's own)."""
+def _program(shared, W: gl.constexpr, BLOCK_KV: gl.constexpr, ORDERED: gl.constexpr, PAIRED: gl.constexpr):
+    """(off_b, off_hkv, start_n, key_block) of this program: its batch, kv head, first key and key block. The
+    program's place among its (batch, kv head)'s is its 128-key tile's, or (PAIRED) that of consumer W's 64-key tile,
+    the second of the pair's two (a 64-key tile's first key and its key block). ORDERED: the tile TILE_ORDER puts at
+    that place; else the place's own."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
      v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
      scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
      stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)
     off_b, off_hkv = pid_bh // kv_heads, pid_bh % kv_heads
-    if ORDERED:
-        tile = gl.load(TILE_ORDER + off_b * stride_ob + off_hkv * stride_oh + gl.program_id(0))
+    if PAIRED:
+        place = 2 * gl.program_id(0) + W
+        TILE_KEYS: gl.constexpr = _KEYS
     else:
-        tile = gl.program_id(0)
-    start_n = tile * (2 * _KEYS)
+        place = gl.program_id(0)
+        TILE_KEYS: gl.constexpr = 2 * _KEYS
+    if ORDERED:
+        tile = gl.load(TILE_ORDER + off_b * stride_ob + off_hkv * stride_oh + place)
+    else:
+        tile = place
+    start_n = tile * TILE_KEYS
     return off_b, off_hkv, start_n, start_n // BLOCK_KV
 
 
@@ -134,17 +149,13 @@ def _box(tile):
 
 
 @gluon.jit
-def _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, W: gl.constexpr, OWN_KEYS: gl.constexpr):
-    """Add consumer W's dQ share (fp32 [64 rows, 64 columns]) at rows row0.. of query head off_h, columns W*64..
-    (OWN_KEYS: columns 0..63, the sum over its own keys), through the TMA unit, from the consumer's shared tile once
-    the previous reduction has read it."""
+def _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, column, W: gl.constexpr):
+    """Add a dQ share of consumer W (fp32 [64 rows, 64 columns]) at rows row0.., columns column.. of query head off_h,
+    through the TMA unit, from the consumer's shared tile once the previous reduction has read it."""
     tma.store_wait(0)
     dq_smem.index(W).store(dq)
     fence_async_shared()
-    if OWN_KEYS:
-        _tma_add(DQ_DESC, [off_b, off_h, row0, 0], dq_tile)
-    else:
-        _tma_add(DQ_DESC, [off_b, off_h, row0, W * _KEYS], dq_tile)
+    _tma_add(DQ_DESC, [off_b, off_h, row0, column], dq_tile)
 
 
 @gluon.jit
@@ -170,6 +181,58 @@ def _dq_product(ds_smem, ds_ready, k_dq, st_zero, i, W: gl.constexpr, OWN_KEYS: 
     return warpgroup_mma(ds_t.permute((1, 0)), k_dq, st_zero, use_acc=False, is_async=True)
 
 
+@triton.constexpr_function
+def _gradient_layout(dim):
+    """The registers' layout of a consumer's fp32 [64 keys, dim] gradients: a wgmma's, over its 4 warps."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, dim, 16])
+
+
+@gluon.jit
+def _terms_rows(terms_smem, STAGES: gl.constexpr):
+    """The ring's row terms as [2 * STAGES] rows of 64 (TMA writes them through a layout whose rows cannot be
+    indexed): row 2 * stage holds a stage's lse2, the next its delta."""
+    return _reinterpret(terms_smem, gl.float32, [2 * STAGES, _ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+
+@gluon.jit
+def _step_scores(shared, q_tile, do_tile, k_half, v_half, terms_rows, st_zero, stage, row0, first_key, i,
+                 W: gl.constexpr, CAUSAL: gl.constexpr, OPENS_GATE: gl.constexpr):
+    """A step's scores for consumer W's 64 keys (first_key..) and the stage's 64 rows (row0..): S^T = K Q^T and
+    dP^T = V dO^T, then P^T and dS^T in registers: (dst, pt_op, dst_op), the last two as the A operands of the dV
+    and dK products. CAUSAL: P = 0 where a key lies past the row. OPENS_GATE: the first
+    consumer's program step i = 0 opens the second's staggered start once it has its scores (LAGGED_DQ)."""
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
+     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
+     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
+     stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    dtype: gl.constexpr = Q_DESC.dtype
+    D: gl.constexpr = Q_DESC.block_type.shape[3]
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_gradient_layout(D), k_width=2)
+    along_rows: gl.constexpr = gl.SliceLayout(0, st_zero.type.layout)
+    st = warpgroup_mma(k_half, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+    dpt = warpgroup_mma(v_half, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+    # The rows' terms came with the tiles. Rows past the end read as zeros throughout: Q and dO, so S = dP = 0,
+    # and lse2 = delta = 0, so P = 1 and dS = 0; dO = 0 keeps them out of dV too.
+    lse2 = terms_rows.index(2 * stage).load(along_rows)
+    st = warpgroup_mma_wait(1, deps=(st, ))
+    if OPENS_GATE:
+        if W == 0:
+            if i == 0:
+                mbarrier.arrive(start_gate, count=1)
+    pt = gl.exp2(st * scale_log2 - lse2[None, :])
+    if CAUSAL:
+        if row0 < first_key + _KEYS - 1:  # the diagonal crosses the step: some key lies past some row
+            # key - row0 <= row - row0: the tile's own offsets, so no row vector stays live for the test
+            keys = (first_key - row0) + gl.arange(0, _KEYS, gl.SliceLayout(1, st_zero.type.layout))
+            pt = gl.where(keys[:, None] <= gl.arange(0, _ROWS, along_rows)[None, :], pt, 0.0)
+    dpt = warpgroup_mma_wait(0, deps=(dpt, ))
+    delta = terms_rows.index(2 * stage + 1).load(along_rows)
+    dst = (pt * (dpt - delta[None, :])).to(dtype)
+    pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+    dst_op = gl.convert_layout(dst, op_layout)
+    return dst, pt_op, dst_op
+
+
 @gluon.jit
 def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_half, k_dq, dq_tile, st_zero,
                W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
@@ -184,14 +247,14 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
      v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
      scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
      stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
-    dtype: gl.constexpr = Q_DESC.dtype
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
-    along_rows: gl.constexpr = gl.SliceLayout(0, st_zero.type.layout)
     first_key = start_n + W * _KEYS
+    if OWN_KEYS:
+        dq_column: gl.constexpr = 0
+    else:
+        dq_column: gl.constexpr = W * _KEYS
     steps, index_row = _q_list(shared, off_b, off_h, key_block, BLOCK_Q)
     pending_row0 = 0  # LAGGED_DQ: the first row of the step whose dQ is still to come
-    # the ring's row terms as [2 * STAGES] rows of 64 (TMA writes them through a layout whose rows cannot be indexed)
-    terms_rows = _reinterpret(terms_smem, gl.float32, [2 * STAGES, _ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    terms_rows = _terms_rows(terms_smem, STAGES)
     for step in range(steps):
         i = it + step  # the program's step: the ring's and the dS buffers' phases
         stage = i % STAGES
@@ -203,27 +266,8 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
         mbarrier.wait(q_ready.index(stage), (i // STAGES) & 1)
         q_tile = q_smem.index(stage)
         do_tile = do_smem.index(stage)
-        st = warpgroup_mma(k_half, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        dpt = warpgroup_mma(v_half, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        # The rows' terms came with the tiles. Rows past the end read as zeros throughout: Q and dO, so S = dP = 0,
-        # and lse2 = delta = 0, so P = 1 and dS = 0; dO = 0 keeps them out of dV too.
-        lse2 = terms_rows.index(2 * stage).load(along_rows)
-        st = warpgroup_mma_wait(1, deps=(st, ))
-        if LAGGED_DQ:
-            if W == 0:
-                if i == 0:
-                    mbarrier.arrive(start_gate, count=1)
-        pt = gl.exp2(st * scale_log2 - lse2[None, :])
-        if CAUSAL:
-            if row0 < first_key + _KEYS - 1:  # the diagonal crosses the step: some key lies past some row
-                # key - row0 <= row - row0: the tile's own offsets, so no row vector stays live for the test
-                keys = (first_key - row0) + gl.arange(0, _KEYS, gl.SliceLayout(1, st_zero.type.layout))
-                pt = gl.where(keys[:, None] <= gl.arange(0, _ROWS, along_rows)[None, :], pt, 0.0)
-        dpt = warpgroup_mma_wait(0, deps=(dpt, ))
-        delta = terms_rows.index(2 * stage + 1).load(along_rows)
-        dst = (pt * (dpt - delta[None, :])).to(dtype)
-        pt_op = gl.convert_layout(pt.to(dtype), op_layout)
-        dst_op = gl.convert_layout(dst, op_layout)
+        dst, pt_op, dst_op = _step_scores(shared, q_tile, do_tile, k_half, v_half, terms_rows, st_zero, stage, row0,
+                                          first_key, i, W, CAUSAL, LAGGED_DQ)
         dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
         dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
         if LAGGED_DQ:
@@ -232,7 +276,7 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
                 dq = _dq_product(ds_smem, ds_ready, k_dq, st_zero, i - 1, W, OWN_KEYS)
                 dq = warpgroup_mma_wait(0, deps=(dq, ))  # and so this step's products before it
                 mbarrier.arrive(q_empty.index(stage), count=1)
-                _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, pending_row0, W, OWN_KEYS)
+                _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, pending_row0, dq_column, W)
             # (a wgmma's result is a different type until waited for, so the branch cannot rebind dv and dk)
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
             if step == 0:
@@ -249,49 +293,125 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
             dq = _dq_product(ds_smem, ds_ready, k_dq, st_zero, i, W, OWN_KEYS)
             dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_op, dst_op))
             mbarrier.arrive(q_empty.index(stage), count=1)
-            _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, W, OWN_KEYS)
+            _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, dq_column, W)
     if LAGGED_DQ:
         if steps > 0:  # the walk's last dQ
             dq = _dq_product(ds_smem, ds_ready, k_dq, st_zero, it + steps - 1, W, OWN_KEYS)
             dq = warpgroup_mma_wait(0, deps=(dq, ))
-            _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, pending_row0, W, OWN_KEYS)
+            _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, pending_row0, dq_column, W)
     return dk, dv, it + steps
 
 
 @gluon.jit
+def _paired_place(step, both, W: gl.constexpr):
+    """PAIRED: where step `step` of consumer W's walk falls among the steps of both walks over one query head, as the
+    loader takes them: one of each in turn while both last (`both` steps each), then the longer walk's rest."""
+    place = both + step
+    if step < both:
+        place = 2 * step + W
+    return place
+
+
+@gluon.jit
+def _paired_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, other_block, k_half, v_half, dq_tile, st_zero,
+                 W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """PAIRED: consumer W's steps over query head off_h's q list for its own 64-key tile (keys start_n.., in key block
+    key_block), from the program's step `it` on: (dk, dv, it) after them and after the other consumer's, whose tile
+    lies in other_block. Each step takes its own stage of the ring (_paired_place) and releases it once dV and dK
+    have read it; its dQ is over the consumer's own keys, all of D's columns, 64 at a time through the consumer's
+    dQ tile. CAUSAL as in _head_walk."""
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
+     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
+     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
+     stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    D: gl.constexpr = Q_DESC.block_type.shape[3]
+    steps, index_row = _q_list(shared, off_b, off_h, key_block, BLOCK_Q)
+    other_steps, _ = _q_list(shared, off_b, off_h, other_block, BLOCK_Q)
+    both = gl.minimum(steps, other_steps)
+    terms_rows = _terms_rows(terms_smem, STAGES)
+    ds_t = ds_smem.index(0).slice(W * _KEYS, _KEYS, dim=0)  # this consumer's dS^T [64 keys, 64 rows]
+    for step in range(steps):
+        i = it + _paired_place(step, both, W)  # the step's place in the ring's order
+        stage = i % STAGES
+        row0 = _first_row(index_row, step, BLOCK_Q)
+        mbarrier.wait(q_ready.index(stage), (i // STAGES) & 1)
+        q_tile = q_smem.index(stage)
+        do_tile = do_smem.index(stage)
+        dst, pt_op, dst_op = _step_scores(shared, q_tile, do_tile, k_half, v_half, terms_rows, st_zero, stage, row0,
+                                          start_n, i, W, CAUSAL, False)
+        dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+        dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
+        dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+        mbarrier.arrive(q_empty.index(stage), count=1)
+        # the step before's dQ products, which read the buffer, were waited for
+        ds_t.store(dst)
+        fence_async_shared()
+        if D == 2 * _KEYS:  # both column halves' products issued before the first's reduction
+            dq = warpgroup_mma(ds_t.permute((1, 0)), k_half.slice(0, _KEYS, dim=1), st_zero, use_acc=False,
+                               is_async=True)
+            dq_right = warpgroup_mma(ds_t.permute((1, 0)), k_half.slice(_KEYS, _KEYS, dim=1), st_zero,
+                                     use_acc=False, is_async=True)
+            dq = warpgroup_mma_wait(1, deps=(dq, ))
+            _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, 0, W)
+            dq_right = warpgroup_mma_wait(0, deps=(dq_right, ))
+            _add_dq(DQ_DESC, dq_smem, dq_tile, dq_right, off_b, off_h, row0, _KEYS, W)
+        else:
+            dq = warpgroup_mma(ds_t.permute((1, 0)), k_half, st_zero, use_acc=False, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq, ))
+            _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, 0, W)
+    return dk, dv, it + steps + other_steps
+
+
+@gluon.jit
 def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, STAGES: gl.constexpr,
-              GROUPED: gl.constexpr, CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr, ORDERED: gl.constexpr):
+              GROUPED: gl.constexpr, CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr, ORDERED: gl.constexpr,
+              PAIRED: gl.constexpr):
     """Keys W*64 .. W*64+63 of the program's tile: dK and dV over the group's q lists, stored at the end, and dQ's
     columns W*64 .. W*64+63 of each step (at D = 64 all columns over its own keys), added into the fp32 buffer behind
-    DQ_DESC (without the softmax scale).
+    DQ_DESC (without the softmax scale). PAIRED: the program's second 64-key tile, its own walks (_paired_walk).
     shared: the kernel's arguments and buffers, as attention_bwd_ws_kernel packs them."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
      v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
      scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
      stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
-    off_b, off_hkv, start_n, key_block = _program(shared, BLOCK_KV, ORDERED)
+    off_b, off_hkv, start_n, key_block = _program(shared, W, BLOCK_KV, ORDERED, PAIRED)
     D: gl.constexpr = Q_DESC.block_type.shape[3]
     dtype: gl.constexpr = Q_DESC.dtype
     # [64 keys, 64 rows] scores (and dQ's [64 rows, 64 columns]); [64 keys, D] gradients
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, 64, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, D, 16])
+    acc_layout: gl.constexpr = _gradient_layout(D)
     dk = gl.zeros([_KEYS, D], gl.float32, acc_layout)
     dv = gl.zeros([_KEYS, D], gl.float32, acc_layout)
     st_zero = gl.zeros([_KEYS, _ROWS], gl.float32, st_layout)
-    k_half = k_smem.slice(W * _KEYS, _KEYS, dim=0)       # [64 keys, D]
-    v_half = v_smem.slice(W * _KEYS, _KEYS, dim=0)
     OWN_KEYS: gl.constexpr = D != 2 * _KEYS  # D = 64: dQ over the consumer's own keys (HEAD_DIMS' comment)
-    if OWN_KEYS:
-        k_dq = k_half                                    # all of D's columns, over its own keys
+    if PAIRED:
+        k_half = k_smem.index(W)                         # [64 keys, D]
+        v_half = v_smem.index(W)
+        k_dq = k_half                                    # (_paired_walk takes its columns from k_half)
     else:
-        k_dq = k_smem.slice(W * _KEYS, _KEYS, dim=1)     # [128 keys, 64 of D]: this consumer's dQ columns
+        k_half = k_smem.slice(W * _KEYS, _KEYS, dim=0)   # [64 keys, D]
+        v_half = v_smem.slice(W * _KEYS, _KEYS, dim=0)
+        if OWN_KEYS:
+            k_dq = k_half                                # all of D's columns, over its own keys
+        else:
+            k_dq = k_smem.slice(W * _KEYS, _KEYS, dim=1)  # [128 keys, 64 of D]: this consumer's dQ columns
     dq_tile = _box(dq_smem.index(W))
     mbarrier.wait(kv_ready, 0)
     # The MHA walk is one loop: a loop over the group around it keeps more state live across the inner one, and
     # ptxas spilled three times as much (sm_90 SASS, Triton 3.6).
-    if GROUPED:
+    if PAIRED:
+        _, _, _, other_block = _program(shared, 1 - W, BLOCK_KV, ORDERED, PAIRED)
+        if GROUPED:
+            it = 0  # both walks' steps so far, over the group's heads: the ring's phases
+            for g in range(group_size):
+                dk, dv, it = _paired_walk(shared, dk, dv, it, off_b, off_hkv * group_size + g, start_n, key_block,
+                                          other_block, k_half, v_half, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL)
+        else:
+            dk, dv, _ = _paired_walk(shared, dk, dv, 0, off_b, off_hkv, start_n, key_block, other_block, k_half,
+                                     v_half, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL)
+        first_key = start_n  # its own 64-key tile's
+    elif GROUPED:
         it = 0  # steps so far, over the group's heads: the ring's and the dS buffers' phases
         for g in range(group_size):
             dk, dv, it = _head_walk(shared, dk, dv, it, off_b, off_hkv * group_size + g, start_n, key_block, k_half,
@@ -300,11 +420,13 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
     else:
         dk, dv, _ = _head_walk(shared, dk, dv, 0, off_b, off_hkv, start_n, key_block, k_half, v_half, k_dq,
                                dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL, LAGGED_DQ, OWN_KEYS)
+    if not PAIRED:
+        first_key = start_n + W * _KEYS
     tma.store_wait(0)  # the last dQ reduction has read its tile
     if GROUPED:
         # stores from the accumulator's layout: the TMA path below made GQA 32/8 S16k 2-3% slower (its loop's
         # registers come out worse), MHA 1-5% faster (twenty-third session)
-        keys = start_n + W * _KEYS + gl.arange(0, _KEYS, gl.SliceLayout(1, acc_layout))
+        keys = first_key + gl.arange(0, _KEYS, gl.SliceLayout(1, acc_layout))
         cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
         gl.store(DK + off_b.to(gl.int64) * stride_dkb + off_hkv.to(gl.int64) * stride_dkh
                  + keys.to(gl.int64)[:, None] * stride_dks + cols[None, :], (dk * (scale_log2 / _LOG2E)).to(dtype))
@@ -312,7 +434,7 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
                  + keys.to(gl.int64)[:, None] * stride_dvs + cols[None, :], dv.to(dtype))
     else:
         _store_through_tma(DK_DESC, DV_DESC, dq_smem.index(W), dk * (scale_log2 / _LOG2E), dv,
-                           [off_b, off_hkv, start_n + W * _KEYS, 0])
+                           [off_b, off_hkv, first_key, 0])
 
 
 @gluon.jit
@@ -333,34 +455,73 @@ def _store_through_tma(DK_DESC, DV_DESC, tile, dk, dv, coord):
 
 
 @gluon.jit
-def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, STAGES: gl.constexpr,
-            GROUPED: gl.constexpr, CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr, ORDERED: gl.constexpr):
-    """One warp: the tile's K and V, then each step's Q and dO tiles and its rows' lse2 and delta into the ring, a stage
-    once both consumers have released it. (Same parameters as _consumer: Gluon's worker partitions share one
-    signature.)"""
+def _load_step(shared, it, off_b, off_h, index_row, step, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr):
+    """The loader's program step `it`: step `step` of query head off_h's q list at index_row (its 64-row tiles of Q
+    and dO and their rows' lse2 and delta) into the ring's stage it % STAGES, once its consumers have released it."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
      v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
      scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
      stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
-    off_b, off_hkv, start_n, key_block = _program(shared, BLOCK_KV, ORDERED)
-    mbarrier.expect(kv_ready, K_DESC.block_type.nbytes + V_DESC.block_type.nbytes)
-    tma_load(K_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(k_smem))
-    tma_load(V_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(v_smem))
-    it = 0
-    for g in range(group_size):
-        off_h = off_hkv * group_size + g
-        steps, index_row = _q_list(shared, off_b, off_h, key_block, BLOCK_Q)
-        for step in range(steps):
-            stage = it % STAGES
-            # a fresh barrier counts as released in the phase before its first: the first round goes at once
-            mbarrier.wait(q_empty.index(stage), ((it // STAGES) & 1) ^ 1)
-            row0 = _first_row(index_row, step, BLOCK_Q)
-            mbarrier.expect(q_ready.index(stage), Q_DESC.block_type.nbytes + DO_DESC.block_type.nbytes
-                            + TERMS_DESC.block_type.nbytes)
-            tma_load(Q_DESC, [off_b, off_h, row0, 0], q_ready.index(stage), _box(q_smem.index(stage)))
-            tma_load(DO_DESC, [off_b, off_h, row0, 0], q_ready.index(stage), _box(do_smem.index(stage)))
-            tma_load(TERMS_DESC, [off_b, off_h, 0, row0], q_ready.index(stage), _box(terms_smem.index(stage)))
-            it += 1
+    stage = it % STAGES
+    # a fresh barrier counts as released in the phase before its first: the first round goes at once
+    mbarrier.wait(q_empty.index(stage), ((it // STAGES) & 1) ^ 1)
+    row0 = _first_row(index_row, step, BLOCK_Q)
+    mbarrier.expect(q_ready.index(stage), Q_DESC.block_type.nbytes + DO_DESC.block_type.nbytes
+                    + TERMS_DESC.block_type.nbytes)
+    tma_load(Q_DESC, [off_b, off_h, row0, 0], q_ready.index(stage), _box(q_smem.index(stage)))
+    tma_load(DO_DESC, [off_b, off_h, row0, 0], q_ready.index(stage), _box(do_smem.index(stage)))
+    tma_load(TERMS_DESC, [off_b, off_h, 0, row0], q_ready.index(stage), _box(terms_smem.index(stage)))
+
+
+@gluon.jit
+def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, STAGES: gl.constexpr,
+            GROUPED: gl.constexpr, CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr, ORDERED: gl.constexpr,
+            PAIRED: gl.constexpr):
+    """One warp: the tile's K and V, then each step's Q and dO tiles and its rows' lse2 and delta into the ring, a stage
+    once its consumers have released it. PAIRED: both 64-key tiles' K and V, then both consumers' walks over each
+    query head, one step of each in turn while both last (_paired_place). (Same parameters as _consumer: Gluon's
+    worker partitions share one signature.)"""
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
+     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
+     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
+     stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    off_b, off_hkv, start_n, key_block = _program(shared, 0, BLOCK_KV, ORDERED, PAIRED)
+    if PAIRED:
+        _, _, second_n, second_block = _program(shared, 1, BLOCK_KV, ORDERED, PAIRED)
+        mbarrier.expect(kv_ready, 2 * (K_DESC.block_type.nbytes + V_DESC.block_type.nbytes))
+        tma_load(K_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(k_smem.index(0)))
+        tma_load(V_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(v_smem.index(0)))
+        tma_load(K_DESC, [off_b, off_hkv, second_n, 0], kv_ready, _box(k_smem.index(1)))
+        tma_load(V_DESC, [off_b, off_hkv, second_n, 0], kv_ready, _box(v_smem.index(1)))
+        it = 0
+        for g in range(group_size):
+            off_h = off_hkv * group_size + g
+            steps, index_row = _q_list(shared, off_b, off_h, key_block, BLOCK_Q)
+            second_steps, second_row = _q_list(shared, off_b, off_h, second_block, BLOCK_Q)
+            both = gl.minimum(steps, second_steps)
+            for t in range(steps + second_steps):
+                # _paired_place's inverse: whose walk and which of its steps place t holds
+                step = t - both
+                second = second_steps > steps
+                if t < 2 * both:
+                    step = t // 2
+                    second = (t % 2) == 1
+                rows = index_row
+                if second:
+                    rows = second_row
+                _load_step(shared, it, off_b, off_h, rows, step, BLOCK_Q, STAGES)
+                it += 1
+    else:
+        mbarrier.expect(kv_ready, K_DESC.block_type.nbytes + V_DESC.block_type.nbytes)
+        tma_load(K_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(k_smem))
+        tma_load(V_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(v_smem))
+        it = 0
+        for g in range(group_size):
+            off_h = off_hkv * group_size + g
+            steps, index_row = _q_list(shared, off_b, off_h, key_block, BLOCK_Q)
+            for step in range(steps):
+                _load_step(shared, it, off_b, off_h, index_row, step, BLOCK_Q, STAGES)
+                it += 1
 
 
 @gluon.jit
@@ -369,18 +530,20 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC
                             stride_ib, stride_ih, stride_ik, stride_ob, stride_oh, stride_dkb, stride_dkh, stride_dks,
                             stride_dvb, stride_dvh, stride_dvs, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr,
                             STAGES: gl.constexpr, GROUPED: gl.constexpr, CAUSAL: gl.constexpr,
-                            LAGGED_DQ: gl.constexpr, ORDERED: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            LOADER_REGS: gl.constexpr):
+                            LAGGED_DQ: gl.constexpr, ORDERED: gl.constexpr, PAIRED: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (Sk / 128, launch.batch_head_axes(B, Hkv)). Q_DESC / DO_DESC: Gluon host descriptors of q and dO [B, H, Sq,
     D] with [1, 1, 64, D] boxes (D = 64 or 128); K_DESC / V_DESC of k, v [B, Hkv, Sk, D] with [1, 1, 128, D]; DQ_DESC of
     a zeroed fp32 [B, H, Sq, D] buffer with [1, 1, 64, 64] boxes (it gets dS K without the softmax scale). TERMS_DESC of
     the row terms (backward._row_terms) fp32 [B, H, 2, Sq] (lse2, delta) with [1, 1, 2, 64] boxes. Q_COUNT int32 [Bm,
     Hm, nk], Q_INDEX int32 [Bm, Hm, nk, L] (size-1 mask dims with stride 0). ORDERED: TILE_ORDER int32 [Bm, Hkv or 1, Sk
-    / 128] (tile_order) gives each (batch, kv head)'s tiles in the order its programs take them. DK_DESC / DV_DESC of
-    dk, dv [B, Hkv, Sk, D] with [1, 1, 64, D] boxes, for MHA calls; DK / DV the same tensors, last dim contiguous, for
-    GQA calls. Sk is a multiple of BLOCK_KV, a multiple of 128; BLOCK_Q is a multiple of 64. GROUPED: Hkv < H. CAUSAL:
-    only keys at or before each query row count (the lists those of BlockSparsity.causal() or fewer). LAGGED_DQ: each
-    step computes the step before's dQ, the second consumer starting after the first."""
+    / 128] (tile_order; PAIRED: Sk / 64) gives each (batch, kv head)'s tiles in the order its programs take them.
+    DK_DESC / DV_DESC of dk, dv [B, Hkv, Sk, D] with [1, 1, 64, D] boxes, for MHA calls; DK / DV the same tensors,
+    last dim contiguous, for GQA calls. Sk is a multiple of BLOCK_KV and of 128; BLOCK_KV is a multiple of 128 or
+    (PAIRED) of 64 only; BLOCK_Q is a multiple of 64. PAIRED: a program takes two 64-key tiles (K_DESC / V_DESC with
+    [1, 1, 64, D] boxes), each consumer one, with their own walks. GROUPED: Hkv < H. CAUSAL: only keys at or before
+    each query row count (the lists those of BlockSparsity.causal() or fewer). LAGGED_DQ (not PAIRED): each step
+    computes the step before's dQ, the second consumer starting after the first."""
     D: gl.constexpr = Q_DESC.block_type.shape[3]
     dtype: gl.constexpr = Q_DESC.dtype
     row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, D], dtype)
@@ -392,9 +555,16 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC
     # each step's rows' lse2 and delta: 64 fp32 each, unswizzled (256-byte rows)
     terms_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2, _ROWS], gl.float32)
     terms_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 2, _ROWS], terms_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [2 * _KEYS, D], key_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2 * _KEYS, D], key_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * _KEYS, _ROWS], ds_layout)
+    if PAIRED:  # a [64 keys, D] tile per consumer, loaded apart
+        k_smem = gl.allocate_shared_memory(dtype, [2, _KEYS, D], row_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, _KEYS, D], row_layout)
+    else:
+        k_smem = gl.allocate_shared_memory(dtype, [2 * _KEYS, D], key_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2 * _KEYS, D], key_layout)
+    if PAIRED:  # each consumer's dS^T in its half of one buffer
+        ds_smem = gl.allocate_shared_memory(dtype, [1, 2 * _KEYS, _ROWS], ds_layout)
+    else:
+        ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * _KEYS, _ROWS], ds_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, _ROWS, _KEYS], dq_layout)  # one dQ tile per consumer
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -405,7 +575,10 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC
     mbarrier.init(start_gate, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # both consumers release a stage
+        if PAIRED:
+            mbarrier.init(q_empty.index(i), count=1)  # a stage holds one consumer's step
+        else:
+            mbarrier.init(q_empty.index(i), count=2)  # both consumers release a stage
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)  # both consumers' halves of dS^T
     fence_async_shared()
@@ -416,9 +589,9 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
     gl.warp_specialize([
-        (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ, ORDERED)),
-        (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ, ORDERED)),
-        (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ, ORDERED)),
+        (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ, ORDERED, PAIRED)),
+        (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ, ORDERED, PAIRED)),
+        (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ, ORDERED, PAIRED)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -438,16 +611,17 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch
               *, is_causal: bool, token_mask, block_mask, kv_valid, varlen, min_work: int) -> bool:
     """plan()'s conditions on the call, whatever the device: no element tests but the causal one (no token_mask,
     block_mask, kv_valid or varlen, Sk a multiple of block_kv); bf16 or fp16 for q, k, v and grad_out alike; D = Dv in
-    HEAD_DIMS; block_kv a multiple of 128 and block_q of 64; at least min_work of dense work (B * H * Sq * Sk * D);
-    every tensor's last dim contiguous, its other strides positive (a broadcast gradient has zeros) and, with its start,
-    16-byte aligned (TMA's rule)."""
+    HEAD_DIMS; block_kv a multiple of 64 (not of 128: paired programs) and block_q of 64; Sk a multiple of 128; at
+    least min_work of dense work (B * H * Sq * Sk * D); every tensor's last dim contiguous, its other strides positive
+    (a broadcast gradient has zeros) and, with its start, 16-byte aligned (TMA's rule)."""
     if any(x is not None for x in (token_mask, block_mask, kv_valid, varlen)):
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype == grad_out.dtype):
         return False
     batch, heads, seq_q, dim = q.shape
     seq_kv = k.shape[2]
-    if dim not in HEAD_DIMS or v.shape[-1] != dim or block_kv % TILE_N or block_q % STEP_ROWS or seq_kv % block_kv:
+    if (dim not in HEAD_DIMS or v.shape[-1] != dim or block_kv % CONSUMER_KEYS or block_q % STEP_ROWS
+            or seq_kv % block_kv or seq_kv % TILE_N):
         return False
     if batch * heads * seq_q * seq_kv * dim < min_work:
         return False
@@ -464,12 +638,15 @@ def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_
     batch, heads = q.shape[:2]
     kv_heads, seq_kv = k.shape[1], k.shape[2]
     ordered = ORDERED
+    paired = block_kv % TILE_N != 0
+    tile_keys = CONSUMER_KEYS if paired else TILE_N
+    stages = PAIRED_STAGES if paired else STAGES
     # (unordered, the kernel reads no order: q_count stands in for the pointer)
-    order = cached_tile_order(q_count, kv_heads, block_kv // TILE_N) if ordered else q_count
+    order = cached_tile_order(q_count, kv_heads, block_kv // tile_keys) if ordered else q_count
 
     def arguments():
-        descriptors = dict(Q_DESC=host_descriptor(q, STEP_ROWS), K_DESC=host_descriptor(k, TILE_N),
-                           V_DESC=host_descriptor(v, TILE_N), DO_DESC=host_descriptor(grad_out, STEP_ROWS),
+        descriptors = dict(Q_DESC=host_descriptor(q, STEP_ROWS), K_DESC=host_descriptor(k, tile_keys),
+                           V_DESC=host_descriptor(v, tile_keys), DO_DESC=host_descriptor(grad_out, STEP_ROWS),
                            DQ_DESC=host_descriptor(dq_acc, STEP_ROWS, CONSUMER_KEYS),
                            TERMS_DESC=host_descriptor(row_terms, 2, STEP_ROWS),
                            DK_DESC=host_descriptor(dk, CONSUMER_KEYS), DV_DESC=host_descriptor(dv, CONSUMER_KEYS))
@@ -478,11 +655,11 @@ def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_
             # the lists' size-1 batch and head dims broadcast: stride 0
             **stride_args("c", q_count, "bh"), **stride_args("i", q_index, "bhk"), **stride_args("o", order, "bh"),
             **stride_args("dk", dk, "bhs"), **stride_args("dv", dv, "bhs"), BLOCK_Q=block_q, BLOCK_KV=block_kv,
-            STAGES=STAGES, GROUPED=heads != kv_heads, CAUSAL=causal, LAGGED_DQ=LAGGED_DQ, ORDERED=ordered,
-            CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
+            STAGES=stages, GROUPED=heads != kv_heads, CAUSAL=causal, LAGGED_DQ=LAGGED_DQ, ORDERED=ordered,
+            PAIRED=paired, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
         return (seq_kv // TILE_N, *launch.batch_head_axes(batch, kv_heads)), descriptors, static
     launch_warp_specialized(attention_bwd_ws_kernel,
-                            (block_q, block_kv, scale_log2, causal, STAGES, LAGGED_DQ, ordered),
+                            (block_q, block_kv, scale_log2, causal, stages, LAGGED_DQ, ordered),
                             dict(Q_DESC=q, K_DESC=k, V_DESC=v, DO_DESC=grad_out, DQ_DESC=dq_acc, DK_DESC=dk,
                                  DV_DESC=dv, DK=dk, DV=dv,
                                  TERMS_DESC=row_terms, Q_COUNT=q_count, Q_INDEX=q_index, TILE_ORDER=order),
@@ -490,9 +667,10 @@ def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_
 
 
 def tile_order(q_count: torch.Tensor, kv_heads: int, tiles_per_block: int) -> torch.Tensor:
-    """int32 [Bm, Hkv or 1, nk * tiles_per_block]: each (batch, kv head)'s 128-key tiles, longest walk first (the
-    q lists' counts summed over the query heads sharing the kv head; ties in key order). q_count int32 [Bm, Hm, nk]
-    with Hm = H (a multiple of kv_heads) or 1 (one mask for all heads)."""
+    """int32 [Bm, Hkv or 1, nk * tiles_per_block]: each (batch, kv head)'s tiles (128 keys, or 64 when paired),
+    longest walk first (the q lists' counts summed over the query heads sharing the kv head; ties in key order).
+    q_count int32 [Bm, Hm, nk] with Hm = H (a multiple of kv_heads) or 1 (one mask for all heads). Paired
+    programs take consecutive entries, so that a program's two walks come out about as long."""
     batch, heads, blocks = q_count.shape
     counts = q_count.long()
     if heads > 1:
@@ -535,18 +713,21 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for q lists at (block_q, block_kv), GQA (grouped) or not, causal or not, dQ lagged a step or not (None:
     as a launch would, LAGGED_DQ), head dim `dim` (HEAD_DIMS), tiles in tile_order's order or not (None: ORDERED),
-    with the launch's register settings."""
+    with the launch's register settings; block_kv not a multiple of 128 compiles the paired programs."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     name = _GL_DTYPES[dtype][0]
-    rows_desc, keys_desc = descriptor_signature(dtype, STEP_ROWS, dim), descriptor_signature(dtype, TILE_N, dim)
+    paired = block_kv % TILE_N != 0
+    rows_desc = descriptor_signature(dtype, STEP_ROWS, dim)
+    keys_desc = descriptor_signature(dtype, CONSUMER_KEYS if paired else TILE_N, dim)
     descriptors = dict(Q_DESC=rows_desc, DO_DESC=rows_desc, K_DESC=keys_desc, V_DESC=keys_desc,
                        DQ_DESC=descriptor_signature(torch.float32, STEP_ROWS, CONSUMER_KEYS),
                        TERMS_DESC=descriptor_signature(torch.float32, 2, STEP_ROWS),
                        DK_DESC=descriptor_signature(dtype, CONSUMER_KEYS, dim),
                        DV_DESC=descriptor_signature(dtype, CONSUMER_KEYS, dim))
-    constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, STAGES=STAGES, GROUPED=grouped, CAUSAL=causal,
-                     LAGGED_DQ=LAGGED_DQ if lagged is None else lagged, ORDERED=ORDERED if ordered is None else ordered,
+    constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, STAGES=PAIRED_STAGES if paired else STAGES, GROUPED=grouped,
+                     CAUSAL=causal, LAGGED_DQ=LAGGED_DQ if lagged is None else lagged,
+                     ORDERED=ORDERED if ordered is None else ordered, PAIRED=paired,
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
     signature = {}
     for param in attention_bwd_ws_kernel.params:
