@@ -195,12 +195,13 @@ def _terms_rows(terms_smem, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _step_scores(shared, q_tile, do_tile, k_half, v_half, terms_rows, st_zero, stage, row0, first_key, i,
-                 W: gl.constexpr, CAUSAL: gl.constexpr, OPENS_GATE: gl.constexpr):
-    """A step's scores for consumer W's 64 keys (first_key..) and the stage's 64 rows (row0..): S^T = K Q^T and
-    dP^T = V dO^T, then P^T and dS^T in registers: (dst, pt_op, dst_op), the last two as the A operands of the dV
-    and dK products. CAUSAL: P = 0 where a key lies past the row. OPENS_GATE: the first
-    consumer's program step i = 0 opens the second's staggered start once it has its scores (LAGGED_DQ)."""
+def _step_scores(shared, k_half, v_half, terms_rows, st_zero, i, row0, first_key, W: gl.constexpr,
+                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, OPENS_GATE: gl.constexpr):
+    """Program step i's scores for consumer W's 64 keys (first_key..) and the 64 rows (row0..) in the ring's stage
+    i % STAGES, once loaded: S^T = K Q^T and dP^T = V dO^T, then P^T and dS^T in registers. (q_tile, do_tile, dst,
+    pt_op, dst_op): the stage's tiles, dS^T, and P^T and dS^T as the A operands of the dV and dK products. CAUSAL:
+    P = 0 where a key lies past the row. OPENS_GATE: the first consumer's program step i = 0 opens the second's
+    staggered start once it has its scores (LAGGED_DQ)."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
      v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
      scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
@@ -209,6 +210,10 @@ def _step_scores(shared, q_tile, do_tile, k_half, v_half, terms_rows, st_zero, s
     D: gl.constexpr = Q_DESC.block_type.shape[3]
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_gradient_layout(D), k_width=2)
     along_rows: gl.constexpr = gl.SliceLayout(0, st_zero.type.layout)
+    stage = i % STAGES
+    mbarrier.wait(q_ready.index(stage), (i // STAGES) & 1)
+    q_tile = q_smem.index(stage)
+    do_tile = do_smem.index(stage)
     st = warpgroup_mma(k_half, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
     dpt = warpgroup_mma(v_half, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
     # The rows' terms came with the tiles. Rows past the end read as zeros throughout: Q and dO, so S = dP = 0,
@@ -230,7 +235,7 @@ def _step_scores(shared, q_tile, do_tile, k_half, v_half, terms_rows, st_zero, s
     dst = (pt * (dpt - delta[None, :])).to(dtype)
     pt_op = gl.convert_layout(pt.to(dtype), op_layout)
     dst_op = gl.convert_layout(dst, op_layout)
-    return dst, pt_op, dst_op
+    return q_tile, do_tile, dst, pt_op, dst_op
 
 
 @gluon.jit
@@ -263,11 +268,8 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
             if W == 1:
                 if i == 0:  # the staggered start
                     mbarrier.wait(start_gate, 0)
-        mbarrier.wait(q_ready.index(stage), (i // STAGES) & 1)
-        q_tile = q_smem.index(stage)
-        do_tile = do_smem.index(stage)
-        dst, pt_op, dst_op = _step_scores(shared, q_tile, do_tile, k_half, v_half, terms_rows, st_zero, stage, row0,
-                                          first_key, i, W, CAUSAL, LAGGED_DQ)
+        q_tile, do_tile, dst, pt_op, dst_op = _step_scores(shared, k_half, v_half, terms_rows, st_zero, i, row0,
+                                                           first_key, W, STAGES, CAUSAL, LAGGED_DQ)
         dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
         dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
         if LAGGED_DQ:
@@ -334,11 +336,8 @@ def _paired_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, other_blo
         i = it + _paired_place(step, both, W)  # the step's place in the ring's order
         stage = i % STAGES
         row0 = _first_row(index_row, step, BLOCK_Q)
-        mbarrier.wait(q_ready.index(stage), (i // STAGES) & 1)
-        q_tile = q_smem.index(stage)
-        do_tile = do_smem.index(stage)
-        dst, pt_op, dst_op = _step_scores(shared, q_tile, do_tile, k_half, v_half, terms_rows, st_zero, stage, row0,
-                                          start_n, i, W, CAUSAL, False)
+        q_tile, do_tile, dst, pt_op, dst_op = _step_scores(shared, k_half, v_half, terms_rows, st_zero, i, row0,
+                                                           start_n, W, STAGES, CAUSAL, False)
         dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
         dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
         dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
