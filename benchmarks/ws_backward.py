@@ -11,6 +11,7 @@ backward on the same block mask, in one process: ms and effective TFLOP/s per ca
 """
 
 import argparse
+import math
 import time
 
 import torch
@@ -76,7 +77,7 @@ def main():
             print(f"cuDNN SDPA causal backward {case.label}: {ms:.3f} ms", flush=True)
         if args.profile:
             profile(f"blockattn {case.label}", lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))
-        if args.profile and times["flex"] == times["flex"]:
+        if args.profile and not math.isnan(times["flex"]):
             profile(f"flex {case.label}", lambda: torch.autograd.grad(flex_out, (q, k, v), grad, retain_graph=True))
         gaps = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(grads[True], grads[False])]
 

@@ -73,7 +73,7 @@ ORDERED = True
 # Key blocks of 64 keys (or an odd multiple: 128x64 is the library's default block): each program takes two 64-key
 # tiles, one per consumer, whose q lists differ, so the consumers walk apart; the loader interleaves their steps in
 # one ring (a stage holds one consumer's step) and each consumer computes the dQ over its own keys for all of D. Its
-# ring stages: with two dQ tiles and one dS^T buffer, 3 stages fill 209.5 KiB at D = 128.
+# ring stages: with two dQ tiles and one dS^T buffer, 3 stages fill 209.9 KiB at D = 128.
 PAIRED_STAGES = 3
 
 _ROWS = gl.constexpr(STEP_ROWS)
@@ -99,10 +99,9 @@ _reinterpret = getattr(gl.shared_memory_descriptor, "reinterpret", None) or gl.s
 
 @gluon.jit
 def _program(shared, W: gl.constexpr, BLOCK_KV: gl.constexpr, ORDERED: gl.constexpr, PAIRED: gl.constexpr):
-    """(off_b, off_hkv, start_n, key_block) of this program: its batch, kv head, first key and key block. The
-    program's place among its (batch, kv head)'s is its 128-key tile's, or (PAIRED) that of consumer W's 64-key tile,
-    the second of the pair's two (a 64-key tile's first key and its key block). ORDERED: the tile TILE_ORDER puts at
-    that place; else the place's own."""
+    """(off_b, off_hkv, start_n, key_block): this program's batch and kv head, and the first key and key block of its
+    128-key tile or (PAIRED) of consumer W's 64-key tile, the program's 2 * p + W-th among its (batch, kv head)'s
+    tiles. ORDERED: the tile TILE_ORDER puts at that place; else the place's own. (W is ignored unless PAIRED.)"""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
      v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
      scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
@@ -385,9 +384,8 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
     st_zero = gl.zeros([_KEYS, _ROWS], gl.float32, st_layout)
     OWN_KEYS: gl.constexpr = D != 2 * _KEYS  # D = 64: dQ over the consumer's own keys (HEAD_DIMS' comment)
     if PAIRED:
-        k_half = k_smem.index(W)                         # [64 keys, D]
+        k_half = k_smem.index(W)                         # [64 keys, D]; _paired_walk takes dQ's columns from it
         v_half = v_smem.index(W)
-        k_dq = k_half                                    # (_paired_walk takes its columns from k_half)
     else:
         k_half = k_smem.slice(W * _KEYS, _KEYS, dim=0)   # [64 keys, D]
         v_half = v_smem.slice(W * _KEYS, _KEYS, dim=0)
@@ -409,7 +407,6 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
         else:
             dk, dv, _ = _paired_walk(shared, dk, dv, 0, off_b, off_hkv, start_n, key_block, other_block, k_half,
                                      v_half, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL)
-        first_key = start_n  # its own 64-key tile's
     elif GROUPED:
         it = 0  # steps so far, over the group's heads: the ring's and the dS buffers' phases
         for g in range(group_size):
@@ -419,7 +416,9 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
     else:
         dk, dv, _ = _head_walk(shared, dk, dv, 0, off_b, off_hkv, start_n, key_block, k_half, v_half, k_dq,
                                dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL, LAGGED_DQ, OWN_KEYS)
-    if not PAIRED:
+    if PAIRED:
+        first_key = start_n  # its own 64-key tile's
+    else:
         first_key = start_n + W * _KEYS
     tma.store_wait(0)  # the last dQ reduction has read its tile
     if GROUPED:
@@ -554,15 +553,13 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC
     # each step's rows' lse2 and delta: 64 fp32 each, unswizzled (256-byte rows)
     terms_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2, _ROWS], gl.float32)
     terms_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 2, _ROWS], terms_layout)
-    if PAIRED:  # a [64 keys, D] tile per consumer, loaded apart
+    if PAIRED:  # a [64 keys, D] tile of K and V per consumer, loaded apart; its dS^T in its half of one buffer
         k_smem = gl.allocate_shared_memory(dtype, [2, _KEYS, D], row_layout)
         v_smem = gl.allocate_shared_memory(dtype, [2, _KEYS, D], row_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [1, 2 * _KEYS, _ROWS], ds_layout)
     else:
         k_smem = gl.allocate_shared_memory(dtype, [2 * _KEYS, D], key_layout)
         v_smem = gl.allocate_shared_memory(dtype, [2 * _KEYS, D], key_layout)
-    if PAIRED:  # each consumer's dS^T in its half of one buffer
-        ds_smem = gl.allocate_shared_memory(dtype, [1, 2 * _KEYS, _ROWS], ds_layout)
-    else:
         ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * _KEYS, _ROWS], ds_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, _ROWS, _KEYS], dq_layout)  # one dQ tile per consumer
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -629,6 +626,13 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch
                for t in (q, k, v, grad_out))
 
 
+def _tiling(block_kv: int) -> tuple:
+    """(paired, tile_keys, stages) for key blocks of block_kv keys: whether the programs are paired (block_kv not a
+    multiple of 128), the keys of the tiles K_DESC / V_DESC and TILE_ORDER hold, and the ring's stages."""
+    paired = block_kv % TILE_N != 0
+    return paired, CONSUMER_KEYS if paired else TILE_N, PAIRED_STAGES if paired else STAGES
+
+
 def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_q: int, block_kv: int,
                           scale_log2: float, causal: bool, dq_acc, dk, dv) -> None:
     """Run the kernel: dS K (unscaled) added into dq_acc (fp32 [B, H, Sq, D], zeroed, contiguous), dk and dv
@@ -637,9 +641,7 @@ def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_
     batch, heads = q.shape[:2]
     kv_heads, seq_kv = k.shape[1], k.shape[2]
     ordered = ORDERED
-    paired = block_kv % TILE_N != 0
-    tile_keys = CONSUMER_KEYS if paired else TILE_N
-    stages = PAIRED_STAGES if paired else STAGES
+    paired, tile_keys, stages = _tiling(block_kv)
     # (unordered, the kernel reads no order: q_count stands in for the pointer)
     order = cached_tile_order(q_count, kv_heads, block_kv // tile_keys) if ordered else q_count
 
@@ -716,15 +718,14 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     name = _GL_DTYPES[dtype][0]
-    paired = block_kv % TILE_N != 0
-    rows_desc = descriptor_signature(dtype, STEP_ROWS, dim)
-    keys_desc = descriptor_signature(dtype, CONSUMER_KEYS if paired else TILE_N, dim)
+    paired, tile_keys, stages = _tiling(block_kv)
+    rows_desc, keys_desc = descriptor_signature(dtype, STEP_ROWS, dim), descriptor_signature(dtype, tile_keys, dim)
     descriptors = dict(Q_DESC=rows_desc, DO_DESC=rows_desc, K_DESC=keys_desc, V_DESC=keys_desc,
                        DQ_DESC=descriptor_signature(torch.float32, STEP_ROWS, CONSUMER_KEYS),
                        TERMS_DESC=descriptor_signature(torch.float32, 2, STEP_ROWS),
                        DK_DESC=descriptor_signature(dtype, CONSUMER_KEYS, dim),
                        DV_DESC=descriptor_signature(dtype, CONSUMER_KEYS, dim))
-    constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, STAGES=PAIRED_STAGES if paired else STAGES, GROUPED=grouped,
+    constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, STAGES=stages, GROUPED=grouped,
                      CAUSAL=causal, LAGGED_DQ=LAGGED_DQ if lagged is None else lagged,
                      ORDERED=ORDERED if ordered is None else ordered, PAIRED=paired,
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
