@@ -1,6 +1,6 @@
 """Short-sequence forward and forward+backward: do_bench time (eager and CUDA-graph replay) and host enqueue time
 per call, for blockattn (and FlexAttention, compiled, with --flex) on B8 H16 S D128 (d=0.5, 128x128 blocks);
---profile adds a cProfile table of the host's own time.
+--profile adds cProfile tables of the host's own time (forward, then forward+backward).
 
     python benchmarks/short_host.py --seq 1024 2048 --flex
     python benchmarks/short_host.py --seq 1024 --descriptors both --rounds 3
@@ -41,7 +41,7 @@ def main():
                         help="always: tensor descriptors at every size (tma.MIN_DESCRIPTOR_WORK = 0); both: "
                         "blockattn measured both ways, alternating, --rounds times")
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--profile", action="store_true", help="a cProfile table of blockattn's fwd+bwd")
+    parser.add_argument("--profile", action="store_true", help="cProfile tables of blockattn's forward and fwd+bwd")
     args = parser.parse_args()
     from blockattn.kernels import tma
     threshold = tma.MIN_DESCRIPTOR_WORK
@@ -62,7 +62,9 @@ def main():
                               f"host enqueue {host_ms(fn):.3f} ms/call", flush=True)
         tma.MIN_DESCRIPTOR_WORK = settings[0][1]
         if args.profile:
-            print_profile(impls["blockattn"][1], 100, rows=30)
+            for name, fn in zip(("forward", "forward+backward"), impls["blockattn"]):
+                print(f"S{seq} blockattn {name}, 100 calls:", flush=True)
+                print_profile(fn, 100, rows=30)
 
 
 if __name__ == "__main__":

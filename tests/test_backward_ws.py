@@ -37,14 +37,28 @@ def test_qualifying_calls():
     assert _qualifies(block_q=256, block_kv=256)
     assert _qualifies(is_causal=True)
     # key blocks of 64 (or an odd multiple): paired programs, two 64-key tiles each, so Sk a multiple of 128
-    assert _qualifies(block_kv=64)
-    assert _qualifies(block_q=64, block_kv=64, is_causal=True)
-    assert _qualifies(k=_meta(2, 2, 1152, 128), block_kv=192)
+    # (MHA only: GQA calls with them run the Triton backward unless PAIRED_GROUPED, test_paired_gqa_waits_for_its_fix)
+    mha = dict(q=_meta(2, 2, 1000, 128), grad_out=_meta(2, 2, 1000, 128))
+    assert _qualifies(block_kv=64, **mha)
+    assert _qualifies(block_q=64, block_kv=64, is_causal=True, **mha)
+    assert _qualifies(k=_meta(2, 2, 1152, 128), block_kv=192, **mha)
     assert _qualifies(q=_meta(2, 4, 1000, 64), k=_meta(2, 2, 1024, 64))
     assert _qualifies(q=_meta(2, 4, 1000, 128, dtype=torch.float16), k=_meta(2, 2, 1024, 128, dtype=torch.float16))
     # bshd storage seen as bhsd: strides (S*H*D, D, H*D, 1), all 16-byte multiples
     bshd = _meta(2, 1024, 4, 128).transpose(1, 2)
     assert _qualifies(q=bshd, k=bshd, grad_out=bshd)
+
+
+def test_paired_gqa_waits_for_its_fix(monkeypatch):
+    """GQA calls with 64-key blocks decline the paired programs (they did not finish on the H200) unless
+    PAIRED_GROUPED; 128-key blocks and MHA calls are not affected."""
+    for block_q, block_kv in ((128, 64), (64, 64), (128, 192)):
+        k = _meta(2, 2, 1152 if block_kv == 192 else 1024, 128)
+        assert not _qualifies(block_q=block_q, block_kv=block_kv, k=k)
+        monkeypatch.setattr(backward_ws, "PAIRED_GROUPED", True)
+        assert _qualifies(block_q=block_q, block_kv=block_kv, k=k)
+        monkeypatch.setattr(backward_ws, "PAIRED_GROUPED", False)
+    assert _qualifies(block_kv=128)
 
 
 @pytest.mark.parametrize("change", [
@@ -258,7 +272,9 @@ def test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls):
 
     grads = torch.autograd.grad(loss(out.float(), lse, grad_out.float()), (q, k, v))
     on_hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
-    assert warp_specialized_calls == ([block] if on_hopper else [])
+    # GQA with 64-key blocks runs the Triton backward unless PAIRED_GROUPED (backward_ws says why)
+    paired_gqa = block[1] % backward_ws.TILE_N != 0 and heads != kv_heads and not backward_ws.PAIRED_GROUPED
+    assert warp_specialized_calls == ([block] if on_hopper and not paired_gqa else [])
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     visible = expand(keep, block, seq_q, seq_kv)
     want_grads = torch.autograd.grad(loss(*oracle(*leaves, visible, is_causal=is_causal), grad_out.double()),
