@@ -8,6 +8,7 @@ backward on the same block mask, in one process: ms and effective TFLOP/s per ca
     python benchmarks/ws_backward.py --cases d64           # head dim 64: densities 0.5 .. 0.1, causal, GQA, B8
     python benchmarks/ws_backward.py --cases paired        # 128x64 blocks (paired programs): the same spread
     python benchmarks/ws_backward.py --profile             # also each backward's GPU time per kernel (torch.profiler)
+    python benchmarks/ws_backward.py --cases paired --skip 3 --no-flex  # from the fourth case on, without flex
 """
 
 import argparse
@@ -33,7 +34,8 @@ SUITES = {
         Case(dim=64, pattern="causal", density=0.5), Case(dim=64, heads=32, kv_heads=8, seq=16384, density=0.25),
         Case(dim=64, batch=8, heads=16, kv_heads=16, seq=4096, density=0.5)],
     # 128x64 blocks: paired programs (two 64-key tiles each). FlexAttention's compiled backward finds no config for
-    # 64-key blocks (benchmarks/flex_variants.py times the ways around that), so its column may read "failed".
+    # 64-key blocks (benchmarks/flex_variants.py times the ways around that), so its column may read "failed"
+    # (--no-flex skips it). The GQA case runs the Triton backward in both columns while PAIRED_GROUPED is off.
     "paired": [Case(block=(128, 64), density=d) for d in (0.5, 0.25, 0.1)] + [
         Case(block=(128, 64), heads=32, kv_heads=8, seq=16384, density=0.25),
         Case(block=(128, 64), pattern="causal", density=0.5), Case(block=(128, 64), dim=64, density=0.25),
