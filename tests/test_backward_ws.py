@@ -37,7 +37,8 @@ def test_qualifying_calls():
     assert _qualifies(block_q=256, block_kv=256)
     assert _qualifies(is_causal=True)
     # key blocks of 64 (or an odd multiple): paired programs, two 64-key tiles each, so Sk a multiple of 128
-    # (MHA only: GQA calls with them run the Triton backward unless PAIRED_GROUPED, test_paired_gqa_waits_for_its_fix)
+    # (MHA only: GQA calls with them run the Triton backward unless PAIRED_GROUPED, see
+    # test_gqa_with_64_key_blocks_declines_paired_programs)
     mha = dict(q=_meta(2, 2, 1000, 128), grad_out=_meta(2, 2, 1000, 128))
     assert _qualifies(block_kv=64, **mha)
     assert _qualifies(block_q=64, block_kv=64, is_causal=True, **mha)
@@ -49,7 +50,7 @@ def test_qualifying_calls():
     assert _qualifies(q=bshd, k=bshd, grad_out=bshd)
 
 
-def test_paired_gqa_waits_for_its_fix(monkeypatch):
+def test_gqa_with_64_key_blocks_declines_paired_programs(monkeypatch):
     """GQA calls with 64-key blocks decline the paired programs (they did not finish on the H200) unless
     PAIRED_GROUPED; 128-key blocks and MHA calls are not affected."""
     for block_q, block_kv in ((128, 64), (64, 64), (128, 192)):
