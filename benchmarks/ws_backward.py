@@ -35,7 +35,7 @@ SUITES = {
         Case(dim=64, batch=8, heads=16, kv_heads=16, seq=4096, density=0.5)],
     # 128x64 blocks: paired programs (two 64-key tiles each). FlexAttention's compiled backward finds no config for
     # 64-key blocks (benchmarks/flex_variants.py times the ways around that), so its column may read "failed"
-    # (--no-flex skips it). The GQA case runs the Triton backward in both columns while PAIRED_GROUPED is off.
+    # (--no-flex skips it).
     "paired": [Case(block=(128, 64), density=d) for d in (0.5, 0.25, 0.1)] + [
         Case(block=(128, 64), heads=32, kv_heads=8, seq=16384, density=0.25),
         Case(block=(128, 64), pattern="causal", density=0.5), Case(block=(128, 64), dim=64, density=0.25),

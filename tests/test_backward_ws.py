@@ -37,29 +37,15 @@ def test_qualifying_calls():
     assert _qualifies(block_q=256, block_kv=256)
     assert _qualifies(is_causal=True)
     # key blocks of 64 (or an odd multiple): paired programs, two 64-key tiles each, so Sk a multiple of 128
-    # (MHA only: GQA calls with them run the Triton backward unless PAIRED_GROUPED, see
-    # test_gqa_with_64_key_blocks_declines_paired_programs)
     mha = dict(q=_meta(2, 2, 1000, 128), grad_out=_meta(2, 2, 1000, 128))
-    assert _qualifies(block_kv=64, **mha)
-    assert _qualifies(block_q=64, block_kv=64, is_causal=True, **mha)
-    assert _qualifies(k=_meta(2, 2, 1152, 128), block_kv=192, **mha)
+    assert _qualifies(block_kv=64) and _qualifies(block_kv=64, **mha)
+    assert _qualifies(block_q=64, block_kv=64, is_causal=True)
+    assert _qualifies(k=_meta(2, 2, 1152, 128), block_kv=192)
     assert _qualifies(q=_meta(2, 4, 1000, 64), k=_meta(2, 2, 1024, 64))
     assert _qualifies(q=_meta(2, 4, 1000, 128, dtype=torch.float16), k=_meta(2, 2, 1024, 128, dtype=torch.float16))
     # bshd storage seen as bhsd: strides (S*H*D, D, H*D, 1), all 16-byte multiples
     bshd = _meta(2, 1024, 4, 128).transpose(1, 2)
     assert _qualifies(q=bshd, k=bshd, grad_out=bshd)
-
-
-def test_gqa_with_64_key_blocks_declines_paired_programs(monkeypatch):
-    """GQA calls with 64-key blocks decline the paired programs (they did not finish on the H200) unless
-    PAIRED_GROUPED; 128-key blocks and MHA calls are not affected."""
-    for block_q, block_kv in ((128, 64), (64, 64), (128, 192)):
-        k = _meta(2, 2, 1152 if block_kv == 192 else 1024, 128)
-        assert not _qualifies(block_q=block_q, block_kv=block_kv, k=k)
-        monkeypatch.setattr(backward_ws, "PAIRED_GROUPED", True)
-        assert _qualifies(block_q=block_q, block_kv=block_kv, k=k)
-        monkeypatch.setattr(backward_ws, "PAIRED_GROUPED", False)
-    assert _qualifies(block_kv=128)
 
 
 @pytest.mark.parametrize("change", [
@@ -273,9 +259,7 @@ def test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls):
 
     grads = torch.autograd.grad(loss(out.float(), lse, grad_out.float()), (q, k, v))
     on_hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
-    # GQA with 64-key blocks runs the Triton backward unless PAIRED_GROUPED (backward_ws says why)
-    paired_gqa = block[1] % backward_ws.TILE_N != 0 and heads != kv_heads and not backward_ws.PAIRED_GROUPED
-    assert warp_specialized_calls == ([block] if on_hopper and not paired_gqa else [])
+    assert warp_specialized_calls == ([block] if on_hopper else [])
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     visible = expand(keep, block, seq_q, seq_kv)
     want_grads = torch.autograd.grad(loss(*oracle(*leaves, visible, is_causal=is_causal), grad_out.double()),
@@ -370,3 +354,33 @@ def test_programs_of_zero_one_and_two_steps(poisoned, warp_specialized_calls, mo
         err = ((got.double() - ref).norm() / ref.norm()).item()
         assert torch.isfinite(got).all() and err < 1e-2, f"d{name} relative error {err:.2e}"
     assert not grads[1][:, :, 3 * block[1]:].any() and not grads[2][:, :, 3 * block[1]:].any()
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_gqa_paired_walks_far_apart(poisoned, warp_specialized_calls, monkeypatch, ordered):
+    """GQA with 128x64 blocks (paired programs): masks per head whose two 64-key tiles' walks differ by far more than
+    the ring's stages within a head, the other way round in a later head, with a head of empty lists between them, so
+    each consumer's walk over the group's heads runs long stretches with the other's stopped or idle. (Interleaved
+    head by head, a consumer could come to a stage a whole ring round ahead of its load: its phase wait passed too
+    early and the kernel did not finish on the H200.) Gradients against the fp64 oracle."""
+    monkeypatch.setattr(backward_ws, "ORDERED", ordered)
+    block, seq = (128, 64), 512  # a kept key block: 8 steps of 64 rows, the ring 3 stages
+    q, k, v = (t.requires_grad_() for t in qkv(1, 8, seq, 128, kv_heads=2, seed=9))
+    nq, nk = seq // block[0], seq // block[1]
+    keep = torch.zeros(1, 8, nq, nk, dtype=torch.bool, device=DEVICE)
+    keep[0, 0, :, 0::2] = True           # head 0: even key blocks kept by every query block, odd ones by none
+    keep[0, 2, :, 1::2] = True           # head 1 keeps nothing; head 2 the reverse of head 0
+    keep[0, 3, 2, 0::2] = True           # head 3: one query block on even key blocks, two on odd ones
+    keep[0, 3, [0, 3], 1::2] = True
+    keep[0, 4:] = random_keep(1, 4, seq, seq, block, density=0.3)[0]  # kv head 1's heads
+    out = blockattn.attention(q, k, v, keep, block, backend="triton")
+    grad_out = torch.randn(out.shape, generator=torch.Generator(device=DEVICE).manual_seed(4), device=DEVICE)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype))
+    on_hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+    assert warp_specialized_calls == ([block] if on_hopper else [])
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(oracle(*leaves, expand(keep, block, seq, seq))[0], leaves, grad_out.double())
+    for name, got, ref in zip("qkv", grads, want):
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        assert torch.isfinite(got).all() and err < 1e-2, f"d{name} relative error {err:.2e}"
+    assert not grads[0][:, 1].any(), "dq of the head that keeps nothing"

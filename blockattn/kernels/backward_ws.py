@@ -8,8 +8,8 @@ into dK, and stores dS^T into shared memory; once both halves are there, each co
 D=64 all columns over its own keys) and adds them into an fp32 buffer through the TMA unit (a bulk tensor reduction from
 shared memory). dQ lags a step (LAGGED_DQ): a step computes the step before's dQ, so the consumers need not meet within
 a step. Each (batch, kv head)'s programs take its tiles longest walk first (ORDERED, tile_order), and MHA programs store
-dK and dV through the TMA unit. Key blocks of 64 keys (128x64, 64x64, or an odd multiple) run paired programs (PAIRED;
-MHA calls only, PAIRED_GROUPED): two 64-key tiles, one per consumer, each with its own walk, the walks interleaved in
+dK and dV through the TMA unit. Key blocks of 64 keys (128x64, 64x64, or an odd multiple) run paired programs (PAIRED):
+two 64-key tiles, one per consumer, each with its own walk, the walks interleaved in
 the ring, and dQ over each consumer's own keys. Five tile products per step, against seven for the Triton kernels'
 deterministic dQ walk (kernels/README.md, "The warp-specialized backward"). Measured on the H200 at B1 H24 S32768 D128,
 density 0.25, 128x128 blocks: 15.64 ms against 20.28 for the Triton backward and 21.64 for FlexAttention's
@@ -76,11 +76,6 @@ ORDERED = True
 # one ring (a stage holds one consumer's step) and each consumer computes the dQ over its own keys for all of D. Its
 # ring stages: with two dQ tiles and one dS^T buffer, 3 stages fill 209.9 KiB at D = 128.
 PAIRED_STAGES = 3
-# Whether GQA calls (Hkv < H) with 64-key blocks take the paired programs. Off: on the H200 (twenty-fifth session) the
-# paired GQA kernel never finished at 128x64 (the oracle tests "128x64 gqa fp16, query tail" and "128x64 causal gqa",
-# and a GQA 32/8 S16k benchmark case), while 64x64 GQA and every MHA case passed; the cause is not found yet
-# (benchmarks/paired_gqa_probe.py runs it under a time limit). Those calls run the Triton backward meanwhile.
-PAIRED_GROUPED = False
 
 _ROWS = gl.constexpr(STEP_ROWS)
 _KEYS = gl.constexpr(CONSUMER_KEYS)
@@ -310,9 +305,25 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
 
 
 @gluon.jit
+def _group_steps(shared, off_b, off_hkv, key_block, BLOCK_Q: gl.constexpr):
+    """The 64-row steps of all q lists for the key block of the query heads sharing kv head off_hkv."""
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
+     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
+     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
+     stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    total = 0
+    for g in range(group_size):
+        steps, _ = _q_list(shared, off_b, off_hkv * group_size + g, key_block, BLOCK_Q)
+        total += steps
+    return total
+
+
+@gluon.jit
 def _paired_place(step, both, W: gl.constexpr):
-    """PAIRED: where step `step` of consumer W's walk falls among the steps of both walks over one query head, as the
-    loader takes them: one of each in turn while both last (`both` steps each), then the longer walk's rest."""
+    """PAIRED: where step `step` of consumer W's walk (over all the group's heads) falls among the program's steps, as
+    the loader takes them: one of each walk in turn while both last (`both` steps each), then the longer walk's rest.
+    A consumer's next step is thus at most 2 places on, never a whole ring round: its wait on a stage's parity could
+    not tell that round's load from the one before (kernels/README.md, "Paired programs")."""
     place = both + step
     if step < both:
         place = 2 * step + W
@@ -320,25 +331,23 @@ def _paired_place(step, both, W: gl.constexpr):
 
 
 @gluon.jit
-def _paired_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, other_block, k_half, v_half, dq_tile, st_zero,
+def _paired_walk(shared, dk, dv, done, both, off_b, off_h, start_n, key_block, k_half, v_half, dq_tile, st_zero,
                  W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """PAIRED: consumer W's steps over query head off_h's q list for its own 64-key tile (keys start_n.., in key block
-    key_block), from the program's step `it` on: (dk, dv, it) after them and after the other consumer's, whose tile
-    lies in other_block. Each step takes its own stage of the ring (_paired_place) and releases it once dV and dK
-    have read it; its dQ is over the consumer's own keys, all of D's columns, 64 at a time through the consumer's
-    dQ tile. CAUSAL as in _head_walk."""
+    key_block), after `done` steps of its walk over the group's earlier heads: (dk, dv, done) after them. `both`: the
+    shorter of the program's two walks, in steps. Each step takes its own stage of the ring (_paired_place) and
+    releases it once dV and dK have read it; its dQ is over the consumer's own keys, all of D's columns, 64 at a time
+    through the consumer's dQ tile. CAUSAL as in _head_walk."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
      v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
      scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
      stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     D: gl.constexpr = Q_DESC.block_type.shape[3]
     steps, index_row = _q_list(shared, off_b, off_h, key_block, BLOCK_Q)
-    other_steps, _ = _q_list(shared, off_b, off_h, other_block, BLOCK_Q)
-    both = gl.minimum(steps, other_steps)
     terms_rows = _terms_rows(terms_smem, STAGES)
     ds_t = ds_smem.index(0).slice(W * _KEYS, _KEYS, dim=0)  # this consumer's dS^T [64 keys, 64 rows]
     for step in range(steps):
-        i = it + _paired_place(step, both, W)  # the step's place in the ring's order
+        i = _paired_place(done + step, both, W)  # the step's place in the ring's order
         stage = i % STAGES
         row0 = _first_row(index_row, step, BLOCK_Q)
         q_tile, do_tile, dst, pt_op, dst_op = _step_scores(shared, k_half, v_half, terms_rows, st_zero, i, row0,
@@ -363,7 +372,7 @@ def _paired_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, other_blo
             dq = warpgroup_mma(ds_t.permute((1, 0)), k_half, st_zero, use_acc=False, is_async=True)
             dq = warpgroup_mma_wait(0, deps=(dq, ))
             _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, 0, W)
-    return dk, dv, it + steps + other_steps
+    return dk, dv, done + steps
 
 
 @gluon.jit
@@ -404,15 +413,20 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
     # The MHA walk is one loop: a loop over the group around it keeps more state live across the inner one, and
     # ptxas spilled three times as much (sm_90 SASS, Triton 3.6).
     if PAIRED:
+        # one walk over the group's heads per consumer, the two interleaved once, not head by head
         _, _, _, other_block = _program(shared, 1 - W, BLOCK_KV, ORDERED, PAIRED)
         if GROUPED:
-            it = 0  # both walks' steps so far, over the group's heads: the ring's phases
+            both = gl.minimum(_group_steps(shared, off_b, off_hkv, key_block, BLOCK_Q),
+                              _group_steps(shared, off_b, off_hkv, other_block, BLOCK_Q))
+            done = 0  # this consumer's steps so far, over the group's heads
             for g in range(group_size):
-                dk, dv, it = _paired_walk(shared, dk, dv, it, off_b, off_hkv * group_size + g, start_n, key_block,
-                                          other_block, k_half, v_half, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL)
+                dk, dv, done = _paired_walk(shared, dk, dv, done, both, off_b, off_hkv * group_size + g, start_n,
+                                            key_block, k_half, v_half, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL)
         else:
-            dk, dv, _ = _paired_walk(shared, dk, dv, 0, off_b, off_hkv, start_n, key_block, other_block, k_half,
-                                     v_half, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL)
+            steps, _ = _q_list(shared, off_b, off_hkv, key_block, BLOCK_Q)
+            other_steps, _ = _q_list(shared, off_b, off_hkv, other_block, BLOCK_Q)
+            dk, dv, _ = _paired_walk(shared, dk, dv, 0, gl.minimum(steps, other_steps), off_b, off_hkv, start_n,
+                                     key_block, k_half, v_half, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL)
     elif GROUPED:
         it = 0  # steps so far, over the group's heads: the ring's and the dS buffers' phases
         for g in range(group_size):
@@ -478,12 +492,28 @@ def _load_step(shared, it, off_b, off_h, index_row, step, BLOCK_Q: gl.constexpr,
 
 
 @gluon.jit
+def _walk_on(shared, off_b, off_hkv, key_block, g, step, steps, index_row, BLOCK_Q: gl.constexpr):
+    """PAIRED loader: a walk's cursor over the group's q lists for the key block (head g, its step `step` of `steps`,
+    its list at index_row) moved on to the next head with steps left if head g has none left; the caller knows one
+    has."""
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
+     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
+     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
+     stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    while step >= steps:
+        g += 1
+        step = 0
+        steps, index_row = _q_list(shared, off_b, off_hkv * group_size + g, key_block, BLOCK_Q)
+    return g, step, steps, index_row
+
+
+@gluon.jit
 def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, STAGES: gl.constexpr,
             GROUPED: gl.constexpr, CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr, ORDERED: gl.constexpr,
             PAIRED: gl.constexpr):
     """One warp: the tile's K and V, then each step's Q and dO tiles and its rows' lse2 and delta into the ring, a stage
-    once its consumers have released it. PAIRED: both 64-key tiles' K and V, then both consumers' walks over each
-    query head, one step of each in turn while both last (_paired_place). (Same parameters as _consumer: Gluon's
+    once its consumers have released it. PAIRED: both 64-key tiles' K and V, then both consumers' walks over the
+    group's heads, one step of each in turn while both last (_paired_place). (Same parameters as _consumer: Gluon's
     worker partitions share one signature.)"""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
      v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
@@ -497,24 +527,37 @@ def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constex
         tma_load(V_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(v_smem.index(0)))
         tma_load(K_DESC, [off_b, off_hkv, second_n, 0], kv_ready, _box(k_smem.index(1)))
         tma_load(V_DESC, [off_b, off_hkv, second_n, 0], kv_ready, _box(v_smem.index(1)))
-        it = 0
-        for g in range(group_size):
-            off_h = off_hkv * group_size + g
-            steps, index_row = _q_list(shared, off_b, off_h, key_block, BLOCK_Q)
-            second_steps, second_row = _q_list(shared, off_b, off_h, second_block, BLOCK_Q)
-            both = gl.minimum(steps, second_steps)
-            for t in range(steps + second_steps):
-                # _paired_place's inverse: whose walk and which of its steps place t holds
-                step = t - both
-                second = second_steps > steps
-                if t < 2 * both:
-                    step = t // 2
-                    second = (t % 2) == 1
-                rows = index_row
-                if second:
-                    rows = second_row
-                _load_step(shared, it, off_b, off_h, rows, step, BLOCK_Q, STAGES)
-                it += 1
+        # Both walks over the group's heads, one step of each in turn while both last, then the longer one's rest
+        # (_paired_place): each walk's cursor is its head (first_g / second_g), the head's step and its q list.
+        first_g, first_step = 0, 0
+        first_steps, first_row = _q_list(shared, off_b, off_hkv * group_size, key_block, BLOCK_Q)
+        second_g, second_step = 0, 0
+        second_steps, second_row = _q_list(shared, off_b, off_hkv * group_size, second_block, BLOCK_Q)
+        if GROUPED:
+            first_total = _group_steps(shared, off_b, off_hkv, key_block, BLOCK_Q)
+            second_total = _group_steps(shared, off_b, off_hkv, second_block, BLOCK_Q)
+        else:  # one head: its lists are the walks (the MHA loader stays as lean as before GQA had walks)
+            first_total = first_steps
+            second_total = second_steps
+        both = gl.minimum(first_total, second_total)
+        rest_second = second_total > first_total
+        for t in range(first_total + second_total):
+            second = rest_second
+            if t < 2 * both:
+                second = (t % 2) == 1
+            if second:
+                if GROUPED:
+                    second_g, second_step, second_steps, second_row = _walk_on(
+                        shared, off_b, off_hkv, second_block, second_g, second_step, second_steps, second_row, BLOCK_Q)
+                _load_step(shared, t, off_b, off_hkv * group_size + second_g, second_row, second_step, BLOCK_Q,
+                           STAGES)
+                second_step += 1
+            else:
+                if GROUPED:
+                    first_g, first_step, first_steps, first_row = _walk_on(
+                        shared, off_b, off_hkv, key_block, first_g, first_step, first_steps, first_row, BLOCK_Q)
+                _load_step(shared, t, off_b, off_hkv * group_size + first_g, first_row, first_step, BLOCK_Q, STAGES)
+                first_step += 1
     else:
         mbarrier.expect(kv_ready, K_DESC.block_type.nbytes + V_DESC.block_type.nbytes)
         tma_load(K_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(k_smem))
@@ -613,7 +656,7 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch
               *, is_causal: bool, token_mask, block_mask, kv_valid, varlen, min_work: int) -> bool:
     """plan()'s conditions on the call, whatever the device: no element tests but the causal one (no token_mask,
     block_mask, kv_valid or varlen, Sk a multiple of block_kv); bf16 or fp16 for q, k, v and grad_out alike; D = Dv
-    in HEAD_DIMS; block_kv a multiple of 64 (not of 128: paired programs, MHA only unless PAIRED_GROUPED) and
+    in HEAD_DIMS; block_kv a multiple of 64 (not of 128: paired programs) and
     block_q of 64; Sk a multiple of 128; at least min_work of dense work (B * H * Sq * Sk * D); every tensor's last
     dim contiguous, its other strides positive (a broadcast gradient has zeros) and, with its start, 16-byte aligned
     (TMA's rule)."""
@@ -627,8 +670,6 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch
             or seq_kv % block_kv or seq_kv % TILE_N):
         return False
     if batch * heads * seq_q * seq_kv * dim < min_work:
-        return False
-    if block_kv % TILE_N and heads != k.shape[1] and not PAIRED_GROUPED:
         return False
     return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
                and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
