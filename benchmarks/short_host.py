@@ -1,6 +1,7 @@
 """Short-sequence forward and forward+backward: do_bench time (eager and CUDA-graph replay) and host enqueue time
 per call, for blockattn (and FlexAttention, compiled, with --flex) on B8 H16 S D128 (d=0.5, 128x128 blocks);
---profile adds cProfile tables of the host's own time (forward, then forward+backward).
+--profile adds cProfile tables of the host's own time (forward, then forward+backward, then the backward on
+autograd's thread).
 
     python benchmarks/short_host.py --seq 1024 2048 --flex
     python benchmarks/short_host.py --seq 1024 --descriptors both --rounds 3
@@ -65,6 +66,41 @@ def main():
             for name, fn in zip(("forward", "forward+backward"), impls["blockattn"]):
                 print(f"S{seq} blockattn {name}, 100 calls:", flush=True)
                 print_profile(fn, 100, rows=30)
+            profile_backward(impls["blockattn"][1], 100)
+
+
+def profile_backward(fwd_bwd, calls: int, rows: int = 30) -> None:
+    """The backward's own host time: autograd runs it on its device thread, which a profile of the caller's thread
+    does not see, so the profile and a clock are switched on inside ops.backward_some, on that thread."""
+    import cProfile
+    import pstats
+    import time
+
+    from blockattn.kernels import ops
+    profile, spent, original = cProfile.Profile(), [], ops.backward_some
+
+    def profiled(*args):
+        start = time.perf_counter()
+        profile.enable()
+        try:
+            return original(*args)
+        finally:
+            profile.disable()
+            spent.append(time.perf_counter() - start)
+    ops.backward_some = profiled
+    try:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fwd_bwd()
+        whole = (time.perf_counter() - start) / calls
+        torch.cuda.synchronize()
+    finally:
+        ops.backward_some = original
+    print(f"forward+backward {whole * 1e3:.3f} ms/call on the host (profiled), of it inside backward_some "
+          f"{sum(spent) / calls * 1e3:.3f} ms", flush=True)
+    pstats.Stats(profile).sort_stats("tottime").print_stats(rows)
+    pstats.Stats(profile).sort_stats("cumulative").print_stats(rows)
 
 
 if __name__ == "__main__":
