@@ -328,6 +328,22 @@ def test_gradients_with_tiles_longest_first(case, poisoned, warp_specialized_cal
     test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls)
 
 
+def _gradients_meet_the_oracle(q, k, v, keep, block, seq, seed, warp_specialized_calls) -> tuple:
+    """(dq, dk, dv) of attention(q, k, v, keep, block) with Sq = Sk = seq against the fp64 oracle's for a random
+    output gradient (seed); the Gluon backward ran once on Hopper, never elsewhere."""
+    out = blockattn.attention(q, k, v, keep, block, backend="triton")
+    grad_out = torch.randn(out.shape, generator=torch.Generator(device=DEVICE).manual_seed(seed), device=DEVICE)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype))
+    on_hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+    assert warp_specialized_calls == ([block] if on_hopper else [])
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(oracle(*leaves, expand(keep, block, seq, seq))[0], leaves, grad_out.double())
+    for name, got, ref in zip("qkv", grads, want):
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        assert torch.isfinite(got).all() and err < 1e-2, f"d{name} relative error {err:.2e}"
+    return grads
+
+
 @pytest.mark.parametrize("block, flag, value", [((64, 128), "LAGGED_DQ", True), ((64, 128), "LAGGED_DQ", False),
                                                ((64, 64), "ORDERED", True), ((64, 64), "ORDERED", False)])
 def test_programs_of_zero_one_and_two_steps(poisoned, warp_specialized_calls, monkeypatch, block, flag, value):
@@ -343,16 +359,7 @@ def test_programs_of_zero_one_and_two_steps(poisoned, warp_specialized_calls, mo
     keep[..., 3, 0] = True          # key block 0: one step
     keep[..., [1, 6], 1] = True     # key block 1: two steps
     keep[..., :, 2] = True          # key block 2: every query block; key blocks 3 on: none
-    out = blockattn.attention(q, k, v, keep, block, backend="triton")
-    grad_out = torch.randn(out.shape, generator=torch.Generator(device=DEVICE).manual_seed(6), device=DEVICE)
-    grads = torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype))
-    on_hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
-    assert warp_specialized_calls == ([block] if on_hopper else [])
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    want = torch.autograd.grad(oracle(*leaves, expand(keep, block, seq, seq))[0], leaves, grad_out.double())
-    for name, got, ref in zip("qkv", grads, want):
-        err = ((got.double() - ref).norm() / ref.norm()).item()
-        assert torch.isfinite(got).all() and err < 1e-2, f"d{name} relative error {err:.2e}"
+    grads = _gradients_meet_the_oracle(q, k, v, keep, block, seq, 6, warp_specialized_calls)
     assert not grads[1][:, :, 3 * block[1]:].any() and not grads[2][:, :, 3 * block[1]:].any()
 
 
@@ -373,14 +380,5 @@ def test_gqa_paired_walks_far_apart(poisoned, warp_specialized_calls, monkeypatc
     keep[0, 3, 2, 0::2] = True           # head 3: one query block on even key blocks, two on odd ones
     keep[0, 3, [0, 3], 1::2] = True
     keep[0, 4:] = random_keep(1, 4, seq, seq, block, density=0.3)[0]  # kv head 1's heads
-    out = blockattn.attention(q, k, v, keep, block, backend="triton")
-    grad_out = torch.randn(out.shape, generator=torch.Generator(device=DEVICE).manual_seed(4), device=DEVICE)
-    grads = torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype))
-    on_hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
-    assert warp_specialized_calls == ([block] if on_hopper else [])
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    want = torch.autograd.grad(oracle(*leaves, expand(keep, block, seq, seq))[0], leaves, grad_out.double())
-    for name, got, ref in zip("qkv", grads, want):
-        err = ((got.double() - ref).norm() / ref.norm()).item()
-        assert torch.isfinite(got).all() and err < 1e-2, f"d{name} relative error {err:.2e}"
+    grads = _gradients_meet_the_oracle(q, k, v, keep, block, seq, 4, warp_specialized_calls)
     assert not grads[0][:, 1].any(), "dq of the head that keeps nothing"
