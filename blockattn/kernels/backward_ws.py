@@ -9,8 +9,8 @@ D=64 all columns over its own keys) and adds them into an fp32 buffer through th
 shared memory). dQ lags a step (LAGGED_DQ): a step computes the step before's dQ, so the consumers need not meet within
 a step. Each (batch, kv head)'s programs take its tiles longest walk first (ORDERED, tile_order), and MHA programs store
 dK and dV through the TMA unit. Key blocks of 64 keys (128x64, 64x64, or an odd multiple) run paired programs (PAIRED):
-two 64-key tiles, one per consumer, each with its own walk (over all the group's heads
-for GQA), the walks interleaved in the ring, and dQ over each consumer's own keys. Five tile products per step, against seven for the Triton kernels'
+two 64-key tiles, one per consumer, each with its own walk (over all the group's heads for GQA), the walks interleaved
+in the ring, and dQ over each consumer's own keys. Five tile products per step, against seven for the Triton kernels'
 deterministic dQ walk (kernels/README.md, "The warp-specialized backward"). Measured on the H200 at B1 H24 S32768 D128,
 density 0.25, 128x128 blocks: 15.64 ms against 20.28 for the Triton backward and 21.64 for FlexAttention's
 (BENCHMARKS.md, twenty-third session); 128x64 blocks: 19.16 ms against 19.57 for the Triton backward (twenty-fourth
