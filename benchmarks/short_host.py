@@ -9,6 +9,9 @@ autograd's thread).
 """
 
 import argparse
+import cProfile
+import pstats
+import time
 
 import torch
 import triton.testing
@@ -42,7 +45,8 @@ def main():
                         help="always: tensor descriptors at every size (tma.MIN_DESCRIPTOR_WORK = 0); both: "
                         "blockattn measured both ways, alternating, --rounds times")
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--profile", action="store_true", help="cProfile tables of blockattn's forward and fwd+bwd")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile tables of blockattn's forward and fwd+bwd, and of the backward alone")
     args = parser.parse_args()
     from blockattn.kernels import tma
     threshold = tma.MIN_DESCRIPTOR_WORK
@@ -70,12 +74,8 @@ def main():
 
 
 def profile_backward(fwd_bwd, calls: int, rows: int = 30) -> None:
-    """The backward's own host time: autograd runs it on its device thread, which a profile of the caller's thread
-    does not see, so the profile and a clock are switched on inside ops.backward_some, on that thread."""
-    import cProfile
-    import pstats
-    import time
-
+    """The backward's own share of the host time: a clock and a profile switched on only inside ops.backward_some
+    (on autograd's device thread, where it runs), against the whole forward+backward call's."""
     from blockattn.kernels import ops
     profile, spent, original = cProfile.Profile(), [], ops.backward_some
 

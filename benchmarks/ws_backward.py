@@ -69,14 +69,13 @@ def main():
             grads[enabled] = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
             times[enabled] = _time_ms(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))
         backward_ws.ENABLED = True
-        try:
-            if args.no_flex:
-                raise RuntimeError("skipped (--no-flex)")
-            flex_out = _runners(case, keep, device)["flex"][0](q, k, v)
-            times["flex"] = _time_ms(lambda: torch.autograd.grad(flex_out, (q, k, v), grad, retain_graph=True))
-        except Exception as error:  # FlexAttention's backward at 64-key blocks: a result too
-            print(f"flex failed on {case.label}: {type(error).__name__}", flush=True)
-            times["flex"] = float("nan")
+        times["flex"] = float("nan")  # skipped (--no-flex) or failed
+        if not args.no_flex:
+            try:
+                flex_out = _runners(case, keep, device)["flex"][0](q, k, v)
+                times["flex"] = _time_ms(lambda: torch.autograd.grad(flex_out, (q, k, v), grad, retain_graph=True))
+            except Exception as error:  # FlexAttention's backward at 64-key blocks: a result too
+                print(f"flex failed on {case.label}: {type(error).__name__}", flush=True)
         if causal:  # cuDNN's causal backward: the dense baseline a language model would otherwise run
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
                 sdpa_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

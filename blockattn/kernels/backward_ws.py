@@ -655,11 +655,10 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tens
 def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, block_q: int, block_kv: int,
               *, is_causal: bool, token_mask, block_mask, kv_valid, varlen, min_work: int) -> bool:
     """plan()'s conditions on the call, whatever the device: no element tests but the causal one (no token_mask,
-    block_mask, kv_valid or varlen, Sk a multiple of block_kv); bf16 or fp16 for q, k, v and grad_out alike; D = Dv
-    in HEAD_DIMS; block_kv a multiple of 64 (not of 128: paired programs) and
-    block_q of 64; Sk a multiple of 128; at least min_work of dense work (B * H * Sq * Sk * D); every tensor's last
-    dim contiguous, its other strides positive (a broadcast gradient has zeros) and, with its start, 16-byte aligned
-    (TMA's rule)."""
+    block_mask, kv_valid or varlen, Sk a multiple of block_kv); bf16 or fp16 for q, k, v and grad_out alike; D = Dv in
+    HEAD_DIMS; block_kv a multiple of 64 (not of 128: paired programs) and block_q of 64; Sk a multiple of 128; at
+    least min_work of dense work (B * H * Sq * Sk * D); every tensor's last dim contiguous, its other strides positive
+    (a broadcast gradient has zeros) and, with its start, 16-byte aligned (TMA's rule)."""
     if any(x is not None for x in (token_mask, block_mask, kv_valid, varlen)):
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype == grad_out.dtype):
