@@ -9,6 +9,9 @@ with FA3-style turns: benchmarks/results-2026-12-02-h200-session20.md.)
     python benchmarks/exp_bwd_lag.py [--cases design gqa causal]
     python benchmarks/exp_bwd_lag.py --flag STAGES --values 2 3   # another of backward_ws's launch constants
     python benchmarks/exp_bwd_lag.py --cases paired --flag PAIRED_STAGES --values 2 3   # 128x64 blocks
+    # with benchmarks/patches/paired-lagged-dq.patch applied (dQ lagged in paired programs; dropped, slower):
+    python benchmarks/exp_bwd_lag.py --cases paired paired_more --flag PAIRED_LAGGED_DQ,PAIRED_STAGES \
+        --values "(False, 3)" "(True, 3)" "(True, 2)"
     python benchmarks/exp_bwd_lag.py --flag STAGES,LAGGED_DQ --values "(2, True)" "(3, False)"  # a tuple a variant
 """
 
@@ -33,6 +36,9 @@ CASES = {
     # 128x64 blocks: paired programs
     "paired": [Case(block=(128, 64), density=d) for d in (0.5, 0.1)] + [
         Case(block=(128, 64), heads=32, kv_heads=8, seq=16384, density=0.25)],
+    # 128x64 blocks: the paired programs' other cases (density 0.25, head dim 64, causal)
+    "paired_more": [Case(block=(128, 64), density=0.25), Case(block=(128, 64), dim=64, density=0.25),
+                    Case(block=(128, 64), pattern="causal", density=0.5)],
 }
 
 

@@ -9,7 +9,12 @@ FlexAttention user has two ways around it, both timed here:
     create_block_mask(..., BLOCK_SIZE=128) makes of it, built here from the block table: create_block_mask itself
     materializes the element mask, 24 x 32768^2 here): a 128-key block with both halves kept is full, with one half
     partial (its mask_mod runs per element).
-Effective TFLOP/s count the kept work only (bench.py's rule).
+  - "flex-128x128" (a reference, not the same mask): FlexAttention compiled with default options on a random mask of
+    128x128 blocks at the same density, the comparison the earlier sessions made with 128x64 blocks; blockattn on
+    that mask runs too ("blockattn-128x128"); "flex-128x128-autotune" the same compiled with
+    mode="max-autotune-no-cudagraphs".
+Effective TFLOP/s count the kept work only (bench.py's rule); the speedup column is blockattn's TFLOP/s over the
+variant's (for the same mask, its time over blockattn's).
 
     python benchmarks/flex_variants.py --densities 0.5 0.25 0.1
 """
@@ -24,6 +29,7 @@ from blockattn.sparsity import build_lists
 
 
 def runners(case: Case, keep: torch.Tensor, which):
+    """The variants asked for in which, by name, and the density of the blocks each keeps."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
     blocks = BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
     out = {"blockattn": lambda q, k, v: attention(q, k, v, blocks)}
@@ -45,14 +51,29 @@ def runners(case: Case, keep: torch.Tensor, which):
                                           mask_mod=lookup, seq_lengths=(case.seq, case.seq))
         compiled = torch.compile(flex_attention, dynamic=False)
         out["flex-128"] = lambda q, k, v: compiled(q, k, v, block_mask=coarse)
-    return out, blocks.density()
+    kept = {name: blocks.density() for name in out}
+    square_names = [name for name in ("flex-128x128", "flex-128x128-autotune") if name in which]
+    if square_names:
+        square = Case(seq=case.seq, block=(128, 128), density=case.density)
+        square_blocks = BlockSparsity.from_mask(block_mask(square, keep.device), (128, 128), case.seq, case.seq)
+        square_mask = BlockMask.from_kv_blocks(torch.zeros_like(square_blocks.kv_count), square_blocks.kv_index,
+                                               square_blocks.kv_count, square_blocks.kv_index, BLOCK_SIZE=128,
+                                               seq_lengths=(case.seq, case.seq))
+        for name in square_names:
+            mode = "max-autotune-no-cudagraphs" if name.endswith("autotune") else None
+            square_fn = torch.compile(flex_attention, dynamic=False, mode=mode)
+            out[name] = lambda q, k, v, square_fn=square_fn: square_fn(q, k, v, block_mask=square_mask)
+            kept[name] = square_blocks.density()
+        out["blockattn-128x128"] = lambda q, k, v: attention(q, k, v, square_blocks)
+        kept["blockattn-128x128"] = square_blocks.density()
+    return out, kept
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--densities", type=float, nargs="+", default=[0.5, 0.25, 0.1])
     parser.add_argument("--seq", type=int, default=32768)
-    parser.add_argument("--impls", nargs="+", default=["flex-autotune", "flex-128"])
+    parser.add_argument("--impls", nargs="+", default=["flex-autotune", "flex-128", "flex-128x128"])
     args = parser.parse_args()
     device = torch.device("cuda")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
@@ -63,7 +84,6 @@ def main():
         q, k, v = _inputs(case, device, requires_grad=True)
         grad = torch.randn_like(q)
         fns, kept = runners(case, block_mask(case, device), set(args.impls))
-        flops = _flops(case, kept)
         times = {}
         for name, fn in fns.items():
             try:
@@ -72,12 +92,16 @@ def main():
                 both = _time_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad))
                 times[name] = (fwd, both - fwd)
             except Exception as error:  # a failing variant is a result too
-                print(f"| d={kept:.3f} | {name} | failed: {type(error).__name__}: {str(error)[:150]} | | |")
-        base = times.get("blockattn")
+                print(f"| d={kept[name]:.3f} | {name} | failed: {type(error).__name__}: {str(error)[:150]} | | |")
+        rates = {name: (_flops(case, kept[name]) / fwd / 1e9, 2.5 * _flops(case, kept[name]) / bwd / 1e9)
+                 for name, (fwd, bwd) in times.items()}
+        base = rates.get("blockattn")
         for name, (fwd, bwd) in times.items():
-            speed = "" if base is None else f"{fwd / base[0]:.2f}x / {bwd / base[1]:.2f}x"
-            print(f"| 128x64 d={kept:.3f} | {name} | {fwd:.3f} ({flops / fwd / 1e9:.0f}) | "
-                  f"{bwd:.3f} ({2.5 * flops / bwd / 1e9:.0f}) | {speed} |", flush=True)
+            rate = rates[name]
+            speed = "" if base is None else f"{base[0] / rate[0]:.2f}x / {base[1] / rate[1]:.2f}x"
+            blocks = "128x64" if name in ("blockattn", "flex-autotune", "flex-128") else "128x128"
+            print(f"| {blocks} d={kept[name]:.3f} | {name} | {fwd:.3f} ({rate[0]:.0f}) | {bwd:.3f} ({rate[1]:.0f}) | "
+                  f"{speed} |", flush=True)
 
 
 if __name__ == "__main__":
