@@ -382,3 +382,25 @@ def test_gqa_paired_walks_far_apart(poisoned, warp_specialized_calls, monkeypatc
     keep[0, 4:] = random_keep(1, 4, seq, seq, block, density=0.3)[0]  # kv head 1's heads
     grads = _gradients_meet_the_oracle(q, k, v, keep, block, seq, 4, warp_specialized_calls)
     assert not grads[0][:, 1].any(), "dq of the head that keeps nothing"
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("ordered", [False, True])
+def test_paired_overlapping_lists(poisoned, warp_specialized_calls, monkeypatch, kv_heads, ordered):
+    """Paired programs (128x64 blocks) whose two tiles keep query blocks in common and others of their own: a head
+    whose adjacent tiles keep the same query blocks (as under a causal or a 128-key-grained mask), one with some in
+    common and rests of different lengths, one with nothing in common, one at random and one dense; MHA and GQA,
+    tiles in key order (adjacent tiles pair) and longest walk first. Gradients against the fp64 oracle."""
+    monkeypatch.setattr(backward_ws, "ORDERED", ordered)
+    block, seq = (128, 64), 512
+    q, k, v = (t.requires_grad_() for t in qkv(1, 4, seq, 128, kv_heads=kv_heads, seed=13))
+    nq, nk = seq // block[0], seq // block[1]
+    keep = torch.zeros(1, 4, nq, nk, dtype=torch.bool, device=DEVICE)
+    keep[0, 0] = torch.ones(nq, nk // 2, dtype=torch.bool, device=DEVICE).tril().repeat_interleave(2, dim=1)
+    keep[0, 1, :3, 0] = keep[0, 1, 1:, 1] = True    # two in common, then one each
+    keep[0, 1, 2, 2] = keep[0, 1, [0, 2, 3], 3] = True  # one in common, then none and two
+    keep[0, 1, 0, 4] = keep[0, 1, 3, 5] = True      # none in common
+    keep[0, 1, :, 7] = True                         # one tile of all, its pair of none
+    keep[0, 2] = random_keep(1, 1, seq, seq, block, density=0.6)[0, 0]
+    keep[0, 3] = True
+    _gradients_meet_the_oracle(q, k, v, keep, block, seq, 4, warp_specialized_calls)
