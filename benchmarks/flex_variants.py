@@ -24,7 +24,7 @@ import argparse
 import torch
 
 from blockattn import BlockSparsity, attention
-from blockattn.bench import Case, _flops, _inputs, _time_ms, block_mask
+from blockattn.bench import Case, _flops, _inputs, _time_ms, block_mask, flex_block_mask
 from blockattn.sparsity import build_lists
 
 
@@ -34,8 +34,7 @@ def runners(case: Case, keep: torch.Tensor, which):
     blocks = BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
     out = {"blockattn": lambda q, k, v: attention(q, k, v, blocks)}
     if "flex-autotune" in which:
-        mask = BlockMask.from_kv_blocks(torch.zeros_like(blocks.kv_count), blocks.kv_index, blocks.kv_count,
-                                        blocks.kv_index, BLOCK_SIZE=case.block, seq_lengths=(case.seq, case.seq))
+        mask = flex_block_mask(blocks)
         tuned = torch.compile(flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs")
         out["flex-autotune"] = lambda q, k, v: tuned(q, k, v, block_mask=mask)
     if "flex-128" in which:
@@ -56,9 +55,7 @@ def runners(case: Case, keep: torch.Tensor, which):
     if square_names:
         square = Case(seq=case.seq, block=(128, 128), density=case.density)
         square_blocks = BlockSparsity.from_mask(block_mask(square, keep.device), (128, 128), case.seq, case.seq)
-        square_mask = BlockMask.from_kv_blocks(torch.zeros_like(square_blocks.kv_count), square_blocks.kv_index,
-                                               square_blocks.kv_count, square_blocks.kv_index, BLOCK_SIZE=128,
-                                               seq_lengths=(case.seq, case.seq))
+        square_mask = flex_block_mask(square_blocks)
         for name in square_names:
             mode = "max-autotune-no-cudagraphs" if name.endswith("autotune") else None
             square_fn = torch.compile(flex_attention, dynamic=False, mode=mode)
@@ -99,9 +96,9 @@ def main():
         for name, (fwd, bwd) in times.items():
             rate = rates[name]
             speed = "" if base is None else f"{base[0] / rate[0]:.2f}x / {base[1] / rate[1]:.2f}x"
-            blocks = "128x64" if name in ("blockattn", "flex-autotune", "flex-128") else "128x128"
-            print(f"| {blocks} d={kept[name]:.3f} | {name} | {fwd:.3f} ({rate[0]:.0f}) | {bwd:.3f} ({rate[1]:.0f}) | "
-                  f"{speed} |", flush=True)
+            block_label = "128x64" if name in ("blockattn", "flex-autotune", "flex-128") else "128x128"
+            print(f"| {block_label} d={kept[name]:.3f} | {name} | {fwd:.3f} ({rate[0]:.0f}) | "
+                  f"{bwd:.3f} ({rate[1]:.0f}) | {speed} |", flush=True)
 
 
 if __name__ == "__main__":

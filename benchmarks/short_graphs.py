@@ -9,7 +9,7 @@ import torch
 import triton.testing
 
 import blockattn
-from blockattn.bench import Case, bench_case, block_mask, markdown
+from blockattn.bench import Case, bench_case, block_mask, flex_block_mask, markdown
 
 
 def graphed(fn):
@@ -27,14 +27,13 @@ def graphed(fn):
 
 
 def main():
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
     device = torch.device("cuda")
     compiled = torch.compile(flex_attention, dynamic=False)
     for seq in (1024, 2048):
         case = Case(batch=8, heads=16, kv_heads=16, seq=seq, density=0.5, block=(128, 128))
         blocks = blockattn.BlockSparsity.from_mask(block_mask(case, device), case.block, seq, seq)
-        flex_mask = BlockMask.from_kv_blocks(torch.zeros_like(blocks.kv_count), blocks.kv_index, blocks.kv_count,
-                                             blocks.kv_index, BLOCK_SIZE=case.block, seq_lengths=(seq, seq))
+        flex_mask = flex_block_mask(blocks)
         q, k, v = (torch.randn(8, 16, seq, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
         grad = torch.randn_like(q)

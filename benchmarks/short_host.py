@@ -16,16 +16,17 @@ import time
 import torch
 import triton.testing
 
+from blockattn.bench import flex_block_mask
+
 from exp_short import host_ms, print_profile, short_case, short_inputs
 from short_graphs import graphed
 
 
 def flex_case(batch: int, heads: int, seq: int, density: float):
     """(fwd, fwd_bwd) for compiled FlexAttention on short_inputs()' tensors and mask."""
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
     q, k, v, blocks, grad = short_inputs(batch, heads, seq, density)
-    mask = BlockMask.from_kv_blocks(torch.zeros_like(blocks.kv_count), blocks.kv_index, blocks.kv_count,
-                                    blocks.kv_index, BLOCK_SIZE=blocks.block_size, seq_lengths=(seq, seq))
+    mask = flex_block_mask(blocks)
     compiled = torch.compile(flex_attention, dynamic=False)
 
     def fwd():

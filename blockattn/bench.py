@@ -107,6 +107,17 @@ def _inputs(case: Case, device, requires_grad: bool):
     return [torch.randn(s, generator=gen, device=device, dtype=dtype).requires_grad_(requires_grad) for s in shapes]
 
 
+def flex_block_mask(blocks: BlockSparsity):
+    """The FlexAttention BlockMask the benchmarks give compiled FlexAttention for blocks: every kept block full and
+    no mask_mod, so FlexAttention runs its fastest path (kv_num_blocks int32 [B, H, nq] and kv_indices
+    [B, H, nq, nk] from blocks.kv_count and kv_index). blockattn.flex.to_block_mask also carries a mask_mod that
+    looks the block up, for FlexAttention's eager path."""
+    from torch.nn.attention.flex_attention import BlockMask
+    return BlockMask.from_kv_blocks(torch.zeros_like(blocks.kv_count), blocks.kv_index, blocks.kv_count,
+                                    blocks.kv_index, BLOCK_SIZE=blocks.block_size,
+                                    seq_lengths=(blocks.seq_q, blocks.seq_kv))
+
+
 def _runners(case: Case, keep: torch.Tensor, device, quant: Optional[str] = None):
     """name -> (forward fn(q, k, v), density) for every implementation available; with quant also
     "blockattn-<quant>", blockattn's quantized forward (inference only)."""
@@ -128,9 +139,7 @@ def _runners(case: Case, keep: torch.Tensor, device, quant: Optional[str] = None
                                                  BLOCK_SIZE=case.block, seq_lengths=(case.seq, case.seq),
                                                  mask_mod=lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)
         else:
-            empty = torch.zeros_like(blocks.kv_count)
-            flex_mask = BlockMask.from_kv_blocks(empty, blocks.kv_index, blocks.kv_count, blocks.kv_index,
-                                                 BLOCK_SIZE=case.block, seq_lengths=(case.seq, case.seq))
+            flex_mask = flex_block_mask(blocks)
         compiled = torch.compile(flex_attention, dynamic=False)
         gqa = case.kv_heads != case.heads
         # Flex's default tiles are 128 wide: a narrower mask block needs tiles that nest in it.
