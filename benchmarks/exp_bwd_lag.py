@@ -9,7 +9,11 @@ with FA3-style turns: benchmarks/results-2026-12-02-h200-session20.md.)
     python benchmarks/exp_bwd_lag.py [--cases design gqa causal]
     python benchmarks/exp_bwd_lag.py --flag STAGES --values 2 3   # another of backward_ws's launch constants
     python benchmarks/exp_bwd_lag.py --cases paired --flag PAIRED_STAGES --values 2 3   # 128x64 blocks
-    # with benchmarks/patches/paired-lagged-dq.patch applied (dQ lagged in paired programs; dropped, slower):
+    # the paired programs' common steps (twenty-eighth session): none, dQ summed over both tiles, each its own dQ
+    python benchmarks/exp_bwd_lag.py --cases paired paired_more paired_causal \
+        --flag PAIRED_COMMON_FIRST,PAIRED_SUMMED_DQ --values "(False, False)" "(True, True)" "(True, False)"
+    # with benchmarks/patches/paired-lagged-dq.patch applied to commit e917f70 (dQ lagged in paired programs;
+    # dropped, slower):
     python benchmarks/exp_bwd_lag.py --cases paired paired_more --flag PAIRED_LAGGED_DQ,PAIRED_STAGES \
         --values "(False, 3)" "(True, 3)" "(True, 2)"
     python benchmarks/exp_bwd_lag.py --flag STAGES,LAGGED_DQ --values "(2, True)" "(3, False)"  # a tuple a variant
@@ -39,6 +43,9 @@ CASES = {
     # 128x64 blocks: the paired programs' other cases (density 0.25, head dim 64, causal)
     "paired_more": [Case(block=(128, 64), density=0.25), Case(block=(128, 64), dim=64, density=0.25),
                     Case(block=(128, 64), pattern="causal", density=0.5)],
+    # 128x64 blocks, causal at head dim 64 and with GQA: every step of a paired program common to its two tiles
+    "paired_causal": [Case(block=(128, 64), dim=64, pattern="causal", density=0.5),
+                      Case(block=(128, 64), heads=32, kv_heads=8, seq=16384, pattern="causal", density=0.5)],
 }
 
 
@@ -47,7 +54,8 @@ def main():
     parser.add_argument("--cases", nargs="+", default=["design", "gqa", "causal"], choices=list(CASES))
     parser.add_argument("--flag", default="LAGGED_DQ",
                         help="the backward_ws constant to vary (each is part of the launch's plan key): LAGGED_DQ, "
-                        "STAGES, ORDERED, PAIRED_STAGES; several joined by commas")
+                        "STAGES, ORDERED, PAIRED_STAGES, PAIRED_COMMON_FIRST, PAIRED_SUMMED_DQ; several joined by "
+                        "commas")
     parser.add_argument("--values", nargs="+", default=["False", "True"],
                         help="its values (Python literals; a tuple a variant for several constants)")
     args = parser.parse_args()

@@ -126,12 +126,15 @@ def test_switched_off_deterministic_or_off_hopper_it_declines(monkeypatch):
     ((64, 128), "float16", True, False, None, 64, True),
     # paired programs (64-key tiles)
     ((128, 64), "bfloat16", False, False, None, 128, None), ((128, 64), "float16", True, True, None, 128, True),
-    ((64, 64), "bfloat16", False, True, None, 64, False), ((128, 192), "bfloat16", True, False, None, 64, None)])
+    ((64, 64), "bfloat16", False, True, None, 64, False), ((128, 192), "bfloat16", True, False, None, 64, None),
+    ((128, 64), "bfloat16", False, True, None, 128, "own dQ")])
 def test_compiles_for_sm90_with_its_register_split(blocks, dtype, grouped, causal, lagged, dim, ordered):
-    """Each variant (lagged, ordered: None as a launch would, LAGGED_DQ and ORDERED) compiles with the register
-    split, wgmma, TMA copies and adds, in shared memory, without local memory."""
+    """Each variant (lagged, ordered: None as a launch would, LAGGED_DQ and ORDERED; "own dQ": paired programs
+    without PAIRED_SUMMED_DQ) compiles with the register split, wgmma, TMA copies and adds, in shared memory, without
+    local memory."""
+    variant = "ordered=None, summed=False" if ordered == "own dQ" else f"ordered={ordered}"
     report = sm90_report(f"backward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.{dtype}, grouped={grouped}, "
-                         f"causal={causal}, lagged={lagged}, dim={dim}, ordered={ordered})")
+                         f"causal={causal}, lagged={lagged}, dim={dim}, {variant})")
     assert {backward_ws.CONSUMER_REGS, backward_ws.LOADER_REGS} <= set(report["registers"]), report
     assert report["wgmma"] and report["tma"] and report["reduction"], report
     assert report["shared"] <= 227 * 1024, report
@@ -153,6 +156,66 @@ def test_tile_order_puts_each_kv_heads_longest_walks_first(heads, kv_heads, tile
     assert (walks[..., 1:] <= walks[..., :-1]).all()
     ties = walks[..., 1:] == walks[..., :-1]
     assert (order[..., 1:] > order[..., :-1])[ties].all(), "equal walks out of key order"
+
+
+@pytest.mark.parametrize("heads, kv_heads, tiles_per_block, ordered", [(4, 2, 1, True), (3, 3, 2, True),
+                                                                          (1, 2, 1, False), (2, 1, 3, True)])
+def test_pair_lists_put_the_blocks_a_programs_tiles_share_first(heads, kv_heads, tiles_per_block, ordered):
+    """pair_lists: a row per 64-key tile holding its key block's list, reordered so that the query blocks the other
+    tile of its program (order[2p], order[2p + 1]) also lists come first, ascending, then the rest, ascending; the
+    count of those common ones is the same in both rows of a program. common_first=False keeps each list as it is,
+    with no common steps. (heads 1: one mask for all heads.)"""
+    gen = torch.Generator().manual_seed(heads * 100 + kv_heads * 10 + tiles_per_block)
+    batch, nq, nk = 2, 9, 8 // tiles_per_block * 2
+    keep = torch.rand(batch, heads, nq, nk, generator=gen) < 0.5
+    keep[0, 0, :, 0] = True   # a dense key block and an empty one
+    keep[0, 0, :, 1] = False
+    q_count, q_index = blockattn.sparsity.build_lists(keep.transpose(-1, -2))
+    order = backward_ws.tile_order(q_count, kv_heads, tiles_per_block) if ordered else None
+    counts, index = backward_ws.pair_lists(q_count, q_index, order, kv_heads, tiles_per_block)
+    tiles = nk * tiles_per_block
+    assert counts.shape == (batch, heads, tiles, 2) and index.shape == (batch, heads, tiles, nq)
+    if order is None:
+        order = torch.arange(tiles).expand(batch, 1, tiles)
+    order = order.long().repeat_interleave(heads // order.shape[1], dim=1)
+    seen_common = 0
+    for b in range(batch):
+        for h in range(heads):
+            for p in range(tiles // 2):
+                pair = order[b, h, 2 * p].item(), order[b, h, 2 * p + 1].item()
+                kept = [set(torch.nonzero(keep[b, h, :, t // tiles_per_block]).flatten().tolist()) for t in pair]
+                shared = sorted(kept[0] & kept[1])
+                assert counts[b, h, pair[0], 1] == counts[b, h, pair[1], 1] == len(shared)
+                for t, own in zip(pair, kept):
+                    listed = index[b, h, t, :counts[b, h, t, 0]].tolist()
+                    assert counts[b, h, t, 0] == len(own)
+                    assert listed == shared + sorted(own - set(shared)), (b, h, t)
+                seen_common += len(shared)
+    assert seen_common > 0
+    plain, plain_index = backward_ws.pair_lists(q_count, q_index, None, kv_heads, tiles_per_block,
+                                                common_first=False)
+    assert not plain[..., 1].any()
+    assert torch.equal(plain[..., 0], q_count.repeat_interleave(tiles_per_block, -1))
+    assert torch.equal(plain_index, q_index.repeat_interleave(tiles_per_block, 2))
+
+
+def test_pair_lists_are_kept_per_lists_tensor(monkeypatch):
+    """cached_pair_lists computes a lists tensor's pair lists once, again after the lists are written in place or
+    PAIRED_COMMON_FIRST changes, and lets the entry go with the tensor."""
+    q_count = torch.tensor([[[2, 2]]], dtype=torch.int32)
+    q_index = torch.tensor([[[[1, 0], [0, 1]]]], dtype=torch.int32)
+    first = backward_ws.cached_pair_lists(q_count, q_index, None, 1, 2)
+    assert first[0].tolist() == [[[[2, 2], [2, 2], [2, 2], [2, 2]]]]
+    assert backward_ws.cached_pair_lists(q_count, q_index, None, 1, 2) is first
+    q_count[0, 0, 0] = 1
+    again = backward_ws.cached_pair_lists(q_count, q_index, None, 1, 2)
+    assert again is not first and again[0][0, 0, :, 0].tolist() == [1, 1, 2, 2]
+    assert again[0][0, 0, :, 1].tolist() == [1, 1, 2, 2]
+    monkeypatch.setattr(backward_ws, "PAIRED_COMMON_FIRST", False)
+    assert backward_ws.cached_pair_lists(q_count, q_index, None, 1, 2)[0][0, 0, :, 1].tolist() == [0, 0, 0, 0]
+    entries = len(backward_ws._PAIR_LISTS)
+    del q_count
+    assert len(backward_ws._PAIR_LISTS) < entries
 
 
 def test_tile_order_is_kept_per_lists_tensor():
@@ -404,3 +467,15 @@ def test_paired_overlapping_lists(poisoned, warp_specialized_calls, monkeypatch,
     keep[0, 2] = random_keep(1, 1, seq, seq, block, density=0.6)[0, 0]
     keep[0, 3] = True
     _gradients_meet_the_oracle(q, k, v, keep, block, seq, 4, warp_specialized_calls)
+
+
+@pytest.mark.parametrize("common_first, summed", [(True, False), (False, False)])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_paired_dq_variants(poisoned, warp_specialized_calls, monkeypatch, common_first, summed, kv_heads):
+    """As test_paired_overlapping_lists (tiles longest walk first) with the paired programs' other dQ schedules,
+    which the benchmarks compare: common steps first with each consumer adding its own keys' dQ
+    (PAIRED_SUMMED_DQ off), and no common steps at all (PAIRED_COMMON_FIRST off)."""
+    monkeypatch.setattr(backward_ws, "PAIRED_COMMON_FIRST", common_first)
+    monkeypatch.setattr(backward_ws, "PAIRED_SUMMED_DQ", summed)
+    test_paired_overlapping_lists(poisoned, warp_specialized_calls, monkeypatch, kv_heads, True)
+

@@ -9,12 +9,14 @@ D=64 all columns over its own keys) and adds them into an fp32 buffer through th
 shared memory). dQ lags a step (LAGGED_DQ): a step computes the step before's dQ, so the consumers need not meet within
 a step. Each (batch, kv head)'s programs take its tiles longest walk first (ORDERED, tile_order), and MHA programs store
 dK and dV through the TMA unit. Key blocks of 64 keys (128x64, 64x64, or an odd multiple) run paired programs (PAIRED):
-two 64-key tiles, one per consumer, each with its own walk (over all the group's heads for GQA), the walks interleaved
-in the ring, and dQ over each consumer's own keys. Five tile products per step, against seven for the Triton kernels'
-deterministic dQ walk (kernels/README.md, "The warp-specialized backward"). Measured on the H200 at B1 H24 S32768 D128,
+two 64-key tiles, one per consumer, each with its own walk (over all the group's heads for GQA): first the query
+blocks both tiles keep (common steps: one load for both consumers, who meet there and add dQ over both tiles' 128
+keys once, SUMMED_DQ), then each tile's rest, the two rests interleaved in the ring, dQ over each consumer's own keys.
+Five tile products per step, against seven for the Triton kernels' deterministic dQ walk (kernels/README.md, "The
+warp-specialized backward"). Measured on the H200 at B1 H24 S32768 D128,
 density 0.25, 128x128 blocks: 15.64 ms against 20.28 for the Triton backward and 21.64 for FlexAttention's
-(BENCHMARKS.md, twenty-third session); 128x64 blocks: 19.16 ms against 19.57 for the Triton backward (twenty-fourth
-session).
+(BENCHMARKS.md, twenty-third session); 128x64 blocks: 18.38 ms against 19.97 for the Triton backward, causal at
+d=0.5 30.69 against 39.06 (twenty-eighth session).
 
 It covers the plain walk and the causal one (the test key <= query on the steps the diagonal crosses): no other
 element tests (no token mask, kv_valid, gathered block mask or packed batch), bf16 or fp16, head dim 64 or 128, key
@@ -76,6 +78,13 @@ ORDERED = True
 # one ring (a stage holds one consumer's step) and each consumer computes the dQ over its own keys for all of D. Its
 # ring stages: with two dQ tiles and one dS^T buffer, 3 stages fill 209.9 KiB at D = 128.
 PAIRED_STAGES = 3
+# Whether a paired program's two walks start with the query blocks both its tiles keep (pair_lists), one ring stage
+# each that both consumers read, so that Q and dO are loaded once for both.
+PAIRED_COMMON_FIRST = True
+# Whether a paired program's common steps (PAIRED_COMMON_FIRST) add dQ over both tiles' 128 keys once, the two
+# consumers meeting at each as the 128-key programs' do, instead of each adding its own 64 keys' dQ: half the bytes
+# added into dQ's fp32 buffer on those steps, whose reductions bound the paired step (twenty-seventh session).
+PAIRED_SUMMED_DQ = True
 
 _ROWS = gl.constexpr(STEP_ROWS)
 _KEYS = gl.constexpr(CONSUMER_KEYS)
@@ -100,9 +109,10 @@ _reinterpret = getattr(gl.shared_memory_descriptor, "reinterpret", None) or gl.s
 
 @gluon.jit
 def _program(shared, W: gl.constexpr, BLOCK_KV: gl.constexpr, ORDERED: gl.constexpr, PAIRED: gl.constexpr):
-    """(off_b, off_hkv, start_n, key_block): this program's batch and kv head, and the first key and key block of its
-    128-key tile or (PAIRED) of consumer W's 64-key tile, the program's 2 * p + W-th among its (batch, kv head)'s
-    tiles. ORDERED: the tile TILE_ORDER puts at that place; else the place's own. (W is ignored unless PAIRED.)"""
+    """(off_b, off_hkv, start_n, list_row): this program's batch and kv head, the first key of its 128-key tile or
+    (PAIRED) of consumer W's 64-key tile, the program's 2 * p + W-th among its (batch, kv head)'s tiles, and the row
+    of the q lists it walks: its key block's, or (PAIRED) the tile's own in pair_lists' layout. ORDERED: the tile
+    TILE_ORDER puts at that place; else the place's own. (W is ignored unless PAIRED.)"""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
      v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
      scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
@@ -120,7 +130,10 @@ def _program(shared, W: gl.constexpr, BLOCK_KV: gl.constexpr, ORDERED: gl.conste
     else:
         tile = place
     start_n = tile * TILE_KEYS
-    return off_b, off_hkv, start_n, start_n // BLOCK_KV
+    list_row = start_n // BLOCK_KV
+    if PAIRED:
+        list_row = tile  # pair_lists' rows are per 64-key tile
+    return off_b, off_hkv, start_n, list_row
 
 
 @gluon.jit
@@ -305,80 +318,169 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
 
 
 @gluon.jit
-def _group_steps(shared, off_b, off_hkv, key_block, BLOCK_Q: gl.constexpr):
-    """The 64-row steps of all q lists for the key block of the query heads sharing kv head off_hkv."""
+def _pair_list(shared, off_b, off_h, tile, BLOCK_Q: gl.constexpr):
+    """PAIRED: (steps, common, index_row) of query head off_h's q list for 64-key tile `tile`, in pair_lists' layout:
+    its 64-row steps, how many of them lead it because the program's other tile lists them too, and its pointer."""
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
+     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
+     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
+     stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    TILES: gl.constexpr = BLOCK_Q // _ROWS
+    counts = Q_COUNT + off_b * stride_cb + off_h * stride_ch + 2 * tile
+    index_row = Q_INDEX + off_b.to(gl.int64) * stride_ib + off_h.to(gl.int64) * stride_ih + tile * stride_ik
+    return gl.load(counts) * TILES, gl.load(counts + 1) * TILES, index_row
+
+
+@gluon.jit
+def _pair_group_steps(shared, off_b, off_hkv, tile, BLOCK_Q: gl.constexpr):
+    """PAIRED: (steps, common) of _pair_list summed over the query heads sharing kv head off_hkv."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
      v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
      scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
      stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     total = 0
+    common = 0
     for g in range(group_size):
-        steps, _ = _q_list(shared, off_b, off_hkv * group_size + g, key_block, BLOCK_Q)
+        steps, common_g, _ = _pair_list(shared, off_b, off_hkv * group_size + g, tile, BLOCK_Q)
         total += steps
-    return total
+        common += common_g
+    return total, common
 
 
 @gluon.jit
-def _paired_place(step, both, W: gl.constexpr):
+def _paired_place(step, common, both, W: gl.constexpr):
     """PAIRED: where step `step` of consumer W's walk (over all the group's heads) falls among the program's steps, as
-    the loader takes them: one of each walk in turn while both last (`both` steps each), then the longer walk's rest.
-    A consumer's next step is thus at most 2 places on, never a whole ring round: its wait on a stage's parity could
-    not tell that round's load from the one before (kernels/README.md, "Paired programs")."""
-    place = both + step
-    if step < both:
-        place = 2 * step + W
-    return place
+    the loader takes them. A walk starts with the `common` steps both tiles' lists hold (over all the group's heads,
+    the same in both walks), one stage each, which both consumers read; then its own rest, the two rests one step of
+    each in turn while both last (`both` steps each), then the longer rest. A consumer's next step is thus at most 2
+    places on, never a whole ring round: its wait on a stage's parity could not tell that round's load from the one
+    before (kernels/README.md, "Paired programs")."""
+    # Common steps (step < common) fall at `step`; a rest's step r = step - common at common + 2r + W while r < both,
+    # at common + both + r after: in one expression, without branches (fewer registers live in the walk's loop).
+    return step + gl.minimum(gl.maximum(step - common + W, 0), both)
 
 
 @gluon.jit
-def _paired_walk(shared, dk, dv, done, both, off_b, off_h, start_n, key_block, k_half, v_half, dq_tile, st_zero,
-                 W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """PAIRED: consumer W's steps over query head off_h's q list for its own 64-key tile (keys start_n.., in key block
-    key_block), after `done` steps of its walk over the group's earlier heads: (dk, dv, done) after them. `both`: the
-    shorter of the program's two walks, in steps. Each step takes its own stage of the ring (_paired_place) and
-    releases it once dV and dK have read it; its dQ is over the consumer's own keys, all of D's columns, 64 at a time
-    through the consumer's dQ tile. CAUSAL as in _head_walk."""
+def _paired_walk(shared, dk, dv, done, common, both, off_b, off_h, start_n, index_row, lo, hi, k_half, v_half,
+                 dq_tile, st_zero, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
+                 CAUSAL: gl.constexpr, SUMMED_DQ: gl.constexpr):
+    """PAIRED: consumer W's steps lo .. hi-1 of query head off_h's q list (at index_row, pair_lists' layout) for its
+    own 64-key tile (keys start_n..), after `done` steps of its walk: (dk, dv, done) after them. `common` and `both`
+    place the steps in the ring's order (_paired_place); the walk's first `common` steps are common ones (both tiles
+    list them). A step's stage is released once dV and dK have read it: by each consumer for a common step, for both
+    by the one consumer otherwise. A step's dQ is over the consumer's own keys, all of D's columns, 64 at a time
+    through the consumer's dQ tile (_own_dq); SUMMED_DQ: a common step's is over both tiles' 128 keys (_common_dq),
+    added once, not once per tile. CAUSAL as in _head_walk."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
      v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
      scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
      stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     D: gl.constexpr = Q_DESC.block_type.shape[3]
-    steps, index_row = _q_list(shared, off_b, off_h, key_block, BLOCK_Q)
     terms_rows = _terms_rows(terms_smem, STAGES)
-    ds_t = ds_smem.index(0).slice(W * _KEYS, _KEYS, dim=0)  # this consumer's dS^T [64 keys, 64 rows]
-    for step in range(steps):
-        i = _paired_place(done + step, both, W)  # the step's place in the ring's order
+    # The buffer of this consumer's dS^T [64 keys, 64 rows] on rest steps. SUMMED_DQ: the one the last common step
+    # did not use, which the other consumer read last at the common step before (and was done with before it stored
+    # its half of the last one, which this consumer waited for); a common step's is that step's (_common_dq).
+    own_buffer = common * 0
+    if SUMMED_DQ:
+        own_buffer = common % 2
+    for step in range(lo, hi):
+        walked = done + step - lo  # the step's place in this consumer's walk
+        i = _paired_place(walked, common, both, W)  # and in the ring's order
         stage = i % STAGES
         row0 = _first_row(index_row, step, BLOCK_Q)
         q_tile, do_tile, dst, pt_op, dst_op = _step_scores(shared, k_half, v_half, terms_rows, st_zero, i, row0,
                                                            start_n, W, STAGES, CAUSAL, False)
-        dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
-        dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
-        dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+        rest = walked >= common
+        buffer = own_buffer
+        if SUMMED_DQ:
+            buffer = gl.where(rest, own_buffer, walked % 2)
+        # (the step before's dQ products, which read the buffer, were waited for)
+        ds_t = ds_smem.index(buffer).slice(W * _KEYS, _KEYS, dim=0)
+        if D == 2 * _KEYS:
+            # dS^T into shared memory first, where the dK product reads it: its registers (and an operand copy of
+            # them) are then free during the products; from registers ptxas spilled in the loop with SUMMED_DQ
+            # (28 stack stores against 9, sm_90 SASS, Triton 3.6)
+            ds_t.store(dst)
+            fence_async_shared()
+            dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+            dk = warpgroup_mma(ds_t, q_tile, dk, is_async=True)
+            if SUMMED_DQ:
+                mbarrier.arrive(ds_ready.index(buffer), count=1, pred=not rest)  # this half of a common step is in
+            dv, dk, pt_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op))
+        else:  # D = 64: from registers, as before SUMMED_DQ; no spills either way, and the same time from shared
+            # memory (10.22 against 10.27 ms at B1 H24 S32k d=0.25, twenty-eighth session)
+            dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+            dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
+            dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+            ds_t.store(dst)
+            fence_async_shared()
+            if SUMMED_DQ:
+                mbarrier.arrive(ds_ready.index(buffer), count=1, pred=not rest)
         mbarrier.arrive(q_empty.index(stage), count=1)
-        # the step before's dQ products, which read the buffer, were waited for
-        ds_t.store(dst)
-        fence_async_shared()
-        if D == 2 * _KEYS:  # both column halves' products issued before the first's reduction
-            dq = warpgroup_mma(ds_t.permute((1, 0)), k_half.slice(0, _KEYS, dim=1), st_zero, use_acc=False,
-                               is_async=True)
-            dq_right = warpgroup_mma(ds_t.permute((1, 0)), k_half.slice(_KEYS, _KEYS, dim=1), st_zero,
-                                     use_acc=False, is_async=True)
-            dq = warpgroup_mma_wait(1, deps=(dq, ))
-            _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, 0, W)
-            dq_right = warpgroup_mma_wait(0, deps=(dq_right, ))
-            _add_dq(DQ_DESC, dq_smem, dq_tile, dq_right, off_b, off_h, row0, _KEYS, W)
+        mbarrier.arrive(q_empty.index(stage), count=1, pred=rest)  # the other's share: not its step
+        if SUMMED_DQ:
+            if rest:
+                _own_dq(shared, ds_t, k_half, dq_tile, st_zero, off_b, off_h, row0, W)
+            else:
+                _common_dq(shared, dq_tile, st_zero, walked, off_b, off_h, row0, W)
         else:
-            dq = warpgroup_mma(ds_t.permute((1, 0)), k_half, st_zero, use_acc=False, is_async=True)
+            _own_dq(shared, ds_t, k_half, dq_tile, st_zero, off_b, off_h, row0, W)
+    return dk, dv, done + hi - lo
+
+
+@gluon.jit
+def _own_dq(shared, ds_t, k_half, dq_tile, st_zero, off_b, off_h, row0, W: gl.constexpr):
+    """PAIRED: a step's dQ over consumer W's own 64 keys (k_half: their rows of K), all of D's columns, added 64
+    columns at a time through its dQ tile, from its dS^T in ds_t."""
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
+     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
+     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
+     stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    D: gl.constexpr = Q_DESC.block_type.shape[3]
+    if D == 2 * _KEYS:  # a column half at a time: one fp32 accumulator live, not two
+        for half in gl.static_range(2):
+            dq = warpgroup_mma(ds_t.permute((1, 0)), k_half.slice(half * _KEYS, _KEYS, dim=1), st_zero,
+                               use_acc=False, is_async=True)
             dq = warpgroup_mma_wait(0, deps=(dq, ))
-            _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, 0, W)
-    return dk, dv, done + steps
+            _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, half * _KEYS, W)
+    else:
+        dq = warpgroup_mma(ds_t.permute((1, 0)), k_half, st_zero, use_acc=False, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq, ))
+        _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, 0, W)
+
+
+@gluon.jit
+def _common_dq(shared, dq_tile, st_zero, walked, off_b, off_h, row0, W: gl.constexpr):
+    """PAIRED, SUMMED_DQ: common step `walked` (both tiles keep its rows) of consumer W, its dS^T half in the step's
+    buffer: once the other's half is there too, dQ over both tiles' 128 keys, added once. D = 128: this
+    consumer's 64 columns of it; D = 64: all of it, by one consumer a step, in turn. Two buffers: a consumer writes
+    one again two common steps on, after the other has met it at the one between (so is done reading it)."""
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
+     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
+     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
+     stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    D: gl.constexpr = Q_DESC.block_type.shape[3]
+    buf = walked % 2
+    mbarrier.wait(ds_ready.index(buf), (walked // 2) & 1)
+    first_t = ds_smem.index(buf).slice(0, _KEYS, dim=0).permute((1, 0))  # dS [64 rows, the first tile's 64 keys]
+    second_t = ds_smem.index(buf).slice(_KEYS, _KEYS, dim=0).permute((1, 0))
+    if D == 2 * _KEYS:
+        dq = warpgroup_mma(first_t, k_smem.index(0).slice(W * _KEYS, _KEYS, dim=1), st_zero, use_acc=False,
+                           is_async=True)
+        dq = warpgroup_mma(second_t, k_smem.index(1).slice(W * _KEYS, _KEYS, dim=1), dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq, ))
+        _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, W * _KEYS, W)
+    elif buf == W:
+        dq = warpgroup_mma(first_t, k_smem.index(0), st_zero, use_acc=False, is_async=True)
+        dq = warpgroup_mma(second_t, k_smem.index(1), dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq, ))
+        _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, 0, W)
 
 
 @gluon.jit
 def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, STAGES: gl.constexpr,
               GROUPED: gl.constexpr, CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr, ORDERED: gl.constexpr,
-              PAIRED: gl.constexpr):
+              PAIRED: gl.constexpr, SUMMED_DQ: gl.constexpr):
     """Keys W*64 .. W*64+63 of the program's tile: dK and dV over the group's q lists, stored at the end, and dQ's
     columns W*64 .. W*64+63 of each step (at D = 64 all columns over its own keys), added into the fp32 buffer behind
     DQ_DESC (without the softmax scale). PAIRED: the program's second 64-key tile, its own walks (_paired_walk).
@@ -413,20 +515,30 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
     # The MHA walk is one loop: a loop over the group around it keeps more state live across the inner one, and
     # ptxas spilled three times as much (sm_90 SASS, Triton 3.6).
     if PAIRED:
-        # one walk over the group's heads per consumer, the two interleaved once, not head by head
-        _, _, _, other_block = _program(shared, 1 - W, BLOCK_KV, ORDERED, PAIRED)
+        # one walk over the group's heads per consumer: the steps both tiles list first, then its own rest
+        _, _, _, other_tile = _program(shared, 1 - W, BLOCK_KV, ORDERED, PAIRED)
         if GROUPED:
-            both = gl.minimum(_group_steps(shared, off_b, off_hkv, key_block, BLOCK_Q),
-                              _group_steps(shared, off_b, off_hkv, other_block, BLOCK_Q))
-            done = 0  # this consumer's steps so far, over the group's heads
-            for g in range(group_size):
-                dk, dv, done = _paired_walk(shared, dk, dv, done, both, off_b, off_hkv * group_size + g, start_n,
-                                            key_block, k_half, v_half, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL)
-        else:
-            steps, _ = _q_list(shared, off_b, off_hkv, key_block, BLOCK_Q)
-            other_steps, _ = _q_list(shared, off_b, off_hkv, other_block, BLOCK_Q)
-            dk, dv, _ = _paired_walk(shared, dk, dv, 0, gl.minimum(steps, other_steps), off_b, off_hkv, start_n,
-                                     key_block, k_half, v_half, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL)
+            total, common = _pair_group_steps(shared, off_b, off_hkv, key_block, BLOCK_Q)
+            other_total, _ = _pair_group_steps(shared, off_b, off_hkv, other_tile, BLOCK_Q)
+            both = gl.minimum(total, other_total) - common
+            done = 0  # this consumer's steps so far
+            for part in range(2 * group_size):  # each head's common steps, then each head's rest
+                off_h = off_hkv * group_size + part % group_size
+                steps, common_h, index_row = _pair_list(shared, off_b, off_h, key_block, BLOCK_Q)
+                lo = 0
+                hi = common_h
+                if part >= group_size:
+                    lo = common_h
+                    hi = steps
+                dk, dv, done = _paired_walk(shared, dk, dv, done, common, both, off_b, off_h, start_n, index_row,
+                                            lo, hi, k_half, v_half, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL,
+                                            SUMMED_DQ)
+        else:  # one head: its list is the walk, common steps first
+            steps, common, index_row = _pair_list(shared, off_b, off_hkv, key_block, BLOCK_Q)
+            other_steps, _, _ = _pair_list(shared, off_b, off_hkv, other_tile, BLOCK_Q)
+            dk, dv, _ = _paired_walk(shared, dk, dv, 0, common, gl.minimum(steps, other_steps) - common, off_b,
+                                     off_hkv, start_n, index_row, 0, steps, k_half, v_half, dq_tile, st_zero, W,
+                                     BLOCK_Q, STAGES, CAUSAL, SUMMED_DQ)
     elif GROUPED:
         it = 0  # steps so far, over the group's heads: the ring's and the dS buffers' phases
         for g in range(group_size):
@@ -492,25 +604,24 @@ def _load_step(shared, it, off_b, off_h, index_row, step, BLOCK_Q: gl.constexpr,
 
 
 @gluon.jit
-def _walk_on(shared, off_b, off_hkv, key_block, g, step, steps, index_row, BLOCK_Q: gl.constexpr):
-    """PAIRED loader: a walk's cursor over the group's q lists for the key block (head g, its step `step` of `steps`,
-    its list at index_row) moved on to the next head with steps left if head g has none left; the caller knows one
-    has."""
+def _walk_on(shared, off_b, off_hkv, tile, g, step, steps, index_row, BLOCK_Q: gl.constexpr):
+    """PAIRED loader: a rest's cursor over the group's q lists for the tile (head g, its step `step` of `steps`, its
+    list at index_row) moved on to the next head with a rest left if head g's is done (a head's rest starts after
+    its common steps); the caller knows one has."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
      v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
      scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
      stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     while step >= steps:
         g += 1
-        step = 0
-        steps, index_row = _q_list(shared, off_b, off_hkv * group_size + g, key_block, BLOCK_Q)
+        steps, step, index_row = _pair_list(shared, off_b, off_hkv * group_size + g, tile, BLOCK_Q)
     return g, step, steps, index_row
 
 
 @gluon.jit
 def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, STAGES: gl.constexpr,
             GROUPED: gl.constexpr, CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr, ORDERED: gl.constexpr,
-            PAIRED: gl.constexpr):
+            PAIRED: gl.constexpr, SUMMED_DQ: gl.constexpr):
     """One warp: the tile's K and V, then each step's Q and dO tiles and its rows' lse2 and delta into the ring, a stage
     once its consumers have released it. PAIRED: both 64-key tiles' K and V, then both consumers' walks over the
     group's heads, one step of each in turn while both last (_paired_place). (Same parameters as _consumer: Gluon's
@@ -527,21 +638,34 @@ def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constex
         tma_load(V_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(v_smem.index(0)))
         tma_load(K_DESC, [off_b, off_hkv, second_n, 0], kv_ready, _box(k_smem.index(1)))
         tma_load(V_DESC, [off_b, off_hkv, second_n, 0], kv_ready, _box(v_smem.index(1)))
-        # Both walks over the group's heads, one step of each in turn while both last, then the longer one's rest
-        # (_paired_place): each walk's cursor is its head (first_g / second_g), the head's step and its q list.
-        first_g, first_step = 0, 0
-        first_steps, first_row = _q_list(shared, off_b, off_hkv * group_size, key_block, BLOCK_Q)
-        second_g, second_step = 0, 0
-        second_steps, second_row = _q_list(shared, off_b, off_hkv * group_size, second_block, BLOCK_Q)
+        # The steps both tiles' lists hold, over the group's heads (the same in both lists), one stage each, which
+        # both consumers read; then both rests, one step of each in turn while both last, then the longer one's
+        # (_paired_place). A rest's cursor is its head (first_g / second_g), the head's step and its q list.
+        first_steps, common, first_row = _pair_list(shared, off_b, off_hkv * group_size, key_block, BLOCK_Q)
+        second_steps, _, second_row = _pair_list(shared, off_b, off_hkv * group_size, second_block, BLOCK_Q)
         if GROUPED:
-            first_total = _group_steps(shared, off_b, off_hkv, key_block, BLOCK_Q)
-            second_total = _group_steps(shared, off_b, off_hkv, second_block, BLOCK_Q)
+            first_total, common_total = _pair_group_steps(shared, off_b, off_hkv, key_block, BLOCK_Q)
+            second_total, _ = _pair_group_steps(shared, off_b, off_hkv, second_block, BLOCK_Q)
+            t = 0
+            for g in range(group_size):
+                off_h = off_hkv * group_size + g
+                _, common_h, index_row = _pair_list(shared, off_b, off_h, key_block, BLOCK_Q)
+                for step in range(common_h):
+                    _load_step(shared, t, off_b, off_h, index_row, step, BLOCK_Q, STAGES)
+                    t += 1
         else:  # one head: its lists are the walks (the MHA loader stays as lean as before GQA had walks)
             first_total = first_steps
             second_total = second_steps
-        both = gl.minimum(first_total, second_total)
-        rest_second = second_total > first_total
-        for t in range(first_total + second_total):
+            common_total = common
+            for step in range(common):
+                _load_step(shared, step, off_b, off_hkv, first_row, step, BLOCK_Q, STAGES)
+        first_g, first_step = 0, common
+        second_g, second_step = 0, common
+        first_rest = first_total - common_total
+        second_rest = second_total - common_total
+        both = gl.minimum(first_rest, second_rest)
+        rest_second = second_rest > first_rest
+        for t in range(first_rest + second_rest):
             second = rest_second
             if t < 2 * both:
                 second = (t % 2) == 1
@@ -549,14 +673,15 @@ def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constex
                 if GROUPED:
                     second_g, second_step, second_steps, second_row = _walk_on(
                         shared, off_b, off_hkv, second_block, second_g, second_step, second_steps, second_row, BLOCK_Q)
-                _load_step(shared, t, off_b, off_hkv * group_size + second_g, second_row, second_step, BLOCK_Q,
-                           STAGES)
+                _load_step(shared, common_total + t, off_b, off_hkv * group_size + second_g, second_row, second_step,
+                           BLOCK_Q, STAGES)
                 second_step += 1
             else:
                 if GROUPED:
                     first_g, first_step, first_steps, first_row = _walk_on(
                         shared, off_b, off_hkv, key_block, first_g, first_step, first_steps, first_row, BLOCK_Q)
-                _load_step(shared, t, off_b, off_hkv * group_size + first_g, first_row, first_step, BLOCK_Q, STAGES)
+                _load_step(shared, common_total + t, off_b, off_hkv * group_size + first_g, first_row, first_step,
+                           BLOCK_Q, STAGES)
                 first_step += 1
     else:
         mbarrier.expect(kv_ready, K_DESC.block_type.nbytes + V_DESC.block_type.nbytes)
@@ -578,6 +703,7 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC
                             stride_dvb, stride_dvh, stride_dvs, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr,
                             STAGES: gl.constexpr, GROUPED: gl.constexpr, CAUSAL: gl.constexpr,
                             LAGGED_DQ: gl.constexpr, ORDERED: gl.constexpr, PAIRED: gl.constexpr,
+                            SUMMED_DQ: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (Sk / 128, launch.batch_head_axes(B, Hkv)). Q_DESC / DO_DESC: Gluon host descriptors of q and dO [B, H, Sq,
     D] with [1, 1, 64, D] boxes (D = 64 or 128); K_DESC / V_DESC of k, v [B, Hkv, Sk, D] with [1, 1, 128, D]; DQ_DESC of
@@ -588,9 +714,11 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC
     DK_DESC / DV_DESC of dk, dv [B, Hkv, Sk, D] with [1, 1, 64, D] boxes, for MHA calls; DK / DV the same tensors,
     last dim contiguous, for GQA calls. Sk is a multiple of BLOCK_KV and of 128; BLOCK_KV is a multiple of 128 or
     (PAIRED) of 64 only; BLOCK_Q is a multiple of 64. PAIRED: a program takes two 64-key tiles (K_DESC / V_DESC with
-    [1, 1, 64, D] boxes), each consumer one, with their own walks. GROUPED: Hkv < H. CAUSAL: only keys at or before
-    each query row count (the lists those of BlockSparsity.causal() or fewer). LAGGED_DQ (not PAIRED): each step
-    computes the step before's dQ, the second consumer starting after the first."""
+    [1, 1, 64, D] boxes), each consumer one, with their own walks, and Q_COUNT int32 [Bm, Hm, Sk / 64, 2] / Q_INDEX
+    int32 [Bm, Hm, Sk / 64, C] are pair_lists': a row per tile, the steps both of a program's tiles list first.
+    GROUPED: Hkv < H. CAUSAL: only keys at or before each query row count (the lists those of BlockSparsity.causal()
+    or fewer). LAGGED_DQ (not PAIRED): each step computes the step before's dQ, the second consumer starting after
+    the first. SUMMED_DQ (PAIRED): a common step's dQ is over both tiles' keys, added once."""
     D: gl.constexpr = Q_DESC.block_type.shape[3]
     dtype: gl.constexpr = Q_DESC.dtype
     row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, D], dtype)
@@ -605,7 +733,8 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC
     if PAIRED:  # a [64 keys, D] tile of K and V per consumer, loaded apart; its dS^T in its half of one buffer
         k_smem = gl.allocate_shared_memory(dtype, [2, _KEYS, D], row_layout)
         v_smem = gl.allocate_shared_memory(dtype, [2, _KEYS, D], row_layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [1, 2 * _KEYS, _ROWS], ds_layout)
+        # SUMMED_DQ: two buffers, as the 128-key programs have, for the common steps at which the consumers meet
+        ds_smem = gl.allocate_shared_memory(dtype, [2 if SUMMED_DQ else 1, 2 * _KEYS, _ROWS], ds_layout)
     else:
         k_smem = gl.allocate_shared_memory(dtype, [2 * _KEYS, D], key_layout)
         v_smem = gl.allocate_shared_memory(dtype, [2 * _KEYS, D], key_layout)
@@ -620,10 +749,8 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC
     mbarrier.init(start_gate, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
-        if PAIRED:
-            mbarrier.init(q_empty.index(i), count=1)  # a stage holds one consumer's step
-        else:
-            mbarrier.init(q_empty.index(i), count=2)  # both consumers release a stage
+        # both consumers release a stage (PAIRED: a stage of one consumer's step, that one for both)
+        mbarrier.init(q_empty.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)  # both consumers' halves of dS^T
     fence_async_shared()
@@ -634,9 +761,12 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
     gl.warp_specialize([
-        (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ, ORDERED, PAIRED)),
-        (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ, ORDERED, PAIRED)),
-        (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ, ORDERED, PAIRED)),
+        (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ, ORDERED, PAIRED,
+                       SUMMED_DQ)),
+        (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ, ORDERED, PAIRED,
+                       SUMMED_DQ)),
+        (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ, ORDERED, PAIRED,
+                       SUMMED_DQ)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -691,8 +821,12 @@ def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_
     kv_heads, seq_kv = k.shape[1], k.shape[2]
     ordered = ORDERED
     paired, tile_keys, stages = _tiling(block_kv)
+    summed = paired and PAIRED_COMMON_FIRST and PAIRED_SUMMED_DQ
     # (unordered, the kernel reads no order: q_count stands in for the pointer)
     order = cached_tile_order(q_count, kv_heads, block_kv // tile_keys) if ordered else q_count
+    if paired:  # per-tile lists, the steps both tiles of a program list first
+        q_count, q_index = cached_pair_lists(q_count, q_index, order if ordered else None, kv_heads,
+                                             block_kv // tile_keys)
 
     def arguments():
         descriptors = dict(Q_DESC=host_descriptor(q, STEP_ROWS), K_DESC=host_descriptor(k, tile_keys),
@@ -706,10 +840,10 @@ def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_
             **stride_args("c", q_count, "bh"), **stride_args("i", q_index, "bhk"), **stride_args("o", order, "bh"),
             **stride_args("dk", dk, "bhs"), **stride_args("dv", dv, "bhs"), BLOCK_Q=block_q, BLOCK_KV=block_kv,
             STAGES=stages, GROUPED=heads != kv_heads, CAUSAL=causal, LAGGED_DQ=LAGGED_DQ, ORDERED=ordered,
-            PAIRED=paired, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
+            PAIRED=paired, SUMMED_DQ=summed, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
         return (seq_kv // TILE_N, *launch.batch_head_axes(batch, kv_heads)), descriptors, static
     launch_warp_specialized(attention_bwd_ws_kernel,
-                            (block_q, block_kv, scale_log2, causal, stages, LAGGED_DQ, ordered),
+                            (block_q, block_kv, scale_log2, causal, stages, LAGGED_DQ, ordered, summed),
                             dict(Q_DESC=q, K_DESC=k, V_DESC=v, DO_DESC=grad_out, DQ_DESC=dq_acc, DK_DESC=dk,
                                  DV_DESC=dv, DK=dk, DV=dv,
                                  TERMS_DESC=row_terms, Q_COUNT=q_count, Q_INDEX=q_index, TILE_ORDER=order),
@@ -750,6 +884,66 @@ def cached_tile_order(q_count: torch.Tensor, kv_heads: int, tiles_per_block: int
     return order
 
 
+def pair_lists(q_count: torch.Tensor, q_index: torch.Tensor, order: Optional[torch.Tensor], kv_heads: int,
+               tiles_per_block: int, common_first: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q lists as paired programs read them: (counts int32 [Bm, Hm, T, 2], index int32 [Bm, Hm, T, C]), one row
+    per 64-key tile (T = nk * tiles_per_block). A program takes tiles order[2p] and order[2p + 1] of its kv head
+    (order: tile_order's [Bm, Hkv or 1, T], or None for key order); each tile's row lists first, ascending, the query
+    blocks its program's other tile lists too, then the rest of its own, ascending. counts[..., 0] is the list's
+    length, counts[..., 1] how many lead it (the same in both tiles' rows). q_count int32 [Bm, Hm, nk], q_index int32
+    [Bm, Hm, nk, C] (build_lists': ascending, C columns). common_first False: no steps in common (each tile's own
+    list, as it is; the benchmarks' comparison)."""
+    if tiles_per_block > 1:
+        q_count = q_count.repeat_interleave(tiles_per_block, dim=-1)
+        q_index = q_index.repeat_interleave(tiles_per_block, dim=2)
+    batch, heads, tiles = q_count.shape
+    columns = q_index.shape[-1]
+    if order is None:
+        order = torch.arange(tiles, device=q_count.device).expand(batch, 1, tiles)
+    order = order.long()
+    if order.shape[1] != heads:  # kv heads' orders for the query heads sharing each
+        order = order.repeat_interleave(heads // order.shape[1], dim=1)
+    partner = order.gather(-1, torch.argsort(order, dim=-1) ^ 1)  # the other tile of each tile's program
+    slot = torch.arange(columns, device=q_count.device, dtype=torch.int32)
+    listed = slot < q_count.unsqueeze(-1)
+    member = torch.zeros(batch, heads, tiles, columns + 1, dtype=torch.bool, device=q_count.device)
+    member.scatter_(-1, torch.where(listed, q_index, columns).long(), True)  # unlisted slots into a spare column
+    partner_member = member.gather(2, partner.unsqueeze(-1).expand(member.shape))
+    common = listed & partner_member.gather(-1, q_index.long()) & common_first
+    rest = listed & ~common
+    common_count = common.sum(-1, dtype=torch.int32)
+
+    def running(flags):  # per slot, how many of the row's slots up to it have the flag, less one
+        return flags.cumsum(-1, dtype=torch.int32) - 1
+    place = torch.where(common, running(common),
+                        torch.where(rest, common_count.unsqueeze(-1) + running(rest),
+                                    q_count.unsqueeze(-1) + running(~listed)))
+    index = torch.empty_like(q_index).scatter_(-1, place.long(), q_index)
+    return torch.stack((q_count, common_count), dim=-1).contiguous(), index
+
+
+# pair_lists' results by (ids of the lists and the order, their versions, the call's shape terms): (weak reference
+# to q_count, result), like _TILE_ORDERS.
+_PAIR_LISTS: dict = {}
+
+
+def cached_pair_lists(q_count: torch.Tensor, q_index: torch.Tensor, order: Optional[torch.Tensor], kv_heads: int,
+                      tiles_per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """pair_lists(..., PAIRED_COMMON_FIRST), computed once per lists tensor as cached_tile_order is (the order comes
+    from q_count)."""
+    if (q_count.is_inference() or q_index.is_inference()
+            or (q_count.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return pair_lists(q_count, q_index, order, kv_heads, tiles_per_block, PAIRED_COMMON_FIRST)
+    key = (id(q_count), q_count._version, id(q_index), q_index._version, order is None, kv_heads, tiles_per_block,
+           PAIRED_COMMON_FIRST)
+    entry = _PAIR_LISTS.get(key)
+    if entry is not None and entry[0]() is q_count:
+        return entry[1]
+    lists = pair_lists(q_count, q_index, order, kv_heads, tiles_per_block, PAIRED_COMMON_FIRST)
+    _PAIR_LISTS[key] = (weakref.ref(q_count, lambda _, key=key: _PAIR_LISTS.pop(key, None)), lists)
+    return lists
+
+
 def row_terms_buffer(batch: int, heads: int, seq_q: int, device) -> torch.Tensor:
     """fp32 [B, H, 2, Sq] for the row terms (lse2 at [:, :, 0], delta at [:, :, 1]): rows padded to a multiple of 4
     entries, so that the strides are multiples of 16 bytes as TMA requires."""
@@ -759,11 +953,12 @@ def row_terms_buffer(batch: int, heads: int, seq_q: int, device) -> torch.Tensor
 
 def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = torch.bfloat16,
                  grouped: bool = False, causal: bool = False, lagged: Optional[bool] = None, dim: int = 128,
-                 ordered: Optional[bool] = None):
+                 ordered: Optional[bool] = None, summed: Optional[bool] = None):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for q lists at (block_q, block_kv), GQA (grouped) or not, causal or not, dQ lagged a step or not (None:
     as a launch would, LAGGED_DQ), head dim `dim` (HEAD_DIMS), tiles in tile_order's order or not (None: ORDERED),
-    with the launch's register settings; block_kv not a multiple of 128 compiles the paired programs."""
+    with the launch's register settings; block_kv not a multiple of 128 compiles the paired programs, their common
+    steps' dQ summed over both tiles or not (None: as a launch would, PAIRED_COMMON_FIRST and PAIRED_SUMMED_DQ)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     name = _GL_DTYPES[dtype][0]
@@ -777,6 +972,7 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, STAGES=stages, GROUPED=grouped,
                      CAUSAL=causal, LAGGED_DQ=LAGGED_DQ if lagged is None else lagged,
                      ORDERED=ORDERED if ordered is None else ordered, PAIRED=paired,
+                     SUMMED_DQ=paired and (PAIRED_COMMON_FIRST and PAIRED_SUMMED_DQ if summed is None else summed),
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
     signature = {}
     for param in attention_bwd_ws_kernel.params:
