@@ -172,7 +172,7 @@ def test_pair_lists_put_the_blocks_a_programs_tiles_share_first(heads, kv_heads,
     keep[0, 0, :, 1] = False
     q_count, q_index = blockattn.sparsity.build_lists(keep.transpose(-1, -2))
     order = backward_ws.tile_order(q_count, kv_heads, tiles_per_block) if ordered else None
-    counts, index = backward_ws.pair_lists(q_count, q_index, order, kv_heads, tiles_per_block)
+    counts, index = backward_ws.pair_lists(q_count, q_index, order, tiles_per_block)
     tiles = nk * tiles_per_block
     assert counts.shape == (batch, heads, tiles, 2) and index.shape == (batch, heads, tiles, nq)
     if order is None:
@@ -192,8 +192,7 @@ def test_pair_lists_put_the_blocks_a_programs_tiles_share_first(heads, kv_heads,
                     assert listed == shared + sorted(own - set(shared)), (b, h, t)
                 seen_common += len(shared)
     assert seen_common > 0
-    plain, plain_index = backward_ws.pair_lists(q_count, q_index, None, kv_heads, tiles_per_block,
-                                                common_first=False)
+    plain, plain_index = backward_ws.pair_lists(q_count, q_index, None, tiles_per_block, common_first=False)
     assert not plain[..., 1].any()
     assert torch.equal(plain[..., 0], q_count.repeat_interleave(tiles_per_block, -1))
     assert torch.equal(plain_index, q_index.repeat_interleave(tiles_per_block, 2))

@@ -884,15 +884,15 @@ def cached_tile_order(q_count: torch.Tensor, kv_heads: int, tiles_per_block: int
     return order
 
 
-def pair_lists(q_count: torch.Tensor, q_index: torch.Tensor, order: Optional[torch.Tensor], kv_heads: int,
-               tiles_per_block: int, common_first: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_lists(q_count: torch.Tensor, q_index: torch.Tensor, order: Optional[torch.Tensor], tiles_per_block: int,
+               common_first: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The q lists as paired programs read them: (counts int32 [Bm, Hm, T, 2], index int32 [Bm, Hm, T, C]), one row
     per 64-key tile (T = nk * tiles_per_block). A program takes tiles order[2p] and order[2p + 1] of its kv head
     (order: tile_order's [Bm, Hkv or 1, T], or None for key order); each tile's row lists first, ascending, the query
     blocks its program's other tile lists too, then the rest of its own, ascending. counts[..., 0] is the list's
     length, counts[..., 1] how many lead it (the same in both tiles' rows). q_count int32 [Bm, Hm, nk], q_index int32
-    [Bm, Hm, nk, C] (build_lists': ascending, C columns). common_first False: no steps in common (each tile's own
-    list, as it is; the benchmarks' comparison)."""
+    [Bm, Hm, nk, C] (build_lists': ascending, every index below C). common_first False: no steps in common (each
+    tile's own list, as it is; the benchmarks' comparison)."""
     if tiles_per_block > 1:
         q_count = q_count.repeat_interleave(tiles_per_block, dim=-1)
         q_index = q_index.repeat_interleave(tiles_per_block, dim=2)
@@ -930,16 +930,16 @@ _PAIR_LISTS: dict = {}
 def cached_pair_lists(q_count: torch.Tensor, q_index: torch.Tensor, order: Optional[torch.Tensor], kv_heads: int,
                       tiles_per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """pair_lists(..., PAIRED_COMMON_FIRST), computed once per lists tensor as cached_tile_order is (the order comes
-    from q_count)."""
+    from q_count and kv_heads, which the cache key therefore holds)."""
     if (q_count.is_inference() or q_index.is_inference()
             or (q_count.is_cuda and torch.cuda.is_current_stream_capturing())):
-        return pair_lists(q_count, q_index, order, kv_heads, tiles_per_block, PAIRED_COMMON_FIRST)
+        return pair_lists(q_count, q_index, order, tiles_per_block, PAIRED_COMMON_FIRST)
     key = (id(q_count), q_count._version, id(q_index), q_index._version, order is None, kv_heads, tiles_per_block,
            PAIRED_COMMON_FIRST)
     entry = _PAIR_LISTS.get(key)
     if entry is not None and entry[0]() is q_count:
         return entry[1]
-    lists = pair_lists(q_count, q_index, order, kv_heads, tiles_per_block, PAIRED_COMMON_FIRST)
+    lists = pair_lists(q_count, q_index, order, tiles_per_block, PAIRED_COMMON_FIRST)
     _PAIR_LISTS[key] = (weakref.ref(q_count, lambda _, key=key: _PAIR_LISTS.pop(key, None)), lists)
     return lists
 
