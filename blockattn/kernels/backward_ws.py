@@ -866,25 +866,34 @@ def tile_order(q_count: torch.Tensor, kv_heads: int, tiles_per_block: int) -> to
     return torch.argsort(counts, dim=-1, descending=True, stable=True).to(torch.int32)
 
 
-# tile_order's results by (id of q_count, its version, the call's shape terms): (weak reference to q_count, order).
-# Lists are made once and used by many calls (every layer of a model, every step of a mask that stays); an entry goes
-# with its q_count.
+# tile_order's and pair_lists' results by ((id, version) of each lists tensor, the call's terms): (weak reference to
+# q_count, result) (_kept_per_lists). Lists are made once and used by many calls (every layer of a model, every step
+# of a mask that stays); an entry goes with its q_count.
 _TILE_ORDERS: dict = {}
+_PAIR_LISTS: dict = {}
 
 
 def cached_tile_order(q_count: torch.Tensor, kv_heads: int, tiles_per_block: int) -> torch.Tensor:
-    """tile_order(q_count, ...), computed once per lists tensor (and again if it is written in place). Under CUDA
-    graph capture it is computed afresh and not kept: the capture's memory belongs to the graph; so is an inference
-    tensor's, which has no version counter to tell a write in place."""
-    if q_count.is_inference() or (q_count.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return tile_order(q_count, kv_heads, tiles_per_block)
-    key = (id(q_count), q_count._version, kv_heads, tiles_per_block)
-    entry = _TILE_ORDERS.get(key)
-    if entry is not None and entry[0]() is q_count:
+    """tile_order(q_count, ...), computed once per lists tensor (_kept_per_lists)."""
+    return _kept_per_lists(_TILE_ORDERS, (q_count, ), (kv_heads, tiles_per_block),
+                           lambda: tile_order(q_count, kv_heads, tiles_per_block))
+
+
+def _kept_per_lists(table: dict, lists: tuple, terms: tuple, compute):
+    """compute(), kept in table under the lists tensors' ids and versions and the hashable terms, so computed again
+    only after a list is written in place; the entry goes with lists[0]. Under CUDA graph capture it is computed
+    afresh and not kept: the capture's memory belongs to the graph; so is an inference tensor's, which has no
+    version counter to tell a write in place."""
+    first = lists[0]
+    if any(t.is_inference() for t in lists) or (first.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return compute()
+    key = tuple((id(t), t._version) for t in lists) + terms
+    entry = table.get(key)
+    if entry is not None and entry[0]() is first:
         return entry[1]
-    order = tile_order(q_count, kv_heads, tiles_per_block)
-    _TILE_ORDERS[key] = (weakref.ref(q_count, lambda _, key=key: _TILE_ORDERS.pop(key, None)), order)
-    return order
+    value = compute()
+    table[key] = (weakref.ref(first, lambda _, key=key: table.pop(key, None)), value)
+    return value
 
 
 def pair_lists(q_count: torch.Tensor, q_index: torch.Tensor, order: Optional[torch.Tensor], tiles_per_block: int,
@@ -925,26 +934,13 @@ def pair_lists(q_count: torch.Tensor, q_index: torch.Tensor, order: Optional[tor
     return torch.stack((q_count, common_count), dim=-1).contiguous(), index
 
 
-# pair_lists' results by (ids of the lists and the order, their versions, the call's shape terms): (weak reference
-# to q_count, result), like _TILE_ORDERS.
-_PAIR_LISTS: dict = {}
-
-
 def cached_pair_lists(q_count: torch.Tensor, q_index: torch.Tensor, order: Optional[torch.Tensor], kv_heads: int,
                       tiles_per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """pair_lists(..., PAIRED_COMMON_FIRST), computed once per lists tensor as cached_tile_order is (the order comes
-    from q_count and kv_heads, which the cache key therefore holds)."""
-    if (q_count.is_inference() or q_index.is_inference()
-            or (q_count.is_cuda and torch.cuda.is_current_stream_capturing())):
-        return pair_lists(q_count, q_index, order, tiles_per_block, PAIRED_COMMON_FIRST)
-    key = (id(q_count), q_count._version, id(q_index), q_index._version, order is None, kv_heads, tiles_per_block,
-           PAIRED_COMMON_FIRST)
-    entry = _PAIR_LISTS.get(key)
-    if entry is not None and entry[0]() is q_count:
-        return entry[1]
-    lists = pair_lists(q_count, q_index, order, tiles_per_block, PAIRED_COMMON_FIRST)
-    _PAIR_LISTS[key] = (weakref.ref(q_count, lambda _, key=key: _PAIR_LISTS.pop(key, None)), lists)
-    return lists
+    """pair_lists(..., PAIRED_COMMON_FIRST), computed once per lists tensors (_kept_per_lists). The order comes from
+    q_count and kv_heads, which the cache key therefore holds."""
+    return _kept_per_lists(_PAIR_LISTS, (q_count, q_index),
+                           (order is None, kv_heads, tiles_per_block, PAIRED_COMMON_FIRST),
+                           lambda: pair_lists(q_count, q_index, order, tiles_per_block, PAIRED_COMMON_FIRST))
 
 
 def row_terms_buffer(batch: int, heads: int, seq_q: int, device) -> torch.Tensor:
