@@ -378,7 +378,6 @@ def _paired_walk(shared, dk, dv, done, common, both, off_b, off_h, start_n, inde
      v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
      scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
      stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
-    D: gl.constexpr = Q_DESC.block_type.shape[3]
     terms_rows = _terms_rows(terms_smem, STAGES)
     # The buffer of this consumer's dS^T [64 keys, 64 rows] on rest steps. SUMMED_DQ: the one the last common step
     # did not use, which the other consumer read last at the common step before (and was done with before it stored
@@ -391,34 +390,24 @@ def _paired_walk(shared, dk, dv, done, common, both, off_b, off_h, start_n, inde
         i = _paired_place(walked, common, both, W)  # and in the ring's order
         stage = i % STAGES
         row0 = _first_row(index_row, step, BLOCK_Q)
-        q_tile, do_tile, dst, pt_op, dst_op = _step_scores(shared, k_half, v_half, terms_rows, st_zero, i, row0,
-                                                           start_n, W, STAGES, CAUSAL, False)
+        q_tile, do_tile, dst, pt_op, _ = _step_scores(shared, k_half, v_half, terms_rows, st_zero, i, row0, start_n,
+                                                      W, STAGES, CAUSAL, False)
         rest = walked >= common
         buffer = own_buffer
         if SUMMED_DQ:
             buffer = gl.where(rest, own_buffer, walked % 2)
         # (the step before's dQ products, which read the buffer, were waited for)
         ds_t = ds_smem.index(buffer).slice(W * _KEYS, _KEYS, dim=0)
-        if D == 2 * _KEYS:
-            # dS^T into shared memory first, where the dK product reads it: its registers (and an operand copy of
-            # them) are then free during the products; from registers ptxas spilled in the loop with SUMMED_DQ
-            # (28 stack stores against 9, sm_90 SASS, Triton 3.6)
-            ds_t.store(dst)
-            fence_async_shared()
-            dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
-            dk = warpgroup_mma(ds_t, q_tile, dk, is_async=True)
-            if SUMMED_DQ:
-                mbarrier.arrive(ds_ready.index(buffer), count=1, pred=not rest)  # this half of a common step is in
-            dv, dk, pt_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op))
-        else:  # D = 64: from registers, as before SUMMED_DQ; no spills either way, and the same time from shared
-            # memory (10.22 against 10.27 ms at B1 H24 S32k d=0.25, twenty-eighth session)
-            dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
-            dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
-            dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
-            ds_t.store(dst)
-            fence_async_shared()
-            if SUMMED_DQ:
-                mbarrier.arrive(ds_ready.index(buffer), count=1, pred=not rest)
+        # dS^T into shared memory first, where the dK product reads it: its registers (and an operand copy of them)
+        # are then free during the products. From registers ptxas spilled in the loop at D = 128 (28 stack stores
+        # against 9, sm_90 SASS, Triton 3.6); at D = 64 the two measured the same (twenty-eighth session).
+        ds_t.store(dst)
+        fence_async_shared()
+        dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+        dk = warpgroup_mma(ds_t, q_tile, dk, is_async=True)
+        if SUMMED_DQ:
+            mbarrier.arrive(ds_ready.index(buffer), count=1, pred=not rest)  # this half of a common step is in
+        dv, dk, pt_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op))
         mbarrier.arrive(q_empty.index(stage), count=1)
         mbarrier.arrive(q_empty.index(stage), count=1, pred=rest)  # the other's share: not its step
         if SUMMED_DQ:
@@ -622,6 +611,22 @@ def _walk_on(shared, off_b, off_hkv, tile, g, step, steps, index_row, BLOCK_Q: g
 
 
 @gluon.jit
+def _load_rest_step(shared, it, off_b, off_hkv, tile, g, step, steps, index_row, BLOCK_Q: gl.constexpr,
+                    STAGES: gl.constexpr, GROUPED: gl.constexpr):
+    """PAIRED loader: the next step of a tile's rest (cursor: head g, its step `step` of `steps`, its list at
+    index_row; GROUPED: first moved on past the heads with none left, _walk_on) as the program's step `it`. Returns
+    the cursor after it."""
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
+     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
+     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
+     stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    if GROUPED:
+        g, step, steps, index_row = _walk_on(shared, off_b, off_hkv, tile, g, step, steps, index_row, BLOCK_Q)
+    _load_step(shared, it, off_b, off_hkv * group_size + g, index_row, step, BLOCK_Q, STAGES)
+    return g, step + 1, steps, index_row
+
+
+@gluon.jit
 def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, STAGES: gl.constexpr,
             GROUPED: gl.constexpr, CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr, ORDERED: gl.constexpr,
             PAIRED: gl.constexpr, SUMMED_DQ: gl.constexpr):
@@ -673,19 +678,13 @@ def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constex
             if t < 2 * both:
                 second = (t % 2) == 1
             if second:
-                if GROUPED:
-                    second_g, second_step, second_steps, second_row = _walk_on(
-                        shared, off_b, off_hkv, second_block, second_g, second_step, second_steps, second_row, BLOCK_Q)
-                _load_step(shared, common_total + t, off_b, off_hkv * group_size + second_g, second_row, second_step,
-                           BLOCK_Q, STAGES)
-                second_step += 1
+                second_g, second_step, second_steps, second_row = _load_rest_step(
+                    shared, common_total + t, off_b, off_hkv, second_block, second_g, second_step, second_steps,
+                    second_row, BLOCK_Q, STAGES, GROUPED)
             else:
-                if GROUPED:
-                    first_g, first_step, first_steps, first_row = _walk_on(
-                        shared, off_b, off_hkv, key_block, first_g, first_step, first_steps, first_row, BLOCK_Q)
-                _load_step(shared, common_total + t, off_b, off_hkv * group_size + first_g, first_row, first_step,
-                           BLOCK_Q, STAGES)
-                first_step += 1
+                first_g, first_step, first_steps, first_row = _load_rest_step(
+                    shared, common_total + t, off_b, off_hkv, key_block, first_g, first_step, first_steps, first_row,
+                    BLOCK_Q, STAGES, GROUPED)
     else:
         mbarrier.expect(kv_ready, K_DESC.block_type.nbytes + V_DESC.block_type.nbytes)
         tma_load(K_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(k_smem))
