@@ -7,6 +7,7 @@ blockattn's kernels are imported) at small sizes; on a GPU the same tests run at
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -276,6 +277,12 @@ print(json.dumps(dict(
     reduction=re.search(r"cp\\.reduce\\.async\\.bulk\\.tensor\\S*\\.add", ptx) is not None,
     shared=compiled.metadata.shared, usage=next(line for line in usage.splitlines() if "REG:" in line))))
 """
+
+
+def stack_bytes(report: dict) -> int:
+    """Bytes of stack frame per thread in an sm90_report's resource line: where ptxas puts spilled registers (the
+    kernels have no calls and no local arrays, whose LOCAL count stays 0 either way)."""
+    return int(re.search(r"STACK:(\d+)", report["usage"]).group(1))
 
 
 def sm90_report(call: str) -> dict:
