@@ -429,16 +429,11 @@ def _own_dq(shared, ds_t, k_half, dq_tile, st_zero, off_b, off_h, row0, W: gl.co
      scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
      stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     D: gl.constexpr = Q_DESC.block_type.shape[3]
-    if D == 2 * _KEYS:  # a column half at a time: one fp32 accumulator live, not two
-        for half in gl.static_range(2):
-            dq = warpgroup_mma(ds_t.permute((1, 0)), k_half.slice(half * _KEYS, _KEYS, dim=1), st_zero,
-                               use_acc=False, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=(dq, ))
-            _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, half * _KEYS, W)
-    else:
-        dq = warpgroup_mma(ds_t.permute((1, 0)), k_half, st_zero, use_acc=False, is_async=True)
+    for block in gl.static_range(D // _KEYS):  # 64 columns at a time: one fp32 accumulator live, not two
+        dq = warpgroup_mma(ds_t.permute((1, 0)), k_half.slice(block * _KEYS, _KEYS, dim=1), st_zero, use_acc=False,
+                           is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq, ))
-        _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, 0, W)
+        _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, block * _KEYS, W)
 
 
 @gluon.jit
@@ -452,21 +447,18 @@ def _common_dq(shared, dq_tile, st_zero, walked, off_b, off_h, row0, W: gl.const
      scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
      stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     D: gl.constexpr = Q_DESC.block_type.shape[3]
+    # D = 128: this consumer's 64 columns of each tile's K; D = 64: all of them (a [64, 64] tile's one column block)
+    COLUMN: gl.constexpr = W * _KEYS if D == 2 * _KEYS else 0
     buf = walked % 2
     mbarrier.wait(ds_ready.index(buf), (walked // 2) & 1)
-    first_t = ds_smem.index(buf).slice(0, _KEYS, dim=0).permute((1, 0))  # dS [64 rows, the first tile's 64 keys]
-    second_t = ds_smem.index(buf).slice(_KEYS, _KEYS, dim=0).permute((1, 0))
-    if D == 2 * _KEYS:
-        dq = warpgroup_mma(first_t, k_smem.index(0).slice(W * _KEYS, _KEYS, dim=1), st_zero, use_acc=False,
+    if D == 2 * _KEYS or buf == W:
+        first_t = ds_smem.index(buf).slice(0, _KEYS, dim=0).permute((1, 0))  # dS [64 rows, the first tile's keys]
+        second_t = ds_smem.index(buf).slice(_KEYS, _KEYS, dim=0).permute((1, 0))
+        dq = warpgroup_mma(first_t, k_smem.index(0).slice(COLUMN, _KEYS, dim=1), st_zero, use_acc=False,
                            is_async=True)
-        dq = warpgroup_mma(second_t, k_smem.index(1).slice(W * _KEYS, _KEYS, dim=1), dq, is_async=True)
+        dq = warpgroup_mma(second_t, k_smem.index(1).slice(COLUMN, _KEYS, dim=1), dq, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq, ))
-        _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, W * _KEYS, W)
-    elif buf == W:
-        dq = warpgroup_mma(first_t, k_smem.index(0), st_zero, use_acc=False, is_async=True)
-        dq = warpgroup_mma(second_t, k_smem.index(1), dq, is_async=True)
-        dq = warpgroup_mma_wait(0, deps=(dq, ))
-        _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, 0, W)
+        _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, COLUMN, W)
 
 
 @gluon.jit
