@@ -134,6 +134,9 @@ def test_layout_key_has_one_entry_per_name_and_looks_at_a_shared_tensor_once():
     # which name gets which layout stays in the key when tensors are shared
     assert key({"A": a, "B": a, "C": b}) != key({"A": a, "B": b, "C": b})
     assert key({"A": a, "B": b}, fresh=("B",)) == key({"A": a})
+    # each of tensor_key's parts is in the key: shape, strides, dtype and the start's 16-byte alignment
+    for other in (torch.randn(16, 4), torch.randn(4, 32)[:, ::2], a.half(), torch.randn(65)[1:].view(4, 16)):
+        assert key({"A": other}) == (launch.tensor_key(other),) != key({"A": a})
 
 
 def test_a_plan_keeps_no_tensor_alive(fakes):
