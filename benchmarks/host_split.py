@@ -65,9 +65,10 @@ def main():
             (launch, "layout_key", ""), (launch.Plan, "relaunch", "Plan.relaunch"),
             (torch.autograd, "grad", "torch.autograd.grad")]:
         timed(owner, name, label)
-    for plan in launch.plans().values():
+    kernels = {id(plan.kernel): plan.kernel for plan in launch.plans().values()}  # plans may share a kernel
+    for kernel in kernels.values():
         try:
-            timed(plan.kernel, "run", "Triton launcher (kernel.run)")
+            timed(kernel, "run", "Triton launcher (kernel.run)")
         except (AttributeError, TypeError):
             pass
     TOTALS.clear()
