@@ -203,6 +203,13 @@ def _gradient_layout(dim):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, dim, 16])
 
 
+@triton.constexpr_function
+def _operand_layout(dim):
+    """The registers' layout of a [64 keys, 64 rows] tile (P^T, dS^T) as the A operand of a product into the fp32
+    [64 keys, dim] gradients."""
+    return gl.DotOperandLayout(operand_index=0, parent=_gradient_layout(dim), k_width=2)
+
+
 @gluon.jit
 def _terms_rows(terms_smem, STAGES: gl.constexpr):
     """The ring's row terms as [2 * STAGES] rows of 64 (TMA writes them through a layout whose rows cannot be
@@ -215,7 +222,7 @@ def _step_scores(shared, k_half, v_half, terms_rows, st_zero, i, row0, first_key
                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, OPENS_GATE: gl.constexpr):
     """Program step i's scores for consumer W's 64 keys (first_key..) and the 64 rows (row0..) in the ring's stage
     i % STAGES, once loaded: S^T = K Q^T and dP^T = V dO^T, then P^T and dS^T in registers. (q_tile, do_tile, dst,
-    pt_op, dst_op): the stage's tiles, dS^T, and P^T and dS^T as the A operands of the dV and dK products. CAUSAL:
+    pt_op): the stage's tiles, dS^T, and P^T as the A operand of the dV product. CAUSAL:
     P = 0 where a key lies past the row. OPENS_GATE: the first consumer's program step i = 0 opens the second's
     staggered start once it has its scores (LAGGED_DQ)."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
@@ -224,7 +231,6 @@ def _step_scores(shared, k_half, v_half, terms_rows, st_zero, i, row0, first_key
      stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     dtype: gl.constexpr = Q_DESC.dtype
     D: gl.constexpr = Q_DESC.block_type.shape[3]
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_gradient_layout(D), k_width=2)
     along_rows: gl.constexpr = gl.SliceLayout(0, st_zero.type.layout)
     stage = i % STAGES
     mbarrier.wait(q_ready.index(stage), (i // STAGES) & 1)
@@ -249,9 +255,8 @@ def _step_scores(shared, k_half, v_half, terms_rows, st_zero, i, row0, first_key
     dpt = warpgroup_mma_wait(0, deps=(dpt, ))
     delta = terms_rows.index(2 * stage + 1).load(along_rows)
     dst = (pt * (dpt - delta[None, :])).to(dtype)
-    pt_op = gl.convert_layout(pt.to(dtype), op_layout)
-    dst_op = gl.convert_layout(dst, op_layout)
-    return q_tile, do_tile, dst, pt_op, dst_op
+    pt_op = gl.convert_layout(pt.to(dtype), _operand_layout(D))
+    return q_tile, do_tile, dst, pt_op
 
 
 @gluon.jit
@@ -268,6 +273,7 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
      v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
      scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
      stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    D: gl.constexpr = Q_DESC.block_type.shape[3]
     first_key = start_n + W * _KEYS
     if OWN_KEYS:
         dq_column: gl.constexpr = 0
@@ -284,8 +290,9 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
             if W == 1:
                 if i == 0:  # the staggered start
                     mbarrier.wait(start_gate, 0)
-        q_tile, do_tile, dst, pt_op, dst_op = _step_scores(shared, k_half, v_half, terms_rows, st_zero, i, row0,
-                                                           first_key, W, STAGES, CAUSAL, LAGGED_DQ)
+        q_tile, do_tile, dst, pt_op = _step_scores(shared, k_half, v_half, terms_rows, st_zero, i, row0, first_key,
+                                                   W, STAGES, CAUSAL, LAGGED_DQ)
+        dst_op = gl.convert_layout(dst, _operand_layout(D))  # dK's A operand from registers
         dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
         dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
         if LAGGED_DQ:
@@ -390,8 +397,8 @@ def _paired_walk(shared, dk, dv, done, common, both, off_b, off_h, start_n, inde
         i = _paired_place(walked, common, both, W)  # and in the ring's order
         stage = i % STAGES
         row0 = _first_row(index_row, step, BLOCK_Q)
-        q_tile, do_tile, dst, pt_op, _ = _step_scores(shared, k_half, v_half, terms_rows, st_zero, i, row0, start_n,
-                                                      W, STAGES, CAUSAL, False)
+        q_tile, do_tile, dst, pt_op = _step_scores(shared, k_half, v_half, terms_rows, st_zero, i, row0, start_n, W,
+                                                   STAGES, CAUSAL, False)
         rest = walked >= common
         buffer = own_buffer
         if SUMMED_DQ:
