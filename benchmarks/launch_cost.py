@@ -1,9 +1,9 @@
 """Host time of one kernel relaunch through a launch plan, split by what it does, for each launch of an eager
-B8 H16 S1024 D128 forward+backward (d=0.5, 128x128 blocks): the plan key (launch.layout_key), Plan.relaunch as
-it is, and variants of it measured in the same process: Triton's launch hooks passed as None where none is
-registered (no launch metadata built), tensors passed as their data pointers (the launcher then skips its
-per-pointer driver query), and the compiled launcher's C entry called directly (Triton 3.6's CudaLauncher, no
-scratch buffers). Each time: the fastest of 15 rounds of 100 relaunches back to back, per relaunch.
+B8 H16 S1024 D128 forward+backward (d=0.5, 128x128 blocks): the plan key (launch.layout_key), Plan.relaunch, and
+variants of it measured in the same process: Triton's launch hooks passed as Triton keeps them (an empty chain in
+Triton 3.6: launch metadata built, the chain called twice) or as None where none is registered, tensors passed
+as tensors or as their data pointers (the launcher then skips its per-pointer driver query), and the compiled
+launcher's C entry called directly (Triton 3.6's CudaLauncher, no scratch buffers). Each time: the fastest of 15 rounds of 100 relaunches back to back, per relaunch.
 
     python benchmarks/launch_cost.py
 """
@@ -44,16 +44,6 @@ def per_call_us(fn, calls: int = 100, rounds: int = 15) -> float:
     return best / calls * 1e6
 
 
-def hooks():
-    """Triton's launch hooks, None where nothing is registered (Triton 3.6 keeps an empty HookChain)."""
-    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    if enter is not None and not getattr(enter, "calls", True):
-        enter = None
-    if leave is not None and not getattr(leave, "calls", True):
-        leave = None
-    return enter, leave
-
-
 def variants(plan, tensors, device):
     kernel, grid = plan.kernel, plan.grid
 
@@ -65,18 +55,20 @@ def variants(plan, tensors, device):
             args[index] = launch.rebased(template, tensors[name])
         return args
 
-    def no_hooks(as_pointers: bool):
+    def variant(as_pointers: bool, skip_hooks: bool):
         def go():
             args = args_of(as_pointers)
             stream = driver.active.get_current_stream(device)
-            enter, leave = hooks()
+            enter, leave = launch.launch_hooks() if skip_hooks else (knobs.runtime.launch_enter_hook,
+                                                                      knobs.runtime.launch_exit_hook)
             metadata = kernel.launch_metadata(grid, stream, *args) if enter is not None else None
             kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, metadata, enter,
                        leave, *args)
         return go
 
-    found = {"current": lambda: plan.relaunch(tensors, device), "no hooks": no_hooks(False),
-             "no hooks, pointers": no_hooks(True)}
+    found = {"Plan.relaunch": lambda: plan.relaunch(tensors, device),
+             "hooks as Triton keeps them, tensors (before)": variant(False, False),
+             "no hooks, tensors": variant(False, True), "no hooks, pointers": variant(True, True)}
     launcher = kernel.run
     c_entry = getattr(launcher, "launch", None)
     if (c_entry is not None and getattr(launcher, "global_scratch_size", 1) == 0
