@@ -503,13 +503,14 @@ def _tile_side(seq: int) -> int:
 def _triton_attention(p: _Prepared, is_causal: bool):
     ops = _kernel_ops()
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (p.q, p.k, p.v))
+    rest = _op_args(p, is_causal, need_q_lists=needs_grad)
     # The custom op when torch.compile traces; in eager mode the launchers directly (its dispatch costs host time).
-    if torch.compiler.is_compiling():
-        op = ops.sparse_attention_fwd
-    else:
-        op = ops.EagerAttention.apply if needs_grad else ops.forward_eager
     with _on_device(p.q.device):
-        return op(p.q, p.k, p.v, *_op_args(p, is_causal, need_q_lists=needs_grad))
+        if torch.compiler.is_compiling():
+            return ops.sparse_attention_fwd(p.q, p.k, p.v, *rest)
+        if needs_grad:
+            return ops.EagerAttention.apply(p.q, p.k, p.v, rest)
+        return ops.forward_eager(p.q, p.k, p.v, *rest)
 
 
 def _quantized(p: _Prepared, is_causal: bool, quant: str, need_lse: bool):

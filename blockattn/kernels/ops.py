@@ -110,7 +110,8 @@ def _setup_context(ctx, inputs, output):
     ctx.scalars = inputs[_TENSOR_INPUTS:]
 
 
-def _gradients(ctx, grad_out, grad_lse, backward_fn):
+def _gradients(ctx, grad_out, grad_lse, backward_fn) -> tuple:
+    """(dq, dk, dv), each None where autograd does not ask for it, from a context _setup_context filled."""
     (q, k, v, kv_count, kv_index, q_count, q_index, token_mask, block_mask, kv_valid, cu_q, cu_kv, out,
      lse) = ctx.saved_tensors
     if q_count is None or q_index is None:
@@ -123,8 +124,7 @@ def _gradients(ctx, grad_out, grad_lse, backward_fn):
     needs = tuple(ctx.needs_input_grad[:3])
     grads = backward_fn(needs, grad_out.contiguous(), grad_lse, q, k, v, out, lse, kv_count, kv_index, q_count,
                         q_index, token_mask, block_mask, kv_valid, cu_q, cu_kv, *ctx.scalars)
-    return tuple(g if need else None for g, need in zip(grads, needs)) + (None,) * (_TENSOR_INPUTS - 3
-                                                                                     + len(ctx.scalars))
+    return tuple(g if need else None for g, need in zip(grads, needs))
 
 
 def _op_backward(needs: tuple, *args):
@@ -132,7 +132,7 @@ def _op_backward(needs: tuple, *args):
 
 
 def _backward(ctx, grad_out, grad_lse):
-    return _gradients(ctx, grad_out, grad_lse, _op_backward)
+    return _gradients(ctx, grad_out, grad_lse, _op_backward) + (None,) * (_TENSOR_INPUTS - 3 + len(ctx.scalars))
 
 
 sparse_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -142,16 +142,18 @@ class EagerAttention(torch.autograd.Function):
     """The custom ops' forward and backward as a plain autograd Function, for eager calls that need gradients:
     the custom-op dispatch measured about 1 ms of host time per call on the H200 machine (BENCHMARKS.md), several
     times a short sequence's kernel time. blockattn.api uses the custom op whenever torch.compile traces.
-    apply() takes sparse_attention_fwd's arguments."""
+    apply(q, k, v, rest): rest is the tuple of sparse_attention_fwd's arguments after v. One argument for those
+    seventeen (none of which takes a gradient) costs autograd less host time in the forward and the backward
+    (benchmarks/function_cost.py)."""
 
     @staticmethod
-    def forward(ctx, *inputs):
-        out, lse = forward_eager(*inputs)
-        _setup_context(ctx, inputs, (out, lse))
+    def forward(ctx, q, k, v, rest):
+        out, lse = forward_eager(q, k, v, *rest)
+        _setup_context(ctx, (q, k, v, *rest), (out, lse))
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zero buffers, no work
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # a double backward raises instead of dropping this op's share
     def backward(ctx, grad_out, grad_lse):
-        return _gradients(ctx, grad_out, grad_lse, backward_some)
+        return _gradients(ctx, grad_out, grad_lse, backward_some) + (None,)
