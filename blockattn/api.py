@@ -503,9 +503,9 @@ def _tile_side(seq: int) -> int:
 def _triton_attention(p: _Prepared, is_causal: bool):
     ops = _kernel_ops()
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (p.q, p.k, p.v))
-    rest = _op_args(p, is_causal, need_q_lists=needs_grad)
     # The custom op when torch.compile traces; in eager mode the launchers directly (its dispatch costs host time).
-    with _on_device(p.q.device):
+    with _on_device(p.q.device):  # (_op_args may launch the lists' kernels: on the inputs' GPU too)
+        rest = _op_args(p, is_causal, need_q_lists=needs_grad)
         if torch.compiler.is_compiling():
             return ops.sparse_attention_fwd(p.q, p.k, p.v, *rest)
         if needs_grad:
