@@ -12,7 +12,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exp_short import host_ms, short_case  # noqa: E402
+from exp_short import short_case  # noqa: E402
+from host_cost import per_call_us  # noqa: E402
 
 
 def main():
@@ -24,8 +25,7 @@ def main():
     for _ in range(10):
         fwd()
         fwd_bwd()
-    forward = min(host_ms(fwd, 200) for _ in range(7)) * 1e3
-    both = min(host_ms(fwd_bwd, 100) for _ in range(7)) * 1e3
+    forward, both = per_call_us(fwd, 200), per_call_us(fwd_bwd, 100)
     print(f"{args.label}: forward {forward:.1f} us, forward+backward {both:.1f} us a call (host enqueue, fastest "
           "of 7)", flush=True)
 

@@ -17,9 +17,9 @@ from blockattn.kernels import forward_ws, launch, ops, tma
 from exp_short import host_ms, print_profile, short_case, short_inputs
 
 
-def per_call_us(fn, calls: int) -> float:
-    """The fastest of 7 rounds of exp_short.host_ms (host time per call, calls enqueued back to back), in us."""
-    return min(host_ms(fn, calls) for _ in range(7)) * 1e3
+def per_call_us(fn, calls: int, rounds: int = 7) -> float:
+    """The fastest of rounds of exp_short.host_ms (host time per call, calls enqueued back to back), in us."""
+    return min(host_ms(fn, calls) for _ in range(rounds)) * 1e3
 
 
 def main():

@@ -8,8 +8,6 @@ launcher's C entry called directly (Triton 3.6's CudaLauncher, no scratch buffer
     python benchmarks/launch_cost.py
 """
 
-import time
-
 import torch
 from triton import knobs
 from triton.runtime.driver import driver
@@ -17,6 +15,7 @@ from triton.runtime.driver import driver
 from blockattn.kernels import launch
 
 from exp_short import short_case
+from host_cost import per_call_us
 
 CALLS = []
 
@@ -32,16 +31,9 @@ def record():
     return inner
 
 
-def per_call_us(fn, calls: int = 100, rounds: int = 15) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, time.perf_counter() - start)
-    torch.cuda.synchronize()
-    return best / calls * 1e6
+def fastest_us(fn, calls: int = 100) -> float:
+    """host_cost.per_call_us over 15 rounds."""
+    return per_call_us(fn, calls, rounds=15)
 
 
 def variants(plan, tensors, device):
@@ -94,8 +86,8 @@ def main():
     torch.cuda.synchronize()
     device = torch.cuda.current_device()
     print(f"triton launch hooks: enter {knobs.runtime.launch_enter_hook!r}", flush=True)
-    print(f"torch.cuda.current_device {per_call_us(torch.cuda.current_device, 1000):.2f} us, "
-          f"get_current_stream {per_call_us(lambda: driver.active.get_current_stream(device), 1000):.2f} us",
+    print(f"torch.cuda.current_device {fastest_us(torch.cuda.current_device, 1000):.2f} us, "
+          f"get_current_stream {fastest_us(lambda: driver.active.get_current_stream(device), 1000):.2f} us",
           flush=True)
     for kernel_fn, site_key, tensors, fresh in CALLS:
         name = getattr(kernel_fn, "__name__", repr(kernel_fn))
@@ -103,14 +95,14 @@ def main():
         plan = launch.plans().get(key)
         distinct = len({id(t) for n, t in tensors.items() if n not in fresh})
         print(f"{name}: {len(tensors)} tensor arguments ({distinct} distinct, keyed), "
-              f"layout_key {per_call_us(lambda: launch.layout_key(tensors, fresh)):.1f} us", flush=True)
+              f"layout_key {fastest_us(lambda: launch.layout_key(tensors, fresh)):.1f} us", flush=True)
         if plan is None:
             print("  no plan", flush=True)
             continue
         print(f"  {len(plan.args)} arguments, {len(plan.tensor_slots)} tensors, {len(plan.descriptor_slots)} "
               f"descriptors, launcher {type(plan.kernel.run).__name__}", flush=True)
         for label, fn in variants(plan, tensors, device).items():
-            print(f"  relaunch, {label}: {per_call_us(fn):.1f} us", flush=True)
+            print(f"  relaunch, {label}: {fastest_us(fn):.1f} us", flush=True)
 
 
 if __name__ == "__main__":
