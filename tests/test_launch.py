@@ -162,6 +162,19 @@ def test_layout_key_has_one_entry_per_name_and_looks_at_a_shared_tensor_once():
         assert key({"A": other}) == (launch.tensor_key(other),) != key({"A": a})
 
 
+def test_layout_keys_shared_between_launches_equal_their_own():
+    """A launcher's launches share one seen dict: each key is the one the launch alone would get, each tensor is
+    looked at once, and an entry under a tensor's id that holds another tensor (an id reused) is not trusted."""
+    a, b, c = torch.randn(4, 16), torch.randn(8, 16)[:, :8], torch.randn(2, 3).half()
+    seen = {}
+    first, second = {"A": a, "B": b}, {"B": b, "C": c, "D": a}
+    assert launch.layout_key(first, seen=seen) == launch.layout_key(first)
+    assert launch.layout_key(second, seen=seen) == launch.layout_key(second)
+    assert sorted(seen) == sorted(map(id, (a, b, c))) and all(seen[id(t)][0] is t for t in (a, b, c))
+    stale = {id(b): (a, launch.tensor_key(a))}
+    assert launch.layout_key({"B": b}, seen=stale) == (launch.tensor_key(b),) != (launch.tensor_key(a),)
+
+
 def test_a_plan_keeps_no_tensor_alive(fakes):
     compiled, full, builds = fakes
     x, out = torch.randn(4, 16), torch.empty(4, 16)

@@ -327,8 +327,14 @@ def _write_choice(choice_key: tuple, config: triton.Config) -> None:
 
 def is_interpreted(kernel_fn) -> bool:
     """Whether kernel_fn was decorated under TRITON_INTERPRET=1 (Triton decides at decoration time)."""
+    return isinstance(kernel_fn, _interpreted_function_type())
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreted_function_type() -> type:
+    # imported on first use (Triton does not import its interpreter unless asked), then kept: every launch asks
     from triton.runtime.interpreter import InterpretedFunction
-    return isinstance(kernel_fn, InterpretedFunction)
+    return InterpretedFunction
 
 
 def seq_bucket(length: int) -> int:

@@ -490,13 +490,15 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         dq_acc4 = dq_acc.view(q.shape[0], heads, q.shape[2], block_d)
     else:
         dq_acc = dq_acc4 = None
+    seen = {}  # the tensors' plan keys, shared by this call's launches (launch.layout_key)
     if accumulate or not need_dq:  # (else the dQ kernel computes the row terms: a launch fewer)
         # (dq_acc4's layout follows from out's and its width BD, which the key holds)
         # (lse2's and delta's layout, left out of the plan key, follows from lse's and whether the Gluon kernel runs)
         launch.run(attention_bwd_preprocess_kernel,
                    (heads, grad_lse is None, dq_acc4.shape[3] if accumulate else 0, bool(warp_specialized)),
                    dict(row_terms, DO=grad_out, DQ_ACC=dq_acc4 if accumulate else delta),
-                   lambda: _preprocess_spec(out, grad_out, grad_lse, lse, delta, heads, dq_acc4), fresh=_FRESH)
+                   lambda: _preprocess_spec(out, grad_out, grad_lse, lse, delta, heads, dq_acc4), fresh=_FRESH,
+                   seen=seen)
 
     dq = buffers.empty_like(q) if need_dq else None
     dk, dv = (buffers.empty_like(k), buffers.empty_like(v)) if need_dkdv else (None, None)
@@ -557,7 +559,7 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
         # The dK/dV kernel, launched after this one on the same stream, reads the row terms it stores.
         launch.run(attention_bwd_dq_kernel, site + (grad_lse is None, autotune.env_key("BWD_DQ")),
                    dict(shared, **row_terms, K_DESC=k, V_DESC=v, DQ=dq, KV_COUNT=kv_count, KV_INDEX=kv_index),
-                   build_dq, fresh=_FRESH)
+                   build_dq, fresh=_FRESH, seen=seen)
 
     def build_dkdv() -> launch.LaunchSpec:
         static = common()
@@ -589,7 +591,7 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count,
     if dq_mode == "tma":
         dkdv_tensors["DQ_DESC"] = dq_acc
     launch.run(attention_bwd_dkdv_kernel, site + (autotune.env_key("BWD_DKDV"),), dkdv_tensors, build_dkdv,
-               fresh=_FRESH)
+               fresh=_FRESH, seen=seen)
     if accumulate:
         _finish_dq(dq_acc4, dq, scale)
     return dq, dk, dv
@@ -619,8 +621,7 @@ def warp_specialized_module(q, k, v, grad_out, block_q: int, block_kv: int, is_c
         return None
     if forward._triton_version() < forward.GLUON_MIN_TRITON:
         return None
-    from . import backward_ws
-
+    backward_ws = forward.gluon_module("backward_ws")
     chosen = backward_ws.plan(q, k, v, grad_out, block_q, block_kv, is_causal=is_causal, token_mask=token_mask,
                               block_mask=block_mask, kv_valid=kv_valid, varlen=varlen,
                               min_work=tma.MIN_DESCRIPTOR_WORK)

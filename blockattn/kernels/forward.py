@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Optional
 
 import torch
@@ -347,6 +348,14 @@ def _triton_version() -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
+@functools.lru_cache(maxsize=None)
+def gluon_module(name: str):
+    """The Gluon kernels' module kernels/<name> (forward_ws or backward_ws), imported on first use, behind the
+    GLUON_MIN_TRITON check (older Tritons lack what it imports), then kept: an import statement in the launcher's
+    check cost about 1.4 us of host time per call."""
+    return importlib.import_module(f"{__package__}.{name}")
+
+
 def warp_specialized_plan(q, k, v, block_q: int, block_kv: int, is_causal: bool, token_mask, block_mask, kv_valid,
                           varlen, quant):
     """(module, plan) when the warp-specialized Gluon forward (kernels/forward_ws.py) runs this call, else None:
@@ -356,8 +365,7 @@ def warp_specialized_plan(q, k, v, block_q: int, block_kv: int, is_causal: bool,
         return None
     if _triton_version() < GLUON_MIN_TRITON:
         return None
-    from . import forward_ws
-
+    forward_ws = gluon_module("forward_ws")
     chosen = forward_ws.plan(q, k, v, block_q, block_kv, is_causal=is_causal, token_mask=token_mask,
                              block_mask=block_mask, kv_valid=kv_valid, varlen=varlen, quant=quant,
                              min_work=tma.MIN_DESCRIPTOR_WORK)

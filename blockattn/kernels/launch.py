@@ -114,29 +114,32 @@ def rebased(descriptor, base: torch.Tensor):
     return copy
 
 
-def layout_key(tensors: dict, fresh: tuple = ()) -> tuple:
+def layout_key(tensors: dict, fresh: tuple = (), seen: Optional[dict] = None) -> tuple:
     """tensor_key of every tensor argument not named in fresh, in order; a tensor passed under several names
-    (absent optional arguments share one stand-in) is looked at once."""
-    seen = {}
+    (absent optional arguments share one stand-in) is looked at once. seen: {id(tensor): (tensor, its key)}, to
+    share those looks between the launches of one call (it holds the tensors, so no id is reused meanwhile)."""
+    seen = {} if seen is None else seen
     parts = []
     for name, t in tensors.items():
         if name in fresh:
             continue
-        part = seen.get(id(t))
-        if part is None:
-            part = seen[id(t)] = tensor_key(t)
-        parts.append(part)
+        entry = seen.get(id(t))
+        if entry is None or entry[0] is not t:
+            entry = seen[id(t)] = (t, tensor_key(t))
+        parts.append(entry[1])
     return tuple(parts)
 
 
-def run(kernel_fn, site_key: tuple, tensors: dict, build: Callable[[], LaunchSpec], fresh: tuple = ()) -> None:
+def run(kernel_fn, site_key: tuple, tensors: dict, build: Callable[[], LaunchSpec], fresh: tuple = (),
+        seen: Optional[dict] = None) -> None:
     """Launch kernel_fn. tensors: every tensor argument by name for this call (an argument read through a
     descriptor maps to the tensor it describes); site_key: hashable, everything else build() depends on.
     fresh: names of buffers the launcher has just allocated, whose shapes and strides follow from the other
     tensors and site_key (and whose bases the allocator aligns): they are left out of the plan key, which saves
-    host time per launch. build() runs on a plan miss only."""
+    host time per launch. seen: as layout_key takes it, shared by a launcher's launches. build() runs on a plan
+    miss only."""
     device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-    key = (kernel_fn, site_key, device, layout_key(tensors, fresh))
+    key = (kernel_fn, site_key, device, layout_key(tensors, fresh, seen))
     plan = _PLANS.get(key) if ENABLED else None
     if plan is not None:
         plan.relaunch(tensors, device)
