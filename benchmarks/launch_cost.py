@@ -1,5 +1,6 @@
 """Host time of one kernel relaunch through a launch plan, split by what it does, for each launch of an eager
-B8 H16 S1024 D128 forward+backward (d=0.5, 128x128 blocks): the plan key (launch.layout_key), Plan.relaunch, and
+B8 H16 S1024 D128 forward+backward (d=0.5, 128x128 blocks): the plan key (launch.layout_key; for the backward's launches
+also with the keys its earlier launches left, which they share), Plan.relaunch, and
 variants of it measured in the same process: Triton's launch hooks passed as Triton keeps them (an empty chain in
 Triton 3.6: launch metadata built, the chain called twice) or as None where none is registered, tensors passed
 as tensors or as their data pointers (the launcher then skips its per-pointer driver query), and the compiled
@@ -21,12 +22,13 @@ CALLS = []
 
 
 def record():
-    """Wrap launch.run so that each call's (kernel_fn, site_key, tensors, fresh) lands in CALLS."""
+    """Wrap launch.run so that each call's (kernel_fn, site_key, tensors, fresh, seen) lands in CALLS."""
     inner = launch.run
 
-    def wrapper(kernel_fn, site_key, tensors, build, fresh=()):
-        CALLS.append((kernel_fn, site_key, dict(tensors), fresh))
-        return inner(kernel_fn, site_key, tensors, build, fresh)
+    def wrapper(kernel_fn, site_key, tensors, build, fresh=(), seen=None):
+        # seen as this launch finds it: the keys its launcher's earlier launches left
+        CALLS.append((kernel_fn, site_key, dict(tensors), fresh, None if seen is None else dict(seen)))
+        return inner(kernel_fn, site_key, tensors, build, fresh, seen)
     launch.run = wrapper
     return inner
 
@@ -89,13 +91,17 @@ def main():
     print(f"torch.cuda.current_device {fastest_us(torch.cuda.current_device, 1000):.2f} us, "
           f"get_current_stream {fastest_us(lambda: driver.active.get_current_stream(device), 1000):.2f} us",
           flush=True)
-    for kernel_fn, site_key, tensors, fresh in CALLS:
+    for kernel_fn, site_key, tensors, fresh, seen in CALLS:
         name = getattr(kernel_fn, "__name__", repr(kernel_fn))
         key = (kernel_fn, site_key, device, launch.layout_key(tensors, fresh))
         plan = launch.plans().get(key)
         distinct = len({id(t) for n, t in tensors.items() if n not in fresh})
+        shared = ""
+        if seen is not None:  # (the time includes copying seen, so that every round finds what the launch found)
+            shared = (f", with the {len(seen)} keys its launcher's earlier launches left "
+                      f"{fastest_us(lambda: launch.layout_key(tensors, fresh, seen.copy())):.1f} us")
         print(f"{name}: {len(tensors)} tensor arguments ({distinct} distinct, keyed), "
-              f"layout_key {fastest_us(lambda: launch.layout_key(tensors, fresh)):.1f} us", flush=True)
+              f"layout_key {fastest_us(lambda: launch.layout_key(tensors, fresh)):.1f} us{shared}", flush=True)
         if plan is None:
             print("  no plan", flush=True)
             continue
