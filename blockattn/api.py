@@ -30,8 +30,10 @@ def _interpret_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@functools.lru_cache(maxsize=None)
 def _kernel_ops():
-    """The Triton custom ops, imported on first use (Triton decides at import whether it interprets)."""
+    """The Triton custom ops, imported on first use (Triton decides at import whether it interprets), then kept (an
+    import statement costs a call about 1.4 us of host time, and a call asks up to three times)."""
     from .kernels import ops
     return ops
 
@@ -49,12 +51,16 @@ def resolve_backend(backend: str, device: torch.device) -> str:
                              f"CPU; got tensors on {device}")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f'backend="triton" runs on CUDA (or CPU under TRITON_INTERPRET=1), got {device}')
-        from .kernels.autotune import is_interpreted
-        from .kernels.forward import attention_fwd_kernel
-        if device.type == "cpu" and not is_interpreted(attention_fwd_kernel):
+        if device.type == "cpu" and not _kernels_interpreted():
             raise ValueError("TRITON_INTERPRET=1 was set after blockattn's kernels were imported; set it before "
                              "the first call so Triton builds interpreted kernels")
     return backend
+
+
+def _kernels_interpreted() -> bool:
+    from .kernels.autotune import is_interpreted
+    from .kernels.forward import attention_fwd_kernel
+    return is_interpreted(attention_fwd_kernel)
 
 
 def _check_qkv(q, k, v, layout: str):
@@ -69,19 +75,19 @@ def _check_qkv(q, k, v, layout: str):
         raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
-    batch, heads, _, head_dim = q.shape
-    if k.shape[0] != batch or v.shape[0] != batch:
-        raise ValueError(f"q, k and v must share the batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
-    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        raise ValueError(f"k and v must share heads and sequence length, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if k.shape[1] == 0 or heads % k.shape[1]:
-        raise ValueError(f"the query heads ({heads}) must be a multiple of the key/value heads ({k.shape[1]})")
-    if k.shape[3] != head_dim:
-        raise ValueError(f"q and k must share the head dim, got {head_dim} and {k.shape[3]}")
-    for name, dim in (("q", head_dim), ("v", v.shape[3])):
+    (batch, heads, seq_q, head_dim), k_shape, v_shape = q.shape, k.shape, v.shape
+    if k_shape[0] != batch or v_shape[0] != batch:
+        raise ValueError(f"q, k and v must share the batch size, got {batch}, {k_shape[0]}, {v_shape[0]}")
+    if k_shape[1] != v_shape[1] or k_shape[2] != v_shape[2]:
+        raise ValueError(f"k and v must share heads and sequence length, got k {tuple(k_shape)} and v {tuple(v_shape)}")
+    if k_shape[1] == 0 or heads % k_shape[1]:
+        raise ValueError(f"the query heads ({heads}) must be a multiple of the key/value heads ({k_shape[1]})")
+    if k_shape[3] != head_dim:
+        raise ValueError(f"q and k must share the head dim, got {head_dim} and {k_shape[3]}")
+    for name, dim in (("q", head_dim), ("v", v_shape[3])):
         if not _MIN_HEAD_DIM <= dim <= _MAX_HEAD_DIM:
             raise ValueError(f"{name}'s head dim must be in {_MIN_HEAD_DIM}..{_MAX_HEAD_DIM}, got {dim}")
-    for name, seq in (("q", q.shape[2]), ("k", k.shape[2])):
+    for name, seq in (("q", seq_q), ("k", k_shape[2])):
         if seq == 0:
             raise ValueError(f"{name} has an empty sequence (length 0)")
 

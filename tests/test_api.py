@@ -87,6 +87,21 @@ def test_explicit_triton_backend_on_cpu_without_the_interpreter_is_refused(monke
     assert resolve_backend("auto", torch.device("cpu")) == "torch"
 
 
+def test_interpreter_asked_for_after_the_kernels_were_built_is_refused(monkeypatch):
+    """TRITON_INTERPRET=1 set after blockattn's kernels were decorated for the GPU (no kernel is Triton's
+    interpreted kind): backend="triton" on the CPU raises, saying to set it first; on a GPU it still runs."""
+    from blockattn.kernels import autotune
+
+    class NotTheirType:
+        pass
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(autotune, "_interpreted_function_type", lambda: NotTheirType)
+    with pytest.raises(ValueError, match="set it before"):
+        resolve_backend("triton", torch.device("cpu"))
+    if ON_GPU:
+        assert resolve_backend("triton", torch.device("cuda")) == "triton"
+
+
 def test_backward_checks_the_saved_tensors():
     args = base()
     out = blockattn.attention(**args, backend="torch")
