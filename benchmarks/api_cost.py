@@ -4,7 +4,8 @@ what is timed is validation, argument preparation, the autograd Function and the
 S256 D64 bf16, a prepared 128x128 BlockSparsity at density 0.5 (small: the buffers' allocation is not the point).
 Per call, the fastest of 9 rounds of 2000: the forward without gradients, the forward of inputs that require grad,
 and forward + torch.autograd.grad. The GPU host's real path costs 2-3 times its tight-loop times (BENCHMARKS.md,
-thirty-first session).
+thirty-first session). backend="triton" on CPU tensors also checks that the kernels were built for the interpreter
+(about 1.5 us a call here), which CUDA tensors skip.
 
     python benchmarks/api_cost.py [--profile]
 """
