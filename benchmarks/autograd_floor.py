@@ -1,0 +1,115 @@
+"""How much of a short eager forward+backward's host time is autograd's own, and how much is blockattn's: host
+enqueue per call (fastest of several rounds, calls back to back, no profiler) of
+
+  - a Function that launches nothing (its forward returns two new buffers, its backward three) on the same CUDA
+    tensors (autograd runs the backward on its device thread) and on CPU tensors (on the calling thread);
+  - blockattn's forward+backward through autograd, and its forward alone with inputs requiring grad;
+  - blockattn's backward (ops.backward_some, with the arguments autograd gave it) called directly on the calling
+    thread, and the same on a second Python thread, to see what the device thread itself costs.
+
+B8 H16 S1024 D128 bf16, d=0.5, 128x128 blocks by default.
+
+    python benchmarks/autograd_floor.py [--seq 1024] [--calls 50] [--rounds 7]
+"""
+
+import argparse
+import threading
+import time
+
+import torch
+
+from blockattn.kernels import ops
+
+from exp_short import short_case, short_inputs
+
+
+class Empty(torch.autograd.Function):
+    """attention()'s Function's shape without its work: new (out, lse) buffers forward, new (dq, dk, dv) back."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, rest):
+        ctx.save_for_backward(q, k, v)
+        return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
+
+
+def host_us(fn, calls: int, rounds: int) -> float:
+    """Fastest round's host time per call, us (the GPU drained between rounds, so its queue never fills)."""
+    best = float("inf")
+    for _ in range(rounds):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return best * 1e6
+
+
+def on_thread(fn):
+    """fn run on a fresh Python thread (joined before returning)."""
+    def run():
+        thread = threading.Thread(target=fn)
+        thread.start()
+        thread.join()
+    return run
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    rest = tuple(range(17))
+    rows = []
+
+    def row(label, fn, calls_per_fn: int = 1):
+        rows.append((label, host_us(fn, args.calls // calls_per_fn, args.rounds) / calls_per_fn))
+        print(f"{label}: {rows[-1][1]:.1f} us a call", flush=True)
+
+    q, k, v, _, grad = short_inputs(8, 16, args.seq, 0.5)
+    for device in ("cuda", "cpu"):
+        tq, tk, tv, tg = (t.detach().to(device).requires_grad_(t is not grad) for t in (q, k, v, grad))
+        row(f"empty Function, {device}: forward", lambda: Empty.apply(tq, tk, tv, rest))
+        row(f"empty Function, {device}: forward + autograd.grad",
+            lambda: torch.autograd.grad(Empty.apply(tq, tk, tv, rest)[0], (tq, tk, tv), tg))
+
+    fwd, fwd_bwd = short_case(8, 16, args.seq, 0.5)
+    for _ in range(10):
+        fwd_bwd()
+    captured = []
+    inner = ops.backward_some
+
+    def capture(*call_args):
+        captured.append(call_args)
+        return inner(*call_args)
+    ops.backward_some = capture
+    fwd_bwd()
+    ops.backward_some = inner
+    backward_args = captured[0]
+    q_in = backward_args[3]
+    with_grad = short_inputs(8, 16, args.seq, 0.5)
+    row("blockattn: forward with inputs requiring grad", lambda: fwd_grad(with_grad))
+    row("blockattn: forward + autograd.grad", fwd_bwd)
+    row("blockattn: backward_some on the calling thread", lambda: inner(*backward_args))
+    row("blockattn: backward_some on another Python thread (10 calls a thread)",
+        on_thread(lambda: [inner(*backward_args) for _ in range(10)]), calls_per_fn=10)
+    print(f"(q {tuple(q_in.shape)} {q_in.dtype}; the thread's row includes starting and joining it)")
+
+
+def fwd_grad(inputs):
+    import blockattn
+    q, k, v, blocks, _ = inputs
+    return blockattn.attention(q, k, v, blocks)
+
+
+if __name__ == "__main__":
+    main()
