@@ -3,13 +3,16 @@ enqueue per call (fastest of several rounds, calls back to back, no profiler) of
 
   - a Function that launches nothing (its forward returns two new buffers, its backward three) on the same CUDA
     tensors (autograd runs the backward on its device thread) and on CPU tensors (on the calling thread);
-  - blockattn's forward+backward through autograd, and its forward alone with inputs requiring grad;
+  - blockattn's forward+backward through autograd (with autograd's multithreading on, its default, and off:
+    torch.autograd.set_multithreading_enabled(False) runs the backward on the calling thread), and its forward
+    alone with inputs requiring grad;
   - blockattn's backward (ops.backward_some, with the arguments autograd gave it) called directly on the calling
     thread, and the same on a second Python thread, to see what the device thread itself costs.
 
 B8 H16 S1024 D128 bf16, d=0.5, 128x128 blocks by default.
 
     python benchmarks/autograd_floor.py [--seq 1024] [--calls 50] [--rounds 7]
+    taskset -c 3 python benchmarks/autograd_floor.py   (every thread on one core)
 """
 
 import argparse
@@ -62,6 +65,14 @@ def on_thread(fn):
     return run
 
 
+def calling_thread(fn):
+    """fn with autograd's multithreading off: the backward runs on the calling thread, not the device's."""
+    def run():
+        with torch.autograd.set_multithreading_enabled(False):
+            return fn()
+    return run
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=1024)
@@ -81,6 +92,8 @@ def main():
         row(f"empty Function, {device}: forward", lambda: Empty.apply(tq, tk, tv, rest))
         row(f"empty Function, {device}: forward + autograd.grad",
             lambda: torch.autograd.grad(Empty.apply(tq, tk, tv, rest)[0], (tq, tk, tv), tg))
+        row(f"empty Function, {device}: forward + autograd.grad, multithreading off",
+            calling_thread(lambda: torch.autograd.grad(Empty.apply(tq, tk, tv, rest)[0], (tq, tk, tv), tg)))
 
     fwd, fwd_bwd = short_case(8, 16, args.seq, 0.5)
     for _ in range(10):
@@ -99,6 +112,7 @@ def main():
     with_grad = short_inputs(8, 16, args.seq, 0.5)
     row("blockattn: forward with inputs requiring grad", lambda: fwd_grad(with_grad))
     row("blockattn: forward + autograd.grad", fwd_bwd)
+    row("blockattn: forward + autograd.grad, multithreading off", calling_thread(fwd_bwd))
     row("blockattn: backward_some on the calling thread", lambda: inner(*backward_args))
     row("blockattn: backward_some on another Python thread (10 calls a thread)",
         on_thread(lambda: [inner(*backward_args) for _ in range(10)]), calls_per_fn=10)

@@ -6,6 +6,7 @@ autograd's thread).
     python benchmarks/short_host.py --seq 1024 2048 --flex
     python benchmarks/short_host.py --seq 1024 --descriptors both --rounds 3
     python benchmarks/short_host.py --seq 1024 --profile
+    python benchmarks/short_host.py --seq 1024 --flex --threads both
 """
 
 import argparse
@@ -45,6 +46,9 @@ def main():
     parser.add_argument("--descriptors", choices=("auto", "always", "both"), default="auto",
                         help="always: tensor descriptors at every size (tma.MIN_DESCRIPTOR_WORK = 0); both: "
                         "blockattn measured both ways, alternating, --rounds times")
+    parser.add_argument("--threads", choices=("device", "calling", "both"), default="device",
+                        help="where autograd runs the backward: device (its worker thread, the default), calling "
+                        "(torch.autograd.set_multithreading_enabled(False) around each forward+backward), both")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--profile", action="store_true",
                         help="cProfile tables of blockattn's forward and fwd+bwd, and of the backward alone")
@@ -61,7 +65,7 @@ def main():
             for impl, (fwd, fwd_bwd) in impls.items():
                 for label, value in settings if impl == "blockattn" else [("", threshold)]:
                     tma.MIN_DESCRIPTOR_WORK = value
-                    for name, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+                    for name, fn in (("fwd", fwd), *fwd_bwd_threads(fwd_bwd, args.threads)):
                         eager = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
                         replay = triton.testing.do_bench(graphed(fn), warmup=25, rep=100, return_mode="median")
                         print(f"S{seq} {impl}{label} {name}: do_bench eager {eager:.3f} ms, replay {replay:.3f} ms, "
@@ -72,6 +76,15 @@ def main():
                 print(f"S{seq} blockattn {name}, 100 calls:", flush=True)
                 print_profile(fn, 100, rows=30)
             profile_backward(impls["blockattn"][1], 100)
+
+
+def fwd_bwd_threads(fwd_bwd, threads: str) -> list:
+    """[(name, forward+backward)] for --threads: on autograd's device thread, on the calling thread, or both."""
+    def calling():
+        with torch.autograd.set_multithreading_enabled(False):
+            return fwd_bwd()
+    device, on_calling = ("fwd+bwd", fwd_bwd), ("fwd+bwd calling-thread", calling)
+    return {"device": [device], "calling": [on_calling], "both": [device, on_calling]}[threads]
 
 
 def profile_backward(fwd_bwd, calls: int, rows: int = 30) -> None:
