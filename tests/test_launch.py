@@ -116,6 +116,115 @@ def test_a_relaunch_passes_triton_launch_hooks_only_where_one_is_registered(fake
     assert len(builds) == 1 and metadata == "metadata" and enter is hook
 
 
+def triton_like_launcher(compiled_calls: list, encoded: list, metas: list, descriptor_positions: set):
+    """A launcher built as Triton 3.6 builds one (3.9 differs only in passing the kernel's arguments as one tuple):
+    its `launch` wraps the compiled launcher and expands each descriptor argument (make_tensordesc_arg: a tensor
+    map, here a tuple naming the address, then shape and strides), encoding every one on every launch."""
+    def make_tensordesc_arg(arg, metadata):
+        encoded.append(arg.base.data_ptr())
+        return [("map", arg.base.data_ptr(), metadata["swizzle"], tuple(arg.block_shape)), *arg.shape, *arg.strides]
+
+    def wrap(launcher):
+        def inner(*args):  # 5 launch arguments, then metadata, launch metadata, two hooks, the kernel's arguments
+            final = list(args[:9])
+            for i, arg in enumerate(args[9:]):
+                final.extend(make_tensordesc_arg(arg, metas[0]) if i in descriptor_positions else [arg])
+            return launcher(*final)
+        return inner
+
+    class Launcher:
+        def __init__(self):
+            self.launch = wrap(lambda *args: compiled_calls.append(args))
+
+        def __call__(self, grid0, grid1, grid2, stream, function, *args):
+            self.launch(grid0, grid1, grid2, stream, function, *args)
+    return Launcher()
+
+
+@pytest.fixture
+def triton_like(fakes, monkeypatch):
+    """(compiled kernel whose launcher is triton_like_launcher's, what its compiled launcher got, addresses
+    encoded): the fakes fixture's compiled kernel with a Triton-like launcher and descriptor metadata."""
+    compiled, full, builds = fakes
+    compiled_calls, encoded = [], []
+    compiled.run = triton_like_launcher(compiled_calls, encoded, [{"swizzle": 128}], {ARG_NAMES.index("X_DESC")})
+    compiled.metadata = type("Metadata", (), {"tensordesc_meta": [{"swizzle": 128}]})()
+    return compiled, compiled_calls, encoded, builds
+
+
+def test_a_relaunch_expands_descriptors_as_triton_would_and_encodes_an_address_once(triton_like, monkeypatch):
+    """Through a plan, the compiled launcher gets what Triton's own wrapper would give it for the same call (each
+    descriptor expanded into its tensor map, shape and strides), and a descriptor slot encodes a tensor map only
+    for an address it has not seen: the first launch's is kept, a new tensor at a new address is encoded once."""
+    compiled, compiled_calls, encoded, builds = triton_like
+    fn = FakeKernelFn()
+    x1 = torch.randn(4, 16)
+    call(fn, x1, torch.empty(4, 16), builds)
+    assert launch.plans() and next(iter(launch.plans().values())).expanded is not None
+    assert encoded == [x1.data_ptr()], "the plan encodes the first launch's map once, to check its expansion"
+    x2, out2 = torch.randn(4, 16), torch.empty(4, 16)
+    for _ in range(3):
+        call(fn, x2, out2, builds)
+    assert len(builds) == 1 and encoded == [x1.data_ptr(), x2.data_ptr()], "one new address, one encoding"
+    got = compiled_calls[-1]
+    # what Triton's wrapper gives the compiled launcher for the same call, through the full launch path
+    compiled.run(2, 2, 1, "stream", "function", "packed", None, None, None, x2.data_ptr(),
+                 TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [2, 16]), out2.data_ptr(), 64, 32)
+    assert got == compiled_calls[-1]
+    call(fn, x1, out2, builds)
+    assert encoded[-1] == x2.data_ptr() and compiled_calls[-1][10][1] == x1.data_ptr(), "x1's map was kept"
+    monkeypatch.setattr(launch, "EXPAND_DESCRIPTORS", False)  # switched off: Triton's wrapper encodes every launch
+    call(fn, x1, out2, builds)
+    before = len(encoded)
+    call(fn, x1, out2, builds)
+    assert len(encoded) == before + 1 and compiled_calls[-1][10][1] == x1.data_ptr()
+
+
+def test_the_kept_tensor_maps_are_bounded_and_keep_no_tensor_alive(fakes, triton_like, monkeypatch):
+    compiled, compiled_calls, encoded, builds = triton_like
+    full = fakes[1]
+    monkeypatch.setattr(launch.ExpandedArgs, "MAX_MAPS", 2)
+    fn = FakeKernelFn()
+    xs = [torch.randn(4, 16) for _ in range(5)]
+    watched = weakref.ref(xs[0])
+    for x in xs:
+        call(fn, x, torch.empty(4, 16), builds)
+    plan, = launch.plans().values()
+    (*_, maps), = plan.expanded.descriptor_slots
+    assert len(maps) <= 2 and len(encoded) == 5
+    full.clear()  # (the fakes' record of the first launch)
+    builds.clear()
+    del xs, x
+    gc.collect()
+    assert watched() is None
+
+
+def test_an_enter_hook_or_an_unexpected_launcher_takes_tritons_path(triton_like, monkeypatch):
+    """A registered launch enter hook gets launch metadata from the unexpanded arguments: the relaunch then goes
+    through the kernel's launcher with descriptors. A launcher without the wrapper Triton 3.6 and 3.9 build, or
+    descriptor metadata that does not match the descriptors, gets no expanded arguments."""
+    compiled, compiled_calls, encoded, builds = triton_like
+    fn = FakeKernelFn()
+    call(fn, torch.randn(4, 16), torch.empty(4, 16), builds)
+    chain = type(knobs.runtime.launch_enter_hook)
+    hook = chain() if hasattr(chain, "add") else (lambda metadata: None)
+    if hasattr(hook, "add"):
+        hook.add(lambda metadata: None)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
+    before = len(encoded)
+    call(fn, torch.randn(4, 16), torch.empty(4, 16), builds)
+    assert len(encoded) == before + 1 and compiled_calls[-1][7] is hook, "Triton's wrapper encoded it"
+    for broken in ("no wrapper", "metadata"):
+        monkeypatch.setattr(launch, "_PLANS", {})
+        if broken == "no wrapper":
+            compiled.run.launch = lambda *args: compiled_calls.append(args)
+        else:
+            compiled.metadata.tensordesc_meta = [None]
+        call(fn, torch.randn(4, 16), torch.empty(4, 16), builds)
+        plan, = launch.plans().values()
+        assert plan.expanded is None, broken
+
+
 def test_what_a_kernel_is_specialized_on_makes_a_new_plan(fakes):
     compiled, full, builds = fakes
     fn = FakeKernelFn()

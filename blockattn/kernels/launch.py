@@ -12,10 +12,17 @@ kernel on and everything the launcher derives its other arguments from. Only the
 relaunches; descriptor arguments are rebuilt around the new tensors from the first launch's descriptors. A plan
 is made only after checking that its argument list equals the one Triton's own binder produced; a Triton whose
 internals differ gets no plans, and every launch takes the full path (same results, more host time).
+
+Descriptors: Triton's launcher encodes each host tensor descriptor into a TMA tensor map again on every launch
+(Triton 3.6 and 3.9: `wrap_handle_tensordesc` around the compiled launcher, in Python, a driver call per
+descriptor). A plan whose kernel takes descriptors keeps each slot's encoded maps by base address (the plan key fixes
+everything else a map holds: shape, strides, dtype, box, swizzle) and hands the compiled launcher the expanded
+arguments itself (ExpandedArgs); where Triton's launcher is not built that way, descriptors take Triton's path.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -26,6 +33,9 @@ from . import autotune
 
 # Whether launches use plans (benchmarks/host_cost.py switches them off to time the full path).
 ENABLED = True
+# Whether plans hand the compiled launcher descriptors expanded, their tensor maps kept (ExpandedArgs; switched off,
+# relaunches take Triton's wrapper, which encodes every map again: benchmarks/descriptor_host.py compares the two).
+EXPAND_DESCRIPTORS = True
 # Plans kept; a full table is cleared (a workload that keeps changing shapes pays the full path per new shape).
 _MAX_PLANS = 512
 _PLANS: dict = {}
@@ -70,15 +80,25 @@ def tensor_key(tensor: torch.Tensor) -> tuple:
 
 class Plan:
     """A compiled kernel, its grid and its argument list in signature order; relaunch() puts the call's tensors in
-    their slots (tensor_slots: (index, name); descriptor_slots: (index, name, first launch's descriptor))."""
+    their slots (tensor_slots: (index, name); descriptor_slots: (index, name, first launch's descriptor)).
+    expanded: an ExpandedArgs for a kernel that takes descriptors, where this Triton allows it, else None."""
 
-    __slots__ = ("kernel", "grid", "args", "tensor_slots", "descriptor_slots")
+    __slots__ = ("kernel", "grid", "args", "tensor_slots", "descriptor_slots", "expanded")
 
-    def __init__(self, kernel, grid: tuple, args: list, tensor_slots: tuple, descriptor_slots: tuple):
+    def __init__(self, kernel, grid: tuple, args: list, tensor_slots: tuple, descriptor_slots: tuple,
+                 expanded: Optional[ExpandedArgs] = None):
         self.kernel, self.grid, self.args = kernel, grid, args
         self.tensor_slots, self.descriptor_slots = tensor_slots, descriptor_slots
+        self.expanded = expanded
 
     def relaunch(self, tensors: dict, device: int) -> None:
+        kernel, grid = self.kernel, self.grid
+        stream = driver.active.get_current_stream(device)
+        enter, leave = launch_hooks()
+        # (an enter hook takes launch metadata built from the unexpanded arguments: Triton's path then)
+        if self.expanded is not None and enter is None and EXPAND_DESCRIPTORS:
+            self.expanded.launch(kernel, grid, stream, tensors, leave)
+            return
         args = self.args.copy()
         # A tensor goes in as its data pointer: Triton's launcher then skips the driver query that checks a
         # tensor's memory is on the GPU (the plan exists only for CUDA tensors of this device).
@@ -86,9 +106,6 @@ class Plan:
             args[index] = tensors[name].data_ptr()
         for index, name, template in self.descriptor_slots:
             args[index] = rebased(template, tensors[name])
-        kernel, grid = self.kernel, self.grid
-        stream = driver.active.get_current_stream(device)
-        enter, leave = launch_hooks()
         metadata = kernel.launch_metadata(grid, stream, *args) if enter is not None else None
         kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, metadata, enter, leave,
                    *args)
@@ -108,10 +125,92 @@ def launch_hooks() -> tuple:
 def rebased(descriptor, base: torch.Tensor):
     """A copy of a host tensor descriptor over base (same shape, strides, dtype and alignment as the original's
     base: the plan key guarantees it, so Triton's checks need not run again)."""
-    copy = object.__new__(type(descriptor))
-    copy.__dict__.update(descriptor.__dict__)
-    copy.base = base
-    return copy
+    twin = object.__new__(type(descriptor))
+    twin.__dict__.update(descriptor.__dict__)
+    twin.base = base
+    return twin
+
+
+class ExpandedArgs:
+    """A plan's arguments as the compiled launcher takes them, each descriptor expanded into its TMA tensor map,
+    shape and strides, with the maps kept per slot by base address: a relaunch encodes a map only for an address
+    its slot has not seen (a training loop's allocations come back at the same addresses).
+
+    launcher: a copy of the kernel's launcher calling the compiled launcher directly; flat: the expanded argument
+    list with None in the call's slots; tensor_slots: (flat index, name); descriptor_slots: (start, stop, name,
+    first launch's descriptor, its metadata, {address: expansion})."""
+
+    __slots__ = ("launcher", "expand", "flat", "tensor_slots", "descriptor_slots")
+    # Maps kept per slot; a full slot starts over.
+    MAX_MAPS = 64
+
+    def __init__(self, launcher, expand: Callable, flat: list, tensor_slots: tuple, descriptor_slots: tuple):
+        self.launcher, self.expand, self.flat = launcher, expand, flat
+        self.tensor_slots, self.descriptor_slots = tensor_slots, descriptor_slots
+
+    def launch(self, kernel, grid: tuple, stream, tensors: dict, leave) -> None:
+        flat = self.flat.copy()
+        for index, name in self.tensor_slots:
+            flat[index] = tensors[name].data_ptr()
+        for start, stop, name, template, meta, maps in self.descriptor_slots:
+            tensor = tensors[name]
+            address = tensor.data_ptr()
+            expansion = maps.get(address)
+            if expansion is None:
+                if len(maps) >= self.MAX_MAPS:
+                    maps.clear()
+                expansion = maps[address] = self.expand(rebased(template, tensor), meta)
+            flat[start:stop] = expansion
+        self.launcher(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, leave,
+                      *flat)
+
+
+def expanded_args(kernel, args: list, tensor_slots: list, descriptor_slots: list,
+                  first_descriptors: list) -> Optional[ExpandedArgs]:
+    """The ExpandedArgs of a plan whose kernel takes descriptors (args: the first launch's, in signature order, the
+    call's slots None; first_descriptors: that launch's descriptors, in slot order), or None: no descriptors, or a
+    launcher not built as Triton 3.6 and 3.9 build it (the compiled launcher wrapped by a function that expands
+    descriptors with make_tensordesc_arg and the compiled kernel's descriptor metadata), or descriptors Triton
+    passes without tensor maps."""
+    if not descriptor_slots:
+        return None
+    try:
+        launcher = kernel.run
+        wrapper = launcher.launch
+        cells = dict(zip(wrapper.__code__.co_freevars, (cell.cell_contents for cell in wrapper.__closure__ or ())))
+        compiled = cells["launcher"]
+        expand = cells.get("make_tensordesc_arg") or wrapper.__globals__["make_tensordesc_arg"]
+        metas = list(getattr(kernel.metadata, "tensordesc_meta", None) or ())
+        arity = expand.__code__.co_argcount
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+    if not callable(compiled) or len(metas) != len(descriptor_slots) or any(meta is None for meta in metas):
+        return None
+    if arity == 3:  # Triton 3.9: (arg, metadata, base arguments), the last unused by its CUDA driver
+        three = expand
+        expand = lambda descriptor, meta: three(descriptor, meta, None)  # noqa: E731
+    tensor_names = dict(tensor_slots)
+    descriptor_at = {slot[0]: (slot, first, meta) for slot, first, meta in zip(descriptor_slots, first_descriptors,
+                                                                                metas)}
+    flat, flat_tensors, flat_descriptors = [], [], []
+    for index, arg in enumerate(args):
+        if index in tensor_names:
+            flat_tensors.append((len(flat), tensor_names[index]))
+            flat.append(None)
+        elif index in descriptor_at:
+            (_, name, template), first, meta = descriptor_at[index]
+            expansion = expand(first, meta)
+            # the tensor map, shape and strides; no tensor (a map kept by address must not keep memory alive)
+            if len(expansion) != 1 + 2 * len(first.shape) or any(isinstance(x, torch.Tensor) for x in expansion):
+                return None
+            flat_descriptors.append((len(flat), len(flat) + len(expansion), name, template, meta,
+                                     {first.base.data_ptr(): expansion}))
+            flat.extend([None] * len(expansion))
+        else:
+            flat.append(arg)
+    own = copy.copy(launcher)
+    own.launch = compiled
+    return ExpandedArgs(own, expand, flat, tuple(flat_tensors), tuple(flat_descriptors))
 
 
 def layout_key(tensors: dict, fresh: tuple = (), seen: Optional[dict] = None) -> tuple:
@@ -171,17 +270,19 @@ def make_plan(kernel_fn, kernel, config, grid, kwargs: dict, tensors: dict, devi
         kernel.run, kernel.function, kernel.packed_metadata, kernel.launch_metadata  # noqa: B018 (present?)
     except (AttributeError, KeyError, IndexError, TypeError):
         return None
-    tensor_slots, descriptor_slots = [], []
+    tensor_slots, descriptor_slots, first_descriptors = [], [], []
     for index, name in enumerate(names):
         if name in tensors:  # the plan must not keep this call's tensors alive
             if isinstance(args[index], torch.Tensor):
                 tensor_slots.append((index, name))
             else:
                 descriptor_slots.append((index, name, rebased(args[index], None)))
+                first_descriptors.append(args[index])
             args[index] = None
     g = tuple(grid(meta))
     g = g + (1,) * (3 - len(g))
-    return Plan(kernel, g, args, tuple(tensor_slots), tuple(descriptor_slots))
+    return Plan(kernel, g, args, tuple(tensor_slots), tuple(descriptor_slots),
+                expanded_args(kernel, args, tensor_slots, descriptor_slots, first_descriptors))
 
 
 def plans() -> dict:
