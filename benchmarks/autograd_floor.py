@@ -23,7 +23,7 @@ import torch
 
 from blockattn.kernels import ops
 
-from exp_short import short_case, short_inputs
+from exp_short import calling_thread, short_case, short_inputs
 
 
 class Empty(torch.autograd.Function):
@@ -62,14 +62,6 @@ def on_thread(fn):
         thread = threading.Thread(target=fn)
         thread.start()
         thread.join()
-    return run
-
-
-def calling_thread(fn):
-    """fn with autograd's multithreading off: the backward runs on the calling thread, not the device's."""
-    def run():
-        with torch.autograd.set_multithreading_enabled(False):
-            return fn()
     return run
 
 

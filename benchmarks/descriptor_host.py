@@ -10,20 +10,12 @@ still host-bound.
 
 import argparse
 
-import torch
 import triton.testing
 
 from blockattn.kernels import launch, tma
 
-from exp_short import short_case
+from exp_short import calling_thread, short_case
 from host_cost import per_call_us
-
-
-def calling_thread(fn):
-    def run():
-        with torch.autograd.set_multithreading_enabled(False):
-            return fn()
-    return run
 
 
 def main():

@@ -43,6 +43,15 @@ def short_case(batch: int, heads: int, seq: int, density: float):
     return fwd, fwd_bwd
 
 
+def calling_thread(fn):
+    """fn with autograd's multithreading off: its backward runs on the calling thread, not autograd's device
+    thread (torch.autograd.set_multithreading_enabled)."""
+    def run():
+        with torch.autograd.set_multithreading_enabled(False):
+            return fn()
+    return run
+
+
 def host_ms(fn, calls: int = 100) -> float:
     """Host time per call (ms): calls enqueued back to back, without waiting for the GPU."""
     torch.cuda.synchronize()

@@ -19,7 +19,7 @@ import triton.testing
 
 from blockattn.bench import flex_block_mask
 
-from exp_short import host_ms, print_profile, short_case, short_inputs
+from exp_short import calling_thread, host_ms, print_profile, short_case, short_inputs
 from short_graphs import graphed
 
 
@@ -80,10 +80,7 @@ def main():
 
 def fwd_bwd_threads(fwd_bwd, threads: str) -> list:
     """[(name, forward+backward)] for --threads: on autograd's device thread, on the calling thread, or both."""
-    def calling():
-        with torch.autograd.set_multithreading_enabled(False):
-            return fwd_bwd()
-    device, on_calling = ("fwd+bwd", fwd_bwd), ("fwd+bwd calling-thread", calling)
+    device, on_calling = ("fwd+bwd", fwd_bwd), ("fwd+bwd calling-thread", calling_thread(fwd_bwd))
     return {"device": [device], "calling": [on_calling], "both": [device, on_calling]}[threads]
 
 
