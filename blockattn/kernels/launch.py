@@ -14,10 +14,11 @@ is made only after checking that its argument list equals the one Triton's own b
 internals differ gets no plans, and every launch takes the full path (same results, more host time).
 
 Descriptors: Triton's launcher encodes each host tensor descriptor into a TMA tensor map again on every launch
-(Triton 3.6 and 3.9: `wrap_handle_tensordesc` around the compiled launcher, in Python, a driver call per
-descriptor). A plan whose kernel takes descriptors keeps each slot's encoded maps by base address (the plan key fixes
-everything else a map holds: shape, strides, dtype, box, swizzle) and hands the compiled launcher the expanded
-arguments itself (ExpandedArgs); where Triton's launcher is not built that way, descriptors take Triton's path.
+(`wrap_handle_tensordesc` around the compiled launcher: Triton 3.6 walks the arguments in Python, 3.9 in C++, and
+both call the Python make_tensordesc_arg and the driver's encoder per descriptor). A plan whose kernel takes
+descriptors keeps each slot's encoded maps by base address (the plan key fixes everything else a map holds: shape,
+strides, dtype, box, swizzle) and hands the compiled launcher the expanded arguments itself (ExpandedArgs); where
+Triton's launcher is not built that way, descriptors take Triton's path.
 """
 
 from __future__ import annotations
@@ -199,7 +200,10 @@ def expanded_args(kernel, args: list, tensor_slots: list, descriptor_slots: list
             flat.append(None)
         elif index in descriptor_at:
             (_, name, template), first, meta = descriptor_at[index]
-            expansion = expand(first, meta)
+            try:  # (Triton's wrapper has just expanded this very descriptor for the first launch)
+                expansion = expand(first, meta)
+            except (AttributeError, KeyError, RuntimeError, TypeError, ValueError):
+                return None
             # the tensor map, shape and strides; no tensor (a map kept by address must not keep memory alive)
             if len(expansion) != 1 + 2 * len(first.shape) or any(isinstance(x, torch.Tensor) for x in expansion):
                 return None
