@@ -174,13 +174,14 @@ def test_a_relaunch_expands_descriptors_as_triton_would_and_encodes_an_address_o
     call(fn, x1, out2, builds)
     assert encoded[-1] == x2.data_ptr() and compiled_calls[-1][10][1] == x1.data_ptr(), "x1's map was kept"
     monkeypatch.setattr(launch, "EXPAND_DESCRIPTORS", False)  # switched off: Triton's wrapper encodes every launch
-    call(fn, x1, out2, builds)
     before = len(encoded)
     call(fn, x1, out2, builds)
     assert len(encoded) == before + 1 and compiled_calls[-1][10][1] == x1.data_ptr()
 
 
 def test_the_kept_tensor_maps_are_bounded_and_keep_no_tensor_alive(fakes, triton_like, monkeypatch):
+    """A slot keeps at most ExpandedArgs.MAX_MAPS maps, and what it keeps holds no tensor: a tensor launched
+    through a plan is freed once the caller drops it."""
     compiled, compiled_calls, encoded, builds = triton_like
     full = fakes[1]
     monkeypatch.setattr(launch.ExpandedArgs, "MAX_MAPS", 2)
@@ -216,6 +217,7 @@ def test_an_enter_hook_or_an_unexpected_launcher_takes_tritons_path(triton_like,
     assert len(encoded) == before + 1 and compiled_calls[-1][7] is hook, "Triton's wrapper encoded it"
     for broken in ("no wrapper", "metadata"):
         monkeypatch.setattr(launch, "_PLANS", {})
+        compiled.run = triton_like_launcher(compiled_calls, encoded, [{"swizzle": 128}], {ARG_NAMES.index("X_DESC")})
         if broken == "no wrapper":
             compiled.run.launch = lambda *args: compiled_calls.append(args)
         else:
