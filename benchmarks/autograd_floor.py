@@ -17,13 +17,14 @@ B8 H16 S1024 D128 bf16, d=0.5, 128x128 blocks by default.
 
 import argparse
 import threading
-import time
 
 import torch
 
+import blockattn
 from blockattn.kernels import ops
 
 from exp_short import calling_thread, short_case, short_inputs
+from host_cost import per_call_us
 
 
 class Empty(torch.autograd.Function):
@@ -39,21 +40,6 @@ class Empty(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         q, k, v = ctx.saved_tensors
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
-
-
-def host_us(fn, calls: int, rounds: int) -> float:
-    """Fastest round's host time per call, us (the GPU drained between rounds, so its queue never fills)."""
-    best = float("inf")
-    for _ in range(rounds):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return best * 1e6
 
 
 def on_thread(fn):
@@ -72,13 +58,14 @@ def main():
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     rest = tuple(range(17))
-    rows = []
 
     def row(label, fn, calls_per_fn: int = 1):
-        rows.append((label, host_us(fn, args.calls // calls_per_fn, args.rounds) / calls_per_fn))
-        print(f"{label}: {rows[-1][1]:.1f} us a call", flush=True)
+        """fn's host time (the fastest of --rounds rounds of calls back to back, the GPU drained between rounds),
+        per call of what it runs calls_per_fn times."""
+        print(f"{label}: {per_call_us(fn, args.calls // calls_per_fn, args.rounds) / calls_per_fn:.1f} us a call",
+              flush=True)
 
-    q, k, v, _, grad = short_inputs(8, 16, args.seq, 0.5)
+    q, k, v, blocks, grad = short_inputs(8, 16, args.seq, 0.5)
     for device in ("cuda", "cpu"):
         tq, tk, tv, tg = (t.detach().to(device).requires_grad_(t is not grad) for t in (q, k, v, grad))
         row(f"empty Function, {device}: forward", lambda: Empty.apply(tq, tk, tv, rest))
@@ -87,7 +74,7 @@ def main():
         row(f"empty Function, {device}: forward + autograd.grad, multithreading off",
             calling_thread(lambda: torch.autograd.grad(Empty.apply(tq, tk, tv, rest)[0], (tq, tk, tv), tg)))
 
-    fwd, fwd_bwd = short_case(8, 16, args.seq, 0.5)
+    _, fwd_bwd = short_case(8, 16, args.seq, 0.5)
     for _ in range(10):
         fwd_bwd()
     captured = []
@@ -100,21 +87,13 @@ def main():
     fwd_bwd()
     ops.backward_some = inner
     backward_args = captured[0]
-    q_in = backward_args[3]
-    with_grad = short_inputs(8, 16, args.seq, 0.5)
-    row("blockattn: forward with inputs requiring grad", lambda: fwd_grad(with_grad))
+    row("blockattn: forward with inputs requiring grad", lambda: blockattn.attention(q, k, v, blocks))
     row("blockattn: forward + autograd.grad", fwd_bwd)
     row("blockattn: forward + autograd.grad, multithreading off", calling_thread(fwd_bwd))
     row("blockattn: backward_some on the calling thread", lambda: inner(*backward_args))
     row("blockattn: backward_some on another Python thread (10 calls a thread)",
         on_thread(lambda: [inner(*backward_args) for _ in range(10)]), calls_per_fn=10)
-    print(f"(q {tuple(q_in.shape)} {q_in.dtype}; the thread's row includes starting and joining it)")
-
-
-def fwd_grad(inputs):
-    import blockattn
-    q, k, v, blocks, _ = inputs
-    return blockattn.attention(q, k, v, blocks)
+    print(f"(q {tuple(q.shape)} {q.dtype}; the thread's row includes starting and joining it)")
 
 
 if __name__ == "__main__":

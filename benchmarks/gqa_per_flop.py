@@ -44,7 +44,8 @@ def main():
                     return times[(h, "fwd")]
                 return [b - f for f, b in zip(times[(h, "fwd")], times[(h, "fwd+bwd")])]
             gqa, mha = ms(8), ms(32)
-            print(f"{args.block[0]}x{args.block[1]} d={density} {mode}: GQA 32/8 " + " ".join(f"{t:.3f}" for t in gqa) + " ms; MHA 32 "
+            print(f"{args.block[0]}x{args.block[1]} d={density} {mode}: GQA 32/8 "
+                  + " ".join(f"{t:.3f}" for t in gqa) + " ms; MHA 32 "
                   + " ".join(f"{t:.3f}" for t in mha) + f" ms; GQA/MHA time (median of rounds) "
                   f"{sorted(gqa)[len(gqa) // 2] / sorted(mha)[len(mha) // 2]:.3f}", flush=True)
 

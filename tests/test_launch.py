@@ -116,10 +116,16 @@ def test_a_relaunch_passes_triton_launch_hooks_only_where_one_is_registered(fake
     assert len(builds) == 1 and metadata == "metadata" and enter is hook
 
 
-def triton_like_launcher(compiled_calls: list, encoded: list, metas: list, descriptor_positions: set):
+# The descriptor metadata the fake compiled kernel carries (one entry: its one descriptor argument, X_DESC).
+DESCRIPTOR_META = {"swizzle": 128}
+
+
+def triton_like_launcher(compiled_calls: list, encoded: list):
     """A launcher built as Triton 3.6 builds one (3.9 differs only in passing the kernel's arguments as one tuple):
-    its `launch` wraps the compiled launcher and expands each descriptor argument (make_tensordesc_arg: a tensor
-    map, here a tuple naming the address, then shape and strides), encoding every one on every launch."""
+    its `launch` wraps the compiled launcher and expands the descriptor argument X_DESC (make_tensordesc_arg with
+    DESCRIPTOR_META: a tensor map, here a tuple naming the address, then shape and strides), encoding it on every
+    launch. compiled_calls gets what the compiled launcher is given, encoded each address encoded."""
+    descriptor_position = ARG_NAMES.index("X_DESC")
     def make_tensordesc_arg(arg, metadata):
         encoded.append(arg.base.data_ptr())
         return [("map", arg.base.data_ptr(), metadata["swizzle"], tuple(arg.block_shape)), *arg.shape, *arg.strides]
@@ -128,7 +134,7 @@ def triton_like_launcher(compiled_calls: list, encoded: list, metas: list, descr
         def inner(*args):  # 5 launch arguments, then metadata, launch metadata, two hooks, the kernel's arguments
             final = list(args[:9])
             for i, arg in enumerate(args[9:]):
-                final.extend(make_tensordesc_arg(arg, metas[0]) if i in descriptor_positions else [arg])
+                final.extend(make_tensordesc_arg(arg, DESCRIPTOR_META) if i == descriptor_position else [arg])
             return launcher(*final)
         return inner
 
@@ -147,8 +153,8 @@ def triton_like(fakes, monkeypatch):
     encoded): the fakes fixture's compiled kernel with a Triton-like launcher and descriptor metadata."""
     compiled, full, builds = fakes
     compiled_calls, encoded = [], []
-    compiled.run = triton_like_launcher(compiled_calls, encoded, [{"swizzle": 128}], {ARG_NAMES.index("X_DESC")})
-    compiled.metadata = type("Metadata", (), {"tensordesc_meta": [{"swizzle": 128}]})()
+    compiled.run = triton_like_launcher(compiled_calls, encoded)
+    compiled.metadata = type("Metadata", (), {"tensordesc_meta": [DESCRIPTOR_META]})()
     return compiled, compiled_calls, encoded, builds
 
 
@@ -217,7 +223,7 @@ def test_an_enter_hook_or_an_unexpected_launcher_takes_tritons_path(triton_like,
     assert len(encoded) == before + 1 and compiled_calls[-1][7] is hook, "Triton's wrapper encoded it"
     for broken in ("no wrapper", "metadata"):
         monkeypatch.setattr(launch, "_PLANS", {})
-        compiled.run = triton_like_launcher(compiled_calls, encoded, [{"swizzle": 128}], {ARG_NAMES.index("X_DESC")})
+        compiled.run = triton_like_launcher(compiled_calls, encoded)
         if broken == "no wrapper":
             compiled.run.launch = lambda *args: compiled_calls.append(args)
         else:

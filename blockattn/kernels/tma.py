@@ -23,8 +23,8 @@ DKDV_TMA_LOADS = True
 
 # Below this much work (B * Hq * Sq * Sk * D, the dense problem's) the kernels read tiles by pointers: a call that
 # small is host-bound, and descriptors cost host time (a plan keeps their encoded tensor maps, launch.ExpandedArgs,
-# but the warp-specialized backward takes a launch more; at B8 H16 S1024 it stayed host-bound, 0.53-0.88 ms a
-# forward+backward on the calling thread against 0.375 of GPU time, BENCHMARKS.md, thirty-third session).
+# but the warp-specialized backward takes a launch more; at B8 H16 S1024 it stayed host-bound, 0.53-0.79 ms of host
+# time a forward+backward on the calling thread against 0.375 of GPU time, BENCHMARKS.md, thirty-third session).
 MIN_DESCRIPTOR_WORK = 2 ** 35
 
 # Descriptor argument -> (tile rows, tile columns) meta-parameters of its box.
