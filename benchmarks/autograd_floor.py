@@ -7,7 +7,9 @@ enqueue per call (fastest of several rounds, calls back to back, no profiler) of
     torch.autograd.set_multithreading_enabled(False) runs the backward on the calling thread), and its forward
     alone with inputs requiring grad;
   - blockattn's backward (ops.backward_some, with the arguments autograd gave it) called directly on the calling
-    thread, and the same on a second Python thread, to see what the device thread itself costs.
+    thread, and the same on a second Python thread, to see what the device thread itself costs;
+  - where a forward+backward's time goes on autograd's device thread: from autograd.grad's call to backward_some's
+    start (the hand-off), inside backward_some, and from its end to autograd.grad's return (medians).
 
 B8 H16 S1024 D128 bf16, d=0.5, 128x128 blocks by default.
 
@@ -16,7 +18,9 @@ B8 H16 S1024 D128 bf16, d=0.5, 128x128 blocks by default.
 """
 
 import argparse
+import statistics
 import threading
+import time
 
 import torch
 
@@ -93,7 +97,45 @@ def main():
     row("blockattn: backward_some on the calling thread", lambda: inner(*backward_args))
     row("blockattn: backward_some on another Python thread (10 calls a thread)",
         on_thread(lambda: [inner(*backward_args) for _ in range(10)]), calls_per_fn=10)
+    hand_off_split(fwd_bwd, inner, args.calls)
     print(f"(q {tuple(q.shape)} {q.dtype}; the thread's row includes starting and joining it)")
+
+
+def hand_off_split(fwd_bwd, backward_some, calls: int) -> None:
+    """Median times (us) of a forward+backward's pieces with the backward on autograd's device thread: the
+    forward, the wait from autograd.grad's call to backward_some's start, backward_some itself, and the wait
+    from its end to autograd.grad's return. Clocks read inside the call; the GPU is not waited for."""
+    marks = {}
+
+    def timed(*call_args):
+        marks["start"] = time.perf_counter()
+        try:
+            return backward_some(*call_args)
+        finally:
+            marks["end"] = time.perf_counter()
+    grad_fn = torch.autograd.grad
+    pieces = {"forward": [], "hand-off": [], "backward_some": [], "return": []}
+
+    def grad_timed(*call_args):
+        called = time.perf_counter()
+        pieces["forward"].append(called - marks["forward"])
+        result = grad_fn(*call_args)
+        returned = time.perf_counter()
+        pieces["hand-off"].append(marks["start"] - called)
+        pieces["backward_some"].append(marks["end"] - marks["start"])
+        pieces["return"].append(returned - marks["end"])
+        return result
+    ops.backward_some, torch.autograd.grad = timed, grad_timed
+    try:
+        torch.cuda.synchronize()
+        for _ in range(calls):
+            marks["forward"] = time.perf_counter()
+            fwd_bwd()
+        torch.cuda.synchronize()
+    finally:
+        ops.backward_some, torch.autograd.grad = backward_some, grad_fn
+    print("blockattn forward + autograd.grad on the device thread, medians: " + ", ".join(
+        f"{name} {statistics.median(values) * 1e6:.1f} us" for name, values in pieces.items()), flush=True)
 
 
 if __name__ == "__main__":
