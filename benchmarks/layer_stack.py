@@ -43,7 +43,8 @@ def attention_fns(blocks):
 
 def attention_stack(attend, layers: int, seq: int):
     """A training step through `layers` attention calls chained on the query; returns step()."""
-    x, _, _, _, grad = short_inputs(BATCH, HEADS, seq, 0.5)
+    x = torch.randn(BATCH, HEADS, seq, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
     kv = [tuple(torch.randn_like(x).requires_grad_(True) for _ in range(2)) for _ in range(layers)]
     leaves = [x] + [t for pair in kv for t in pair]
 
@@ -60,11 +61,9 @@ def block_stack(attend, layers: int, seq: int):
     residual; no MLP, no norm); returns step()."""
     device, width = torch.device("cuda"), HEADS * DIM
     torch.manual_seed(0)
-    projections = [(torch.nn.Linear(width, 3 * width, bias=False), torch.nn.Linear(width, width, bias=False))
+    options = dict(bias=False, device=device, dtype=torch.bfloat16)
+    projections = [(torch.nn.Linear(width, 3 * width, **options), torch.nn.Linear(width, width, **options))
                    for _ in range(layers)]
-    for pair in projections:
-        for linear in pair:
-            linear.to(device=device, dtype=torch.bfloat16)
     x = torch.randn(BATCH, seq, width, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
     leaves = [x] + [linear.weight for pair in projections for linear in pair]
