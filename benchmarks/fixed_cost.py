@@ -1,0 +1,66 @@
+"""Where the forward's density-independent time goes: the forward's time against the number of key blocks each query
+block keeps, exactly n per row (random positions), so that every program walks the same number of key tiles. A line
+t(n) = a + b n fitted over n: `a` is what a call costs whatever the walk's length (per program: starting, loading Q,
+the epilogue; per call: the launch), `b` a kept block's share over the whole grid. Compare `a` with the F of
+t(d) = F + W d over random masks (BENCHMARKS.md, thirty-fifth session): a small `a` means F comes from something
+that varies with density other than the walk's length.
+
+    python benchmarks/fixed_cost.py [--blocks 128 128] [--heads 24] [--seq 32768] [--dim 128] [--counts 2 4 8 ...]
+    python benchmarks/fixed_cost.py --random      # also random masks keeping n blocks a row on average
+"""
+
+import argparse
+
+import numpy as np
+import torch
+
+import blockattn
+from blockattn.bench import _time_ms
+
+
+def exact_keep(heads: int, nq: int, nk: int, count: int, device, seed: int = 0) -> torch.Tensor:
+    """A [1, heads, nq, nk] bool mask in which each query block keeps exactly `count` key blocks, at random."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    order = torch.rand(heads, nq, nk, generator=gen, device=device).argsort(-1)[..., :count]
+    keep = torch.zeros(heads, nq, nk, dtype=torch.bool, device=device)
+    return keep.scatter_(-1, order, True)[None]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, nargs=2, default=[128, 128])
+    parser.add_argument("--heads", type=int, default=24)
+    parser.add_argument("--seq", type=int, default=32768)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--counts", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64, 128])
+    parser.add_argument("--random", action="store_true",
+                        help="also time a random mask of density n / nk (n kept blocks a row on average) for each n")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    block_q, block_kv = args.blocks
+    nq, nk = args.seq // block_q, args.seq // block_kv
+    gen = torch.Generator(device=device).manual_seed(1)
+    q, k, v = (torch.randn(1, args.heads, args.seq, args.dim, generator=gen, device=device, dtype=torch.bfloat16)
+               for _ in range(3))
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, B1 H{args.heads} S{args.seq} D{args.dim} bf16, "
+          f"blocks {block_q}x{block_kv}; {args.heads * nq} query tiles of {block_q} rows", flush=True)
+    times = []
+    for count in args.counts:
+        masks = {"exactly": exact_keep(args.heads, nq, nk, count, device)}
+        if args.random:
+            gen = torch.Generator(device=device).manual_seed(count)
+            masks["on average"] = torch.rand(1, args.heads, nq, nk, generator=gen, device=device) < count / nk
+        for label, keep in masks.items():
+            blocks = blockattn.BlockSparsity.from_mask(keep, (block_q, block_kv), args.seq, args.seq)
+            ms = _time_ms(lambda: blockattn.attention(q, k, v, blocks))
+            flops = 4.0 * int(keep.sum()) * block_q * block_kv * args.dim  # (the mask counts every head's blocks)
+            if label == "exactly":
+                times.append(ms)
+            print(f"{count} key blocks a row {label} (density {count / nk:.4f}): {ms:.3f} ms, "
+                  f"{flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+    slope, intercept = np.polyfit(np.array(args.counts, dtype=float), np.array(times), 1)
+    print(f"fit: t = {intercept:.3f} ms + {slope * 1e3:.2f} us x blocks a row", flush=True)
+
+
+if __name__ == "__main__":
+    main()
