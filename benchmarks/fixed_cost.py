@@ -1,9 +1,9 @@
-"""Where the forward's density-independent time goes: the forward's time against the number of key blocks each query
-block keeps, exactly n per row (random positions), so that every program walks the same number of key tiles. A line
-t(n) = a + b n fitted over n: `a` is what a call costs whatever the walk's length (per program: starting, loading Q,
-the epilogue; per call: the launch), `b` a kept block's share over the whole grid. Compare `a` with the F of
-t(d) = F + W d over random masks (BENCHMARKS.md, thirty-fifth session): a small `a` means F comes from something
-that varies with density other than the walk's length.
+"""The forward's time against the number of key blocks each query block keeps, and the line fitted to it.
+
+Each query block keeps exactly n key blocks (random positions), so every program walks the same number of key
+tiles. The line t(n) = a + b n: `a` is what a call costs whatever the walks' length (per program: its start, its
+first and last tiles, the epilogue; per call: the launch), `b` one more kept block a row over the whole grid. `a` is
+the part of t(d) = F + W d over random masks that does not scale with density (BENCHMARKS.md, thirty-fifth session).
 
     python benchmarks/fixed_cost.py [--blocks 128 128] [--heads 24] [--seq 32768] [--dim 128] [--counts 2 4 8 ...]
     python benchmarks/fixed_cost.py --random      # also random masks keeping n blocks a row on average
