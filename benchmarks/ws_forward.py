@@ -8,6 +8,7 @@ same block mask, in one process: ms and effective TFLOP/s per case, and each rat
     python benchmarks/ws_forward.py --cases d64           # D=64 (target 1.3x FlexAttention)
     python benchmarks/ws_forward.py --cases d64 --stages 3 4 5   # and its ring depth (forward_ws.STAGES[64])
     python benchmarks/ws_forward.py --cases d64 design --emulate-exp2   # also with one exponential in four emulated
+    python benchmarks/ws_forward.py --cases design --o-through-tma  # also with out's rows stored the other way
 """
 
 import argparse
@@ -43,9 +44,13 @@ def main():
     parser.add_argument("--emulate-exp2", action="store_true",
                         help="also time the warp-specialized forward with one exponential in four from the polynomial "
                         "(forward_ws.EMULATED_EXP2_DIMS) and the other way round")
+    parser.add_argument("--o-through-tma", action="store_true",
+                        help="also time the warp-specialized forward with out's rows stored the other way "
+                        "(forward_ws.O_THROUGH_TMA: through the TMA unit, or by pointer stores)")
     args = parser.parse_args()
     default_dims, default_stages = forward_ws.HEAD_DIMS, dict(forward_ws.STAGES)
     default_emulated = forward_ws.EMULATED_EXP2_DIMS
+    default_o_through_tma = forward_ws.O_THROUGH_TMA
     device = torch.device("cuda")
     print("| case | Triton forward ms | warp-specialized ms | flex ms | Triton vs flex | warp-specialized vs flex |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -63,12 +68,14 @@ def main():
             outs[enabled] = blockattn.attention(q, k, v, blocks, is_causal=causal)
             times[enabled] = _time_ms(lambda: blockattn.attention(q, k, v, blocks, is_causal=causal))
         def variant(what):
-            """Time the warp-specialized forward as forward_ws is set now: against its default, and its largest
-            gap to the Triton forward's output."""
-            gap = (blockattn.attention(q, k, v, blocks, is_causal=causal).float() - outs[False].float()).abs().max()
+            """Time the warp-specialized forward as forward_ws is set now: against its default, its largest gap to
+            the Triton forward's output, and whether it equals the default's bit for bit."""
+            out = blockattn.attention(q, k, v, blocks, is_causal=causal)
+            gap = (out.float() - outs[False].float()).abs().max()
             ms = _time_ms(lambda: blockattn.attention(q, k, v, blocks, is_causal=causal))
             print(f"{case.label}: warp-specialized with {what} {ms:.3f} ms ({flops / ms / 1e9:.0f}, "
-                  f"{times[True] / ms:.3f}x the default), max gap {gap.item():.1e}", flush=True)
+                  f"{times[True] / ms:.3f}x the default), max gap {gap.item():.1e}, "
+                  f"{'equal to' if torch.equal(out, outs[True]) else 'differs from'} the default", flush=True)
 
         for stages in args.stages or ():
             forward_ws.STAGES[case.dim] = stages
@@ -79,6 +86,10 @@ def main():
             forward_ws.EMULATED_EXP2_DIMS = (case.dim, ) if emulated else ()
             variant("emulated exponentials" if emulated else "no emulated exponentials")
             forward_ws.EMULATED_EXP2_DIMS = default_emulated
+        if args.o_through_tma:
+            forward_ws.O_THROUGH_TMA = not default_o_through_tma
+            variant("out through the TMA unit" if forward_ws.O_THROUGH_TMA else "out by pointer stores")
+            forward_ws.O_THROUGH_TMA = default_o_through_tma
         forward_ws.ENABLED, forward_ws.HEAD_DIMS = True, default_dims
         runners = _runners(case, keep, device)
         times["flex"] = _time_ms(lambda: runners["flex"][0](q, k, v))

@@ -39,6 +39,10 @@ tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_s
 
 # Whether attention_forward may take this kernel (benchmarks switch it off to time the Triton forward).
 ENABLED = True
+# Whether each consumer writes its rows of out through the TMA unit, staged in its half of Q's shared memory (free
+# once its last score product is done), rather than by pointer stores from the accumulator's layout, which
+# Nsight Compute counts as twice the sectors they need (BENCHMARKS.md, thirty-fifth session).
+O_THROUGH_TMA = True
 # Query rows per consumer warpgroup (4 warps x 16 rows of a wgmma) and per program (two consumers).
 CONSUMER_ROWS = 64
 TILE_Q = 2 * CONSUMER_ROWS
@@ -110,9 +114,9 @@ def _program(shared, BLOCK_Q: gl.constexpr, CAUSAL: gl.constexpr):
     of primitives.query_tile_program (consecutive programs take different kv heads), and its kv list (the pointer
     to its first entry, and its count of key blocks). CAUSAL: the last query tiles, whose lists are the longest,
     run first, so that the short ones fill the grid's tail."""
-    (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse, KV_COUNT,
-     KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, stride_ob,
-     stride_oh, stride_os, stride_lb, stride_lh) = shared
+    (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
+     KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+     stride_ob, stride_oh, stride_os, stride_lb, stride_lh) = shared
     pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)
     off_b = pid_bh // heads
     kv_heads = heads // group_size
@@ -191,14 +195,14 @@ def _exp2(x, EMULATE: gl.constexpr):
 
 @gluon.jit
 def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr):
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr):
     """Query rows HALF*64 .. HALF*64+63 of the program's tile: the online softmax over the kv list (CAUSAL: keys
     up to each row's own position only), then Out [B, H, Sq, D] and Lse fp32 [B, H, Sq] (natural log; -inf and
     zeros for a row with no key). shared: the kernel's arguments and buffers, as attention_fwd_ws_kernel packs
     them."""
-    (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse, KV_COUNT,
-     KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, stride_ob,
-     stride_oh, stride_os, stride_lb, stride_lh) = shared
+    (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
+     KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+     stride_ob, stride_oh, stride_os, stride_lb, stride_lh) = shared
     off_b, off_h, off_hkv, start_m, index_row, count = _program(shared, BLOCK_Q, CAUSAL)
     PARTS: gl.constexpr = _TILE_N // SUB_N
     sub_tiles = count * (BLOCK_KV // SUB_N)
@@ -270,23 +274,31 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
     l_safe = gl.where(seen, l_i, 1.0)
     out = acc / gl.convert_layout(l_safe, row_o)[:, None]
     lse = gl.where(seen, (m_i + gl.log2(l_safe)) / _LOG2E, float("-inf"))
-    rows_o = first_row + gl.arange(0, _ROWS, row_o)
-    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
-    o_ptrs = (Out + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
-              + rows_o.to(gl.int64)[:, None] * stride_os + cols[None, :])
-    gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(rows_o < seq_q)[:, None])
+    if O_THROUGH_TMA:
+        # this consumer's half of Q is free (its last score product is done, and nothing loads Q again): the rows go
+        # there and out with one TMA copy, which leaves out rows past Sq, instead of 64 scattered stores a thread
+        q.store(out.to(dtype))
+        fence_async_shared()
+        tma_store(O_DESC, [off_b, off_h, first_row, 0], q_smem.index(HALF))
+        tma.store_wait(0)  # before the program's shared memory goes
+    else:
+        rows_o = first_row + gl.arange(0, _ROWS, row_o)
+        cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
+        o_ptrs = (Out + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
+                  + rows_o.to(gl.int64)[:, None] * stride_os + cols[None, :])
+        gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(rows_o < seq_q)[:, None])
     gl.store(Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows_s, lse,
              mask=rows_s < seq_q)
 
 
 @gluon.jit
 def _loader(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
-            STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+            STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr):
     """One warp: the tile's two halves of Q, then each kept key tile's K and V into the ring, a stage once both
     consumers have released it. (Same parameters as _consumer: Gluon's worker partitions share one signature.)"""
-    (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse, KV_COUNT,
-     KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, stride_ob,
-     stride_oh, stride_os, stride_lb, stride_lh) = shared
+    (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
+     KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+     stride_ob, stride_oh, stride_os, stride_lb, stride_lh) = shared
     off_b, off_h, off_hkv, start_m, index_row, count = _program(shared, BLOCK_Q, CAUSAL)
     SUBS_PER_BLOCK: gl.constexpr = BLOCK_KV // SUB_N
     PARTS: gl.constexpr = _TILE_N // SUB_N
@@ -310,17 +322,19 @@ def _loader(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.cons
 
 
 @gluon.jit
-def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX, scale_log2, seq_q, heads,
+def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, KV_INDEX, scale_log2, seq_q, heads,
                             group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
                             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                             BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
                             STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            LOADER_REGS: gl.constexpr, EMULATE_EXP2: gl.constexpr = False):
+                            LOADER_REGS: gl.constexpr, EMULATE_EXP2: gl.constexpr = False,
+                            O_THROUGH_TMA: gl.constexpr = False):
     """Grid (cdiv(Sq, 128), launch.batch_head_axes(B, H)). Q_DESC / K_DESC / V_DESC: Gluon host descriptors of
     q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with boxes [1, 1, 64, D] / [1, 1, SUB_N, D]; KV_COUNT int32
     [Bm, Hm, nq], KV_INDEX int32 [Bm, Hm, nq, L] (size-1 mask dims with stride 0), every listed block's keys below
     Sk (CAUSAL: the lists of BlockSparsity.causal(), ascending); Out [B, H, Sq, D] (last dim contiguous), Lse
-    fp32 [B, H, Sq] (last dim contiguous). EMULATE_EXP2: see _exp2."""
+    fp32 [B, H, Sq] (last dim contiguous); O_DESC: a descriptor of Out with Q_DESC's boxes, through which the rows
+    go when O_THROUGH_TMA (else Out's pointer). EMULATE_EXP2: see _exp2."""
     q_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2] + Q_DESC.block_type.shape, Q_DESC.layout)
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
     # a stage: one [128, D] key tile, which the loader fills with 128 // SUB_N boxes of SUB_N keys (_sub_tile)
@@ -339,13 +353,13 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX
     fence_async_shared()
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
-    shared = (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse, KV_COUNT,
-              KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
-              stride_ob, stride_oh, stride_os, stride_lb, stride_lh)
+    shared = (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
+              KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
+              stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh)
     gl.warp_specialize([
-        (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2)),
-        (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2)),
-        (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, STAGES, CAUSAL)),
+        (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2, O_THROUGH_TMA)),
+        (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2, O_THROUGH_TMA)),
+        (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2, O_THROUGH_TMA)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -430,18 +444,19 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
 
     def arguments():
         descriptors = dict(Q_DESC=host_descriptor(q, CONSUMER_ROWS), K_DESC=host_descriptor(k, chosen.sub_n),
-                           V_DESC=host_descriptor(v, chosen.sub_n))
+                           V_DESC=host_descriptor(v, chosen.sub_n), O_DESC=host_descriptor(out, CONSUMER_ROWS))
         static = dict(
             scale_log2=scale_log2, seq_q=seq_q, heads=heads, group_size=heads // k.shape[1],
             # the lists' size-1 batch and head dims broadcast: stride 0
             **stride_args("c", kv_count, "bh"), **stride_args("i", kv_index, "bhq"), **stride_args("o", out, "bhs"),
             **stride_args("l", lse, "bh"), BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=chosen.sub_n,
             STAGES=STAGES[dim], EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, CAUSAL=chosen.causal,
-            CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
+            CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, O_THROUGH_TMA=O_THROUGH_TMA)
         return (triton.cdiv(seq_q, TILE_Q), *launch.batch_head_axes(batch, heads)), descriptors, static
     launch_warp_specialized(attention_fwd_ws_kernel,
-                            (block_q, block_kv, scale_log2, chosen, STAGES[dim], dim in EMULATED_EXP2_DIMS),
-                            dict(Q_DESC=q, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count,
+                            (block_q, block_kv, scale_log2, chosen, STAGES[dim], dim in EMULATED_EXP2_DIMS,
+                             O_THROUGH_TMA),
+                            dict(Q_DESC=q, K_DESC=k, V_DESC=v, O_DESC=out, Out=out, Lse=lse, KV_COUNT=kv_count,
                                  KV_INDEX=kv_index), arguments)
 
 
@@ -474,14 +489,15 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     name = _GL_DTYPES[dtype][0]
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, STAGES=STAGES[dim], CAUSAL=causal,
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
-                     EMULATE_EXP2=dim in EMULATED_EXP2_DIMS if emulate_exp2 is None else emulate_exp2)
+                     EMULATE_EXP2=dim in EMULATED_EXP2_DIMS if emulate_exp2 is None else emulate_exp2,
+                     O_THROUGH_TMA=O_THROUGH_TMA)
     signature = {}
     for param in attention_fwd_ws_kernel.params:
         if param.name in constants:
             signature[param.name] = "constexpr"
         elif param.name.endswith("_DESC"):
-            signature[param.name] = descriptor_signature(dtype, CONSUMER_ROWS if param.name == "Q_DESC" else sub_n,
-                                                         dim)
+            signature[param.name] = descriptor_signature(dtype, CONSUMER_ROWS if param.name in ("Q_DESC", "O_DESC")
+                                                         else sub_n, dim)
         else:
             signature[param.name] = {"Out": f"*{name}", "Lse": "*fp32", "KV_COUNT": "*i32", "KV_INDEX": "*i32",
                                      "scale_log2": "fp32"}.get(param.name, "i32")
