@@ -126,13 +126,16 @@ def test_switched_off_or_off_hopper_it_declines(monkeypatch):
     assert forward.warp_specialized_plan(*dispatch) is None
 
 
-@pytest.mark.parametrize("blocks, dtype, causal, dim, emulate", [
-    ((128, 128), "bfloat16", False, 128, False), ((128, 64), "float16", False, 128, False),
-    ((128, 64), "bfloat16", True, 128, False), ((128, 128), "bfloat16", False, 64, False),
-    ((128, 64), "float16", True, 64, True), ((128, 128), "bfloat16", False, 128, True)])
-def test_compiles_for_sm90_with_its_register_split(blocks, dtype, causal, dim, emulate):
+@pytest.mark.parametrize("blocks, dtype, causal, dim, emulate, o_through_tma", [
+    ((128, 128), "bfloat16", False, 128, False, None), ((128, 64), "float16", False, 128, False, None),
+    ((128, 64), "bfloat16", True, 128, False, None), ((128, 128), "bfloat16", False, 64, False, None),
+    ((128, 64), "float16", True, 64, True, None), ((128, 128), "bfloat16", False, 128, True, None),
+    ((128, 64), "bfloat16", True, 128, False, True), ((128, 128), "float16", False, 64, False, True)])
+def test_compiles_for_sm90_with_its_register_split(blocks, dtype, causal, dim, emulate, o_through_tma):
+    """The launch's settings, and out through the TMA unit either way (O_THROUGH_TMA): the register split, wgmma
+    and TMA in the PTX, shared memory within Hopper's, and no stack (ptxas spills nothing)."""
     report = sm90_report(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.{dtype}, causal={causal}, "
-                         f"dim={dim}, emulate_exp2={emulate})")
+                         f"dim={dim}, emulate_exp2={emulate}, o_through_tma={o_through_tma})")
     assert {forward_ws.CONSUMER_REGS, forward_ws.LOADER_REGS} <= set(report["registers"]), report
     assert report["wgmma"] and report["tma"], report
     assert report["shared"] <= 227 * 1024, report

@@ -41,8 +41,10 @@ tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_s
 ENABLED = True
 # Whether each consumer writes its rows of out through the TMA unit, staged in its half of Q's shared memory (free
 # once its last score product is done), rather than by pointer stores from the accumulator's layout, which
-# Nsight Compute counts as twice the sectors they need (BENCHMARKS.md, thirty-fifth session).
-O_THROUGH_TMA = True
+# Nsight Compute counts as twice the sectors they need. Off until measured in rounds: 1.6-1.8% faster at d=0.1 with
+# either one timed first, but 1.5-4.8% slower at d=0.5 in three of four comparisons (BENCHMARKS.md, thirty-fifth
+# session; `benchmarks/ws_forward.py --o-through-tma`).
+O_THROUGH_TMA = False
 # Query rows per consumer warpgroup (4 warps x 16 rows of a wgmma) and per program (two consumers).
 CONSUMER_ROWS = 64
 TILE_Q = 2 * CONSUMER_ROWS
@@ -479,10 +481,11 @@ def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
 
 
 def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
-                 dim: int = HEAD_DIM, emulate_exp2: Optional[bool] = None):
+                 dim: int = HEAD_DIM, emulate_exp2: Optional[bool] = None, o_through_tma: Optional[bool] = None):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for lists at (block_q, block_kv) and head dim `dim`, with the launch's tile choice (plan()), stages and
-    register settings; emulate_exp2 None: as a launch at `dim` would (EMULATED_EXP2_DIMS)."""
+    register settings; emulate_exp2 and o_through_tma None: as a launch at `dim` would (EMULATED_EXP2_DIMS,
+    O_THROUGH_TMA)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     sub_n = TILE_N if block_kv % TILE_N == 0 else 64
@@ -490,7 +493,7 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, STAGES=STAGES[dim], CAUSAL=causal,
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
                      EMULATE_EXP2=dim in EMULATED_EXP2_DIMS if emulate_exp2 is None else emulate_exp2,
-                     O_THROUGH_TMA=O_THROUGH_TMA)
+                     O_THROUGH_TMA=O_THROUGH_TMA if o_through_tma is None else o_through_tma)
     signature = {}
     for param in attention_fwd_ws_kernel.params:
         if param.name in constants:
