@@ -295,7 +295,7 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
 
 @gluon.jit
 def _loader(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
-            STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr):
+            STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """One warp: the tile's two halves of Q, then each kept key tile's K and V into the ring, a stage once both
     consumers have released it. (Same parameters as _consumer: Gluon's worker partitions share one signature.)"""
     (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
@@ -361,7 +361,7 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     gl.warp_specialize([
         (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2, O_THROUGH_TMA)),
         (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2, O_THROUGH_TMA)),
-        (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2, O_THROUGH_TMA)),
+        (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
