@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 import blockattn
-from blockattn.bench import _time_ms
+from blockattn.bench import Case, _inputs, _time_ms
 
 
 def exact_keep(heads: int, nq: int, nk: int, count: int, device, seed: int = 0) -> torch.Tensor:
@@ -39,9 +39,8 @@ def main():
     device = torch.device("cuda")
     block_q, block_kv = args.blocks
     nq, nk = args.seq // block_q, args.seq // block_kv
-    gen = torch.Generator(device=device).manual_seed(1)
-    q, k, v = (torch.randn(1, args.heads, args.seq, args.dim, generator=gen, device=device, dtype=torch.bfloat16)
-               for _ in range(3))
+    q, k, v = _inputs(Case(heads=args.heads, kv_heads=args.heads, seq=args.seq, dim=args.dim), device,
+                      requires_grad=False)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, B1 H{args.heads} S{args.seq} D{args.dim} bf16, "
           f"blocks {block_q}x{block_kv}; {args.heads * nq} query tiles of {block_q} rows", flush=True)
     times = []
