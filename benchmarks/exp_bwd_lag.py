@@ -8,7 +8,7 @@ with FA3-style turns: benchmarks/results-2026-12-02-h200-session20.md.)
 
     python benchmarks/exp_bwd_lag.py [--cases design gqa causal]
     python benchmarks/exp_bwd_lag.py --flag STAGES --values 2 3   # another of backward_ws's launch constants
-    python benchmarks/exp_bwd_lag.py --cases paired --flag PAIRED_STAGES --values 2 3   # 128x64 blocks
+    python benchmarks/exp_bwd_lag.py --cases paired --flag PAIRED_MHA_STAGES,PAIRED_STAGES --values "(3, 3)" "(2, 2)"
     # the paired programs' common steps (twenty-eighth session): none, dQ summed over both tiles, each its own dQ
     python benchmarks/exp_bwd_lag.py --cases paired paired_more paired_causal \
         --flag PAIRED_COMMON_FIRST,PAIRED_SUMMED_DQ --values "(False, False)" "(True, True)" "(True, False)"
@@ -54,8 +54,8 @@ def main():
     parser.add_argument("--cases", nargs="+", default=["design", "gqa", "causal"], choices=list(CASES))
     parser.add_argument("--flag", default="LAGGED_DQ",
                         help="the backward_ws constant to vary (each is part of the launch's plan key): LAGGED_DQ, "
-                        "STAGES, ORDERED, PAIRED_STAGES, PAIRED_COMMON_FIRST, PAIRED_SUMMED_DQ; several joined by "
-                        "commas")
+                        "STAGES, ORDERED, PAIRED_STAGES (GQA), PAIRED_MHA_STAGES, PAIRED_COMMON_FIRST, "
+                        "PAIRED_SUMMED_DQ; several joined by commas")
     parser.add_argument("--values", nargs="+", default=["False", "True"],
                         help="its values (Python literals; a tuple a variant for several constants)")
     args = parser.parse_args()

@@ -454,16 +454,17 @@ def test_gqa_paired_walks_far_apart(poisoned, warp_specialized_calls, monkeypatc
     assert not grads[0][:, 1].any(), "dq of the head that keeps nothing"
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2])
-@pytest.mark.parametrize("ordered", [False, True])
-def test_paired_overlapping_lists(poisoned, warp_specialized_calls, monkeypatch, kv_heads, ordered):
+@pytest.mark.parametrize("kv_heads, ordered, dim", [(4, False, 128), (4, True, 128), (2, False, 128), (2, True, 128),
+                                                    (4, True, 64), (2, True, 64)])
+def test_paired_overlapping_lists(poisoned, warp_specialized_calls, monkeypatch, kv_heads, ordered, dim):
     """Paired programs (128x64 blocks) whose two tiles keep query blocks in common and others of their own: a head
     whose adjacent tiles keep the same query blocks (as under a causal or a 128-key-grained mask), one with some in
     common and rests of different lengths, one with nothing in common, one at random and one dense; MHA and GQA,
-    tiles in key order (adjacent tiles pair) and longest walk first. Gradients against the fp64 oracle."""
+    tiles in key order (adjacent tiles pair) and longest walk first; head dim 128 and 64 (where only one consumer
+    adds a common step's dQ, each in turn). Gradients against the fp64 oracle."""
     monkeypatch.setattr(backward_ws, "ORDERED", ordered)
     block, seq = (128, 64), 512
-    q, k, v = (t.requires_grad_() for t in qkv(1, 4, seq, 128, kv_heads=kv_heads, seed=13))
+    q, k, v = (t.requires_grad_() for t in qkv(1, 4, seq, dim, kv_heads=kv_heads, seed=13))
     nq, nk = seq // block[0], seq // block[1]
     keep = torch.zeros(1, 4, nq, nk, dtype=torch.bool, device=DEVICE)
     keep[0, 0] = torch.ones(nq, nk // 2, dtype=torch.bool, device=DEVICE).tril().repeat_interleave(2, dim=1)
@@ -484,5 +485,4 @@ def test_paired_dq_variants(poisoned, warp_specialized_calls, monkeypatch, commo
     (PAIRED_SUMMED_DQ off), and no common steps at all (PAIRED_COMMON_FIRST off)."""
     monkeypatch.setattr(backward_ws, "PAIRED_COMMON_FIRST", common_first)
     monkeypatch.setattr(backward_ws, "PAIRED_SUMMED_DQ", summed)
-    test_paired_overlapping_lists(poisoned, warp_specialized_calls, monkeypatch, kv_heads, True)
-
+    test_paired_overlapping_lists(poisoned, warp_specialized_calls, monkeypatch, kv_heads, True, 128)

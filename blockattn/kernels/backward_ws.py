@@ -76,8 +76,12 @@ ORDERED = True
 # Key blocks of 64 keys (or an odd multiple: 128x64 is the library's default block): each program takes two 64-key
 # tiles, one per consumer, whose q lists differ, so the consumers walk apart; the loader interleaves their steps in
 # one ring (a stage holds one consumer's step) and each consumer computes the dQ over its own keys for all of D. Its
-# ring stages: with two dQ tiles and two dS^T buffers (PAIRED_SUMMED_DQ), 3 stages fill 225.9 KiB at D = 128.
+# ring stages: with two dQ tiles and two dS^T buffers (PAIRED_SUMMED_DQ), 3 stages fill 225.9 KiB at D = 128. That
+# is PAIRED_STAGES, GQA calls'; MHA calls take PAIRED_MHA_STAGES: 2 ran 1-4% faster than 3 at d=0.5 and 0.1 in three
+# rounds (B1 H24 S32k, 128x64, D=128), as fast at d=0.25, causal and D=64, while GQA 32/8 ran 0.5-2.5% slower
+# (thirty-sixth session).
 PAIRED_STAGES = 3
+PAIRED_MHA_STAGES = 2
 # Whether a paired program's two walks start with the query blocks both its tiles keep (pair_lists), one ring stage
 # each that both consumers read, so that Q and dO are loaded once for both. Alone, within 4% either way of no common
 # steps (twenty-eighth session); it is what PAIRED_SUMMED_DQ builds on.
@@ -363,8 +367,8 @@ def _paired_place(step, common, both, W: gl.constexpr):
     the loader takes them. A walk starts with the `common` steps both tiles' lists hold (over all the group's heads,
     the same in both walks), one stage each, which both consumers read; then its own rest, the two rests one step of
     each in turn while both last (`both` steps each), then the longer rest. A consumer's next step is thus at most 2
-    places on, never a whole ring round: its wait on a stage's parity could not tell that round's load from the one
-    before (kernels/README.md, "Paired programs")."""
+    places on, at most one round of a ring of 2 or more stages on: two rounds on, its wait on a stage's parity could
+    not tell that round's load from the one before (kernels/README.md, "Paired programs")."""
     # Common steps (step < common) fall at `step`; a rest's step r = step - common at common + 2r + W while r < both,
     # at common + both + r after: in one expression, without branches (fewer registers live in the walk's loop).
     return step + gl.minimum(gl.maximum(step - common + W, 0), both)
@@ -806,11 +810,14 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch
                for t in (q, k, v, grad_out))
 
 
-def _tiling(block_kv: int) -> tuple:
-    """(paired, tile_keys, stages) for key blocks of block_kv keys: whether the programs are paired (block_kv not a
-    multiple of 128), the keys of the tiles K_DESC / V_DESC and TILE_ORDER hold, and the ring's stages."""
+def _tiling(block_kv: int, grouped: bool) -> tuple:
+    """(paired, tile_keys, stages) for key blocks of block_kv keys, GQA (grouped) or not: whether the programs are
+    paired (block_kv not a multiple of 128), the keys of the tiles K_DESC / V_DESC and TILE_ORDER hold, and the
+    ring's stages."""
     paired = block_kv % TILE_N != 0
-    return paired, CONSUMER_KEYS if paired else TILE_N, PAIRED_STAGES if paired else STAGES
+    if not paired:
+        return paired, TILE_N, STAGES
+    return paired, CONSUMER_KEYS, PAIRED_STAGES if grouped else PAIRED_MHA_STAGES
 
 
 def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_q: int, block_kv: int,
@@ -821,7 +828,7 @@ def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_
     batch, heads = q.shape[:2]
     kv_heads, seq_kv = k.shape[1], k.shape[2]
     ordered = ORDERED
-    paired, tile_keys, stages = _tiling(block_kv)
+    paired, tile_keys, stages = _tiling(block_kv, heads != kv_heads)
     summed = paired and PAIRED_COMMON_FIRST and PAIRED_SUMMED_DQ
     # (unordered, the kernel reads no order: q_count stands in for the pointer)
     order = cached_tile_order(q_count, kv_heads, block_kv // tile_keys) if ordered else q_count
@@ -959,7 +966,7 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     name = _GL_DTYPES[dtype][0]
-    paired, tile_keys, stages = _tiling(block_kv)
+    paired, tile_keys, stages = _tiling(block_kv, grouped)
     rows_desc, keys_desc = descriptor_signature(dtype, STEP_ROWS, dim), descriptor_signature(dtype, tile_keys, dim)
     descriptors = dict(Q_DESC=rows_desc, DO_DESC=rows_desc, K_DESC=keys_desc, V_DESC=keys_desc,
                        DQ_DESC=descriptor_signature(torch.float32, STEP_ROWS, CONSUMER_KEYS),
