@@ -77,9 +77,9 @@ ORDERED = True
 # tiles, one per consumer, whose q lists differ, so the consumers walk apart; the loader interleaves their steps in
 # one ring (a stage holds one consumer's step) and each consumer computes the dQ over its own keys for all of D. Its
 # ring stages: with two dQ tiles and two dS^T buffers (PAIRED_SUMMED_DQ), 3 stages fill 225.9 KiB at D = 128. That
-# is PAIRED_STAGES, GQA calls'; MHA calls take PAIRED_MHA_STAGES: 2 ran 1-4% faster than 3 at d=0.5 and 0.1 in three
-# rounds (B1 H24 S32k, 128x64, D=128), as fast at d=0.25, causal and D=64, while GQA 32/8 ran 0.5-2.5% slower
-# (thirty-sixth session).
+# is PAIRED_STAGES, GQA calls'; MHA calls take PAIRED_MHA_STAGES: 2 ran 1-3.5% faster than 3 at d=0.1 in four rounds
+# (B1 H24 S32k, 128x64, D=128), 2-4% faster at d=0.5 in three of them (0.4% slower in the fourth), as fast at d=0.25,
+# causal and D=64, while GQA 32/8 ran 0.5-2.5% slower (thirty-sixth session).
 PAIRED_STAGES = 3
 PAIRED_MHA_STAGES = 2
 # Whether a paired program's two walks start with the query blocks both its tiles keep (pair_lists), one ring stage
