@@ -41,9 +41,10 @@ tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_s
 ENABLED = True
 # Whether each consumer writes its rows of out through the TMA unit, staged in its half of Q's shared memory (free
 # once its last score product is done), rather than by pointer stores from the accumulator's layout, which
-# Nsight Compute counts as twice the sectors they need. Off until measured in rounds: 1.6-1.8% faster at d=0.1 with
-# either one timed first, but 1.5-4.8% slower at d=0.5 in three of four comparisons (BENCHMARKS.md, thirty-fifth
-# session; `benchmarks/ws_forward.py --o-through-tma`).
+# Nsight Compute counts as twice the sectors they need. Off until measured in more rounds: 1.6-1.8% faster at d=0.1
+# with either one timed first, but 1.5-4.8% slower at d=0.5 in three of four comparisons (thirty-fifth session); in
+# the thirty-sixth's two orders no slower at d=0.5 (0.2-0.7% faster, geometric mean), and at d=0.1 the one timed
+# second won by 2-8% either way (BENCHMARKS.md; `benchmarks/ws_forward.py --o-through-tma`).
 O_THROUGH_TMA = False
 # Query rows per consumer warpgroup (4 warps x 16 rows of a wgmma) and per program (two consumers).
 CONSUMER_ROWS = 64
