@@ -40,7 +40,8 @@ def _list_start(KV_COUNT, heads, stride_ch, BLOCK_KV: gl.constexpr, BLOCK_N: gl.
 
 @gluon.jit
 def _consumer(shared, HALF: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
+              STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
+              Q_IN_REGS: gl.constexpr):
     """Rows HALF*64 .. HALF*64+63 of the program's 128-row query block: the online softmax over its kv list."""
     (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out, Lse, KV_COUNT,
      KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq) = shared
@@ -60,6 +61,9 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.co
     acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
     q = q_smem.index(HALF)
+    if Q_IN_REGS:  # Q K^T's first operand from registers: the products then read only K from shared memory
+        mbarrier.wait(q_ready, 0)
+        q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
     # CAUSAL (overlap path only): the list is ascending and its last block is the diagonal one, whose tiles (the
     # last TILES of the walk) take the test key <= query; every other tile lies wholly below the diagonal
     rows = pid_m * (2 * HALF_M) + HALF * HALF_M + gl.arange(0, HALF_M, row_s)
@@ -144,7 +148,8 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.co
 
 @gluon.jit
 def _loader(shared, HALF: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-            STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
+            STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
+              Q_IN_REGS: gl.constexpr):
     """One warp: the query block's two halves, then each kept K and V tile into the ring (waits for a free stage)."""
     (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out, Lse, KV_COUNT,
      KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq) = shared
@@ -171,7 +176,7 @@ def gluon_fwd_kernel(Q_DESC, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX, scale
                      stride_ch, stride_ih, stride_iq,
                      BLOCK_KV: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                      OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     LOADER_REGS: gl.constexpr):
+                     LOADER_REGS: gl.constexpr, Q_IN_REGS: gl.constexpr = False):
     """Grid (S / 128, H): one 128-row query block of one head. Out bf16 [H*S, D], Lse fp32 [H*S]."""
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, HALF_M, HEAD_DIM], Q_DESC.layout)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], K_DESC.layout)
@@ -195,9 +200,9 @@ def gluon_fwd_kernel(Q_DESC, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX, scale
     shared = (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out, Lse,
               KV_COUNT, KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq)
     gl.warp_specialize([
-        (_consumer, (shared, FIRST, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
-        (_consumer, (shared, SECOND, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
-        (_loader, (shared, FIRST, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
+        (_consumer, (shared, FIRST, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, Q_IN_REGS)),
+        (_consumer, (shared, SECOND, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, Q_IN_REGS)),
+        (_loader, (shared, FIRST, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, Q_IN_REGS)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -207,7 +212,7 @@ def _layouts(block_n, dim):
 
 
 def gluon_forward(q, k, v, blocks, block_n=128, stages=2, overlap=True, pingpong=False, maxnreg=168, consumer_regs=240,
-                  loader_regs=24, causal=False):
+                  loader_regs=24, causal=False, q_in_regs=False):
     """q, k, v bf16 [1, H, S, D] contiguous; blocks: a BlockSparsity with 128-row query blocks (causal: square
     blocks, each list ending at its diagonal block)."""
     assert not causal or overlap, "causal: overlap path only"
@@ -228,12 +233,13 @@ def gluon_forward(q, k, v, blocks, block_n=128, stages=2, overlap=True, pingpong
         qd, kd, vd, out, lse, count, index, dim ** -0.5 * LOG2E.value, seq, heads,
         count.stride(1), index.stride(1), index.stride(2),
         BLOCK_KV=block_kv, BLOCK_N=block_n, HEAD_DIM=dim, STAGES=stages, OVERLAP=overlap, PINGPONG=pingpong,
-        CAUSAL=causal, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4, maxnreg=maxnreg)
+        CAUSAL=causal, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, Q_IN_REGS=q_in_regs, num_warps=4,
+        maxnreg=maxnreg)
     return out, lse
 
 
 def compile_only(dim, block_n, stages, overlap, pingpong=False, maxnreg=168, consumer_regs=240, loader_regs=24, block_kv=128,
-                 causal=False):
+                 causal=False, q_in_regs=False):
     """Compile for sm_90 without a GPU; returns the compiled kernel (n_regs, n_spills, asm)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -245,7 +251,7 @@ def compile_only(dim, block_n, stages, overlap, pingpong=False, maxnreg=168, con
                      heads="i32", stride_ch="i32", stride_ih="i32", stride_iq="i32")
     constants = dict(BLOCK_KV=block_kv, BLOCK_N=block_n, HEAD_DIM=dim, STAGES=stages, OVERLAP=overlap,
                      PINGPONG=pingpong, CAUSAL=causal,
-                     CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs)
+                     CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, Q_IN_REGS=q_in_regs)
     signature.update(dict.fromkeys(constants, "constexpr"))
     src = GluonASTSource(gluon_fwd_kernel, signature, constants)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
@@ -275,7 +281,9 @@ def main():
     parser.add_argument("--heads", type=int, default=24)
     parser.add_argument("--blocks", nargs="+", default=["128x128"])
     parser.add_argument("--variants", nargs="+", default=["128,3,1,0", "128,3,1,1", "128,3,0,1", "64,4,1,0"],
-                        help="BLOCK_N,stages,overlap,pingpong (a BLOCK_N wider than the key block is skipped)")
+                        help="BLOCK_N,stages,overlap,pingpong[,maxnreg,consumer_regs[,q_in_regs]] (a BLOCK_N wider than the key "
+                        "block is skipped; maxnreg 80 with consumer_regs 104 fits two programs a multiprocessor, "
+                        "at BLOCK_N 64 and D=64)")
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--causal", action="store_true", help="causal attention over the block-causal mask: the "
                         "package's forward with is_causal (the Triton kernel), FlexAttention with its full/partial "
@@ -283,13 +291,20 @@ def main():
     parser.add_argument("--package", action="store_true", help="also time the package's kernel (forward_ws) launched "
                         "directly and through blockattn.attention, beside this file's kernel")
     args = parser.parse_args()
-    variants = [tuple(int(x) for x in v.split(",")) for v in args.variants]
+    # BLOCK_N, stages, overlap, pingpong, maxnreg, consumer_regs (default: one program a multiprocessor), q_in_regs
+    variants = []
+    for v in args.variants:
+        given = tuple(int(x) for x in v.split(","))
+        variants.append(given + (168, 240, 0)[len(given) - 4:])
     if args.compile_only:
         for dim in args.dim:
-            for block_n, stages, overlap, pingpong in variants:
-                label = f"D={dim} BN={block_n} stages={stages} overlap={overlap} pingpong={pingpong}"
+            for block_n, stages, overlap, pingpong, maxnreg, consumer_regs, q_in_regs in variants:
+                label = (f"D={dim} BN={block_n} stages={stages} overlap={overlap} pingpong={pingpong} "
+                         f"regs={maxnreg}/{consumer_regs} q_in_regs={q_in_regs}")
                 try:
-                    kernel = compile_only(dim, block_n, stages, bool(overlap), bool(pingpong), causal=args.causal)
+                    kernel = compile_only(dim, block_n, stages, bool(overlap), bool(pingpong), maxnreg=maxnreg,
+                                          consumer_regs=consumer_regs, causal=args.causal,
+                                          q_in_regs=bool(q_in_regs))
                     print(f"{label}: {resource_usage(kernel)}", flush=True)
                 except Exception as error:
                     print(f"{label}: failed {type(error).__name__}: {str(error)[:2000]}", flush=True)
@@ -337,14 +352,16 @@ def main():
                         ms = _time_ms(fn)
                         print(f"{label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s, "
                               f"{times['flex'] / ms:.2f}x flex) max err {err:.1e}", flush=True)
-                for block_n, stages, overlap, pingpong in variants:
+                for block_n, stages, overlap, pingpong, maxnreg, consumer_regs, q_in_regs in variants:
                     if block[1] % block_n:
                         continue
-                    label = f"gluon BN={block_n} stages={stages} overlap={overlap} pingpong={pingpong}"
+                    label = (f"gluon BN={block_n} stages={stages} overlap={overlap} pingpong={pingpong} "
+                             f"regs={maxnreg}/{consumer_regs} q_in_regs={q_in_regs}")
                     if args.causal and not overlap:
                         continue
                     run = (lambda: gluon_forward(q, k, v, blocks, block_n, stages, bool(overlap), bool(pingpong),
-                                                 causal=args.causal))
+                                                 maxnreg=maxnreg, consumer_regs=consumer_regs, causal=args.causal,
+                                                 q_in_regs=bool(q_in_regs)))
                     try:
                         out, lse = run()
                         err = (out.float() - expected.float()).abs().max().item()

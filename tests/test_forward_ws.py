@@ -236,6 +236,22 @@ def test_against_the_oracle_with_empty_rows(case, poisoned, warp_specialized_cal
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv))
 
 
+@pytest.mark.parametrize("case", ["128x64 fp16, query tail", "short query tail", "bshd layout"])
+def test_out_through_the_tma_unit_against_the_oracle(case, monkeypatch, poisoned, warp_specialized_calls):
+    """O_THROUGH_TMA on (off by default, when the kernel takes no descriptor of out): each consumer's rows of out
+    stored by one TMA copy, which leaves out the rows past Sq of a query tail, into a bhsd or bshd out."""
+    monkeypatch.setattr(forward_ws, "O_THROUGH_TMA", True)
+    batch, heads, kv_heads, seq_q, seq_kv, block, dtype, layout = CASES[case]
+    heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
+    q, k, v = qkv(batch, heads, seq_q, 128, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    keep = _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, 0.4, halfway_last=False)
+    out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, backend="triton")
+    assert warp_specialized_calls == _expected_calls(forward_ws.Plan(128 if block[1] % 128 == 0 else 64))
+    check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv))
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_backward_through_its_output_and_lse(is_causal, warp_specialized_calls):
     batch, heads, seq = (2, 4, 1024) if ON_GPU else (1, 2, 256)

@@ -336,8 +336,8 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with boxes [1, 1, 64, D] / [1, 1, SUB_N, D]; KV_COUNT int32
     [Bm, Hm, nq], KV_INDEX int32 [Bm, Hm, nq, L] (size-1 mask dims with stride 0), every listed block's keys below
     Sk (CAUSAL: the lists of BlockSparsity.causal(), ascending); Out [B, H, Sq, D] (last dim contiguous), Lse
-    fp32 [B, H, Sq] (last dim contiguous); O_DESC: a descriptor of Out with Q_DESC's boxes, through which the rows
-    go when O_THROUGH_TMA (else Out's pointer). EMULATE_EXP2: see _exp2."""
+    fp32 [B, H, Sq] (last dim contiguous); O_DESC: when O_THROUGH_TMA, a descriptor of Out with Q_DESC's boxes,
+    through which the rows go (else None, and Out's pointer takes them). EMULATE_EXP2: see _exp2."""
     q_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2] + Q_DESC.block_type.shape, Q_DESC.layout)
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
     # a stage: one [128, D] key tile, which the loader fills with 128 // SUB_N boxes of SUB_N keys (_sub_tile)
@@ -447,7 +447,7 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
 
     def arguments():
         descriptors = dict(Q_DESC=host_descriptor(q, CONSUMER_ROWS), K_DESC=host_descriptor(k, chosen.sub_n),
-                           V_DESC=host_descriptor(v, chosen.sub_n), O_DESC=host_descriptor(out, CONSUMER_ROWS))
+                           V_DESC=host_descriptor(v, chosen.sub_n))
         static = dict(
             scale_log2=scale_log2, seq_q=seq_q, heads=heads, group_size=heads // k.shape[1],
             # the lists' size-1 batch and head dims broadcast: stride 0
@@ -455,12 +455,18 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
             **stride_args("l", lse, "bh"), BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=chosen.sub_n,
             STAGES=STAGES[dim], EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, CAUSAL=chosen.causal,
             CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, O_THROUGH_TMA=O_THROUGH_TMA)
+        # O_DESC only when out goes through the TMA unit; else None: no descriptor to build or encode on relaunches
+        if O_THROUGH_TMA:
+            descriptors["O_DESC"] = host_descriptor(out, CONSUMER_ROWS)
+        else:
+            static["O_DESC"] = None
         return (triton.cdiv(seq_q, TILE_Q), *launch.batch_head_axes(batch, heads)), descriptors, static
+    tensors = dict(Q_DESC=q, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index)
+    if O_THROUGH_TMA:
+        tensors["O_DESC"] = out
     launch_warp_specialized(attention_fwd_ws_kernel,
                             (block_q, block_kv, scale_log2, chosen, STAGES[dim], dim in EMULATED_EXP2_DIMS,
-                             O_THROUGH_TMA),
-                            dict(Q_DESC=q, K_DESC=k, V_DESC=v, O_DESC=out, Out=out, Lse=lse, KV_COUNT=kv_count,
-                                 KV_INDEX=kv_index), arguments)
+                             O_THROUGH_TMA), tensors, arguments)
 
 
 def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
@@ -495,6 +501,8 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
                      EMULATE_EXP2=dim in EMULATED_EXP2_DIMS if emulate_exp2 is None else emulate_exp2,
                      O_THROUGH_TMA=O_THROUGH_TMA if o_through_tma is None else o_through_tma)
+    if not constants["O_THROUGH_TMA"]:
+        constants["O_DESC"] = None  # as a launch passes it
     signature = {}
     for param in attention_fwd_ws_kernel.params:
         if param.name in constants:
