@@ -10,6 +10,12 @@ session). Contiguous bf16 [1, H, S, D] inputs, S a multiple of 128, no element t
     python benchmarks/exp_gluon_fwd.py --dim 128 --density 0.25          # on the GPU: check and time
     python benchmarks/exp_gluon_fwd.py --compile-only                     # no GPU: compile for sm_90, print usage
     python benchmarks/exp_gluon_fwd.py --causal --density 0.5 --variants 128,3,1,0 64,4,1,0   # causal (untimed yet)
+    python benchmarks/exp_gluon_fwd.py --dim 64 --variants 128,4,1,0 64,4,0,0,80,104   # two programs a multiprocessor
+    python benchmarks/exp_gluon_fwd.py --dim 64 --variants 128,4,1,0,168,240,1        # Q K^T's Q from registers
+
+Q_IN_REGS: each consumer loads its Q rows into registers once, as Q K^T's first operand, so the products read only
+K from shared memory. At BLOCK_N 64 with 104 registers (and a spill) it gave wrong outputs on the H200 (thirty-seventh
+session, not looked into); at BLOCK_N 128 with 240 it equalled the shared-memory operand bit for bit.
 """
 
 import argparse
@@ -238,8 +244,8 @@ def gluon_forward(q, k, v, blocks, block_n=128, stages=2, overlap=True, pingpong
     return out, lse
 
 
-def compile_only(dim, block_n, stages, overlap, pingpong=False, maxnreg=168, consumer_regs=240, loader_regs=24, block_kv=128,
-                 causal=False, q_in_regs=False):
+def compile_only(dim, block_n, stages, overlap, pingpong=False, maxnreg=168, consumer_regs=240, loader_regs=24,
+                 block_kv=128, causal=False, q_in_regs=False):
     """Compile for sm_90 without a GPU; returns the compiled kernel (n_regs, n_spills, asm)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -281,9 +287,9 @@ def main():
     parser.add_argument("--heads", type=int, default=24)
     parser.add_argument("--blocks", nargs="+", default=["128x128"])
     parser.add_argument("--variants", nargs="+", default=["128,3,1,0", "128,3,1,1", "128,3,0,1", "64,4,1,0"],
-                        help="BLOCK_N,stages,overlap,pingpong[,maxnreg,consumer_regs[,q_in_regs]] (a BLOCK_N wider than the key "
-                        "block is skipped; maxnreg 80 with consumer_regs 104 fits two programs a multiprocessor, "
-                        "at BLOCK_N 64 and D=64)")
+                        help="BLOCK_N,stages,overlap,pingpong[,maxnreg,consumer_regs[,q_in_regs]] (a BLOCK_N wider "
+                        "than the key block is skipped; maxnreg 80 with consumer_regs 104 fits two programs a "
+                        "multiprocessor, at BLOCK_N 64 and D=64)")
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--causal", action="store_true", help="causal attention over the block-causal mask: the "
                         "package's forward with is_causal (the Triton kernel), FlexAttention with its full/partial "
