@@ -3,8 +3,9 @@
 One program takes a 128-row query tile of one (batch, head). A loader warp reads the tile's two 64-row halves of Q
 and then each kept key tile's K and V into a ring of shared-memory stages through TMA; two consumer warpgroups each
 own one half, with their scores and accumulator in registers (wgmma). Each consumer issues a key tile's Q K^T
-together with the previous tile's P V and computes the softmax of the new scores while that P V still runs
-(kernels/README.md, "The warp-specialized forward"). Measured on the H200 at B1 H24 S32768 D128, density 0.25, 128x128
+together with the previous tile's P V and computes the softmax of the new scores before it waits for that P V (in
+source order: ptxas moves that wait above the exponentials, which measured no slower than keeping it below them;
+kernels/README.md, "The warp-specialized forward"). Measured on the H200 at B1 H24 S32768 D128, density 0.25, 128x128
 blocks: 5.33 ms against about 6.1 ms for the Triton forward and 7.82 ms for FlexAttention (BENCHMARKS.md, fifteenth
 session; the figures move by up to 7% with what ran just before, through the GPU's power limit).
 
