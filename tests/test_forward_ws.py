@@ -202,15 +202,22 @@ def _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, density, halfway_la
     return keep
 
 
-@pytest.mark.parametrize("case", list(CAUSAL_CASES))
-def test_causal_against_the_oracle(case, poisoned, warp_specialized_calls):
-    """Causal calls, with rows that see no key inside a tile whose other rows do (the last query block keeps one
-    key block, which starts halfway down it) and a query block that keeps nothing."""
-    batch, heads, kv_heads, seq_q, seq_kv, block, dtype, layout = CAUSAL_CASES[case]
+def _case_inputs(cases: dict, case: str):
+    """(batch, heads, seq_q, seq_kv, block, q, k, v) of a table's case at D=128 (shrunk under the interpreter),
+    q, k and v in the case's layout."""
+    batch, heads, kv_heads, seq_q, seq_kv, block, dtype, layout = cases[case]
     heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
     q, k, v = qkv(batch, heads, seq_q, 128, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    return batch, heads, seq_q, seq_kv, block, q, k, v
+
+
+@pytest.mark.parametrize("case", list(CAUSAL_CASES))
+def test_causal_against_the_oracle(case, poisoned, warp_specialized_calls):
+    """Causal calls, with rows that see no key inside a tile whose other rows do (the last query block keeps one
+    key block, which starts halfway down it) and a query block that keeps nothing."""
+    batch, heads, seq_q, seq_kv, block, q, k, v = _case_inputs(CAUSAL_CASES, case)
     keep = _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, 0.6, halfway_last=True)
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=True, backend="triton")
     assert warp_specialized_calls == _expected_calls(forward_ws.Plan(128 if block[1] % 128 == 0 else 64, True))
@@ -241,11 +248,7 @@ def test_out_through_the_tma_unit_against_the_oracle(case, monkeypatch, poisoned
     """O_THROUGH_TMA on (off by default, when the kernel takes no descriptor of out): each consumer's rows of out
     stored by one TMA copy, which leaves out the rows past Sq of a query tail, into a bhsd or bshd out."""
     monkeypatch.setattr(forward_ws, "O_THROUGH_TMA", True)
-    batch, heads, kv_heads, seq_q, seq_kv, block, dtype, layout = CASES[case]
-    heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
-    q, k, v = qkv(batch, heads, seq_q, 128, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
-    if layout == "bshd":
-        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    batch, heads, seq_q, seq_kv, block, q, k, v = _case_inputs(CASES, case)
     keep = _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, 0.4, halfway_last=False)
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, backend="triton")
     assert warp_specialized_calls == _expected_calls(forward_ws.Plan(128 if block[1] % 128 == 0 else 64))
