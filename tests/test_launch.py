@@ -392,6 +392,8 @@ def test_warp_specialized_launchers_pass_every_parameter_by_name(monkeypatch, pl
     options = {name: kwargs.pop(name) for name in list(kwargs) if name not in kernel_fn.arg_names}
     assert set(kwargs) == set(kernel_fn.arg_names)
     assert kwargs["CAUSAL"] is True and kwargs["BLOCK_Q"] == 128
+    if which == "forward":  # out by pointer stores (O_THROUGH_TMA off): no descriptor of it built or passed
+        assert not forward_ws.O_THROUGH_TMA and kwargs["O_DESC"] is None and kwargs["Out"] is q
     assert options.pop("num_warps") == 4 and options.pop("maxnreg") == forward_ws.MAX_REGS
     assert options == ({"num_ctas": 1, "num_stages": 3, "enable_fp_fusion": True} if plans else {}), options
 
