@@ -155,7 +155,7 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.co
 @gluon.jit
 def _loader(shared, HALF: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
             STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
-              Q_IN_REGS: gl.constexpr):
+            Q_IN_REGS: gl.constexpr):
     """One warp: the query block's two halves, then each kept K and V tile into the ring (waits for a free stage)."""
     (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out, Lse, KV_COUNT,
      KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq) = shared
