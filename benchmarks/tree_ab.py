@@ -17,7 +17,7 @@ from blockattn.bench import Case, _inputs, _time_ms, block_mask
 from ws_backward import SUITES as WS_SUITES
 
 # ws_backward.py's cases, but a shorter D=64 set (each tree runs every case three times)
-SUITES = {**{name: WS_SUITES[name] for name in ("design", "gqa", "short", "causal")},
+SUITES = {**{name: WS_SUITES[name] for name in ("design", "gqa", "short", "causal", "paired")},
           "d64": [Case(dim=64, density=d) for d in (0.5, 0.1)]
           + [Case(dim=64, heads=32, kv_heads=8, seq=16384, density=0.25)]}
 

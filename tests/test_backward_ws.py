@@ -244,6 +244,84 @@ def test_tile_order_is_kept_per_lists_tensor():
     assert len(backward_ws._TILE_ORDERS) < entries
 
 
+def _union_steps(q_count, q_index, order, tiles_per_block) -> int:
+    """The paired programs' steps over all tiles: both walks, the steps common to a program's two tiles once."""
+    counts, _ = backward_ws.pair_lists(q_count, q_index, order, tiles_per_block)
+    return int(counts[..., 0].sum()) - int(counts[..., 1].sum()) // 2
+
+
+@pytest.mark.parametrize("batch, heads, kv_heads", [(2, 2, 2), (1, 6, 2), (2, 1, 3)])
+def test_paired_tile_order_matches_tiles_whose_lists_agree(batch, heads, kv_heads, monkeypatch):
+    """paired_tile_order: with the key blocks made into twins (two blocks whose q lists are equal in every query head
+    of a kv head's group, random otherwise), each program takes a pair of twins; the programs come longest walk first
+    (the longer of a program's two walks, summed over the group), within a program the longer walk first; each
+    (batch, kv head)'s row is a permutation of its tiles. (heads 1: one mask for all heads.)"""
+    monkeypatch.setattr(backward_ws, "PAIR_MIN_TILES", 2)
+    gen = torch.Generator().manual_seed(batch * 100 + heads * 10 + kv_heads)
+    nq, nk = 24, 16
+    keep = torch.rand(batch, heads, nq, nk, generator=gen) < 0.5
+    twin = torch.empty(batch, nk, dtype=torch.long)
+    for b in range(batch):  # a random pairing of the key blocks, the same for every head
+        perm = torch.randperm(nk, generator=gen)
+        twin[b, perm[0::2]], twin[b, perm[1::2]] = perm[1::2], perm[0::2]
+        keep[b, :, :, perm[1::2]] = keep[b, :, :, perm[0::2]]
+    q_count, q_index = blockattn.sparsity.build_lists(keep.transpose(-1, -2))
+    order = backward_ws.paired_tile_order(q_count, q_index, kv_heads, 1)
+    rows = 1 if heads == 1 else kv_heads
+    assert order.dtype == torch.int32 and order.shape == (batch, rows, nk)
+    assert (order.sort(-1).values == torch.arange(nk, dtype=torch.int32)).all()
+    first, second = order[..., 0::2].long(), order[..., 1::2].long()
+    assert (twin.unsqueeze(1).expand(batch, rows, nk).gather(-1, first) == second).all(), "tiles not twins"
+    walks = q_count.long().reshape(batch, rows, -1, nk).sum(2)
+    longer = walks.gather(-1, first)
+    assert (longer >= walks.gather(-1, second)).all()
+    assert (longer[..., 1:] <= longer[..., :-1]).all()
+
+
+def test_paired_tile_order_pairs_a_blocks_own_tiles_and_keeps_neighbours_outside_its_range(monkeypatch):
+    """Two 64-key tiles of one key block (128x128 lists read as 64-key tiles) list the same query blocks, so each
+    program takes one block's two tiles; with fewer tiles than PAIR_MIN_TILES, or more than PAIR_MAX_TILES, the
+    order is tile_order's."""
+    gen = torch.Generator().manual_seed(4)
+    keep = torch.rand(2, 4, 12, 8, generator=gen) < 0.5
+    q_count, q_index = blockattn.sparsity.build_lists(keep.transpose(-1, -2))
+    monkeypatch.setattr(backward_ws, "PAIR_MIN_TILES", 2)
+    order = backward_ws.paired_tile_order(q_count, q_index, 4, 2)
+    assert (order[..., 0::2] // 2 == order[..., 1::2] // 2).all()
+    for low, high in ((17, 4096), (2, 15)):
+        monkeypatch.setattr(backward_ws, "PAIR_MIN_TILES", low)
+        monkeypatch.setattr(backward_ws, "PAIR_MAX_TILES", high)
+        assert torch.equal(backward_ws.paired_tile_order(q_count, q_index, 2, 2),
+                           backward_ws.tile_order(q_count, 2, 2))
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2)])
+def test_paired_tile_order_shares_more_steps_than_neighbours(heads, kv_heads):
+    """On random masks of density 0.1 at the default settings (256 tiles a kv head), matching tiles by shared query
+    blocks leaves the paired programs fewer steps than tile_order's neighbours (which share by chance only), and
+    every tile walks in exactly one program."""
+    gen = torch.Generator().manual_seed(heads + kv_heads)
+    keep = torch.rand(1, heads, 64, 256, generator=gen) < 0.1
+    q_count, q_index = blockattn.sparsity.build_lists(keep.transpose(-1, -2))
+    matched = backward_ws.paired_tile_order(q_count, q_index, kv_heads, 1)
+    neighbours = backward_ws.tile_order(q_count, kv_heads, 1)
+    assert (matched.sort(-1).values == torch.arange(256, dtype=torch.int32)).all()
+    total = int(q_count.sum())
+    with_matching = _union_steps(q_count, q_index, matched, 1)
+    assert with_matching < 0.97 * _union_steps(q_count, q_index, neighbours, 1) <= 0.97 * total
+
+
+def test_paired_tile_order_is_kept_per_lists_and_settings(monkeypatch):
+    """cached_paired_tile_order computes a lists pair's order once, again when the matching's settings change."""
+    monkeypatch.setattr(backward_ws, "PAIR_MIN_TILES", 2)
+    keep = torch.rand(1, 2, 6, 8, generator=torch.Generator().manual_seed(2)) < 0.5
+    q_count, q_index = blockattn.sparsity.build_lists(keep.transpose(-1, -2))
+    first = backward_ws.cached_paired_tile_order(q_count, q_index, 2, 1)
+    assert backward_ws.cached_paired_tile_order(q_count, q_index, 2, 1) is first
+    monkeypatch.setattr(backward_ws, "PAIR_BALANCE", 3.0)
+    assert backward_ws.cached_paired_tile_order(q_count, q_index, 2, 1) is not first
+
+
 # ---------------------------------------------------------------- against the oracle
 
 CASES = {
@@ -396,6 +474,27 @@ def test_gradients_with_tiles_longest_first(case, poisoned, warp_specialized_cal
     tile_order, for one mask shared by all heads and masks per head, two tiles a key block and one."""
     monkeypatch.setattr(backward_ws, "ORDERED", True)
     test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls)
+
+
+@pytest.mark.parametrize("case", ["128x64 bf16", "128x64 gqa fp16, query tail", "one mask, batch 2, 64x64 gqa",
+                                  "d64 64x64 gqa", "128x192, query tail", "128x64 causal gqa"])
+def test_gradients_with_tiles_matched_by_shared_blocks(case, poisoned, warp_specialized_calls, monkeypatch):
+    """As above with the paired programs' tiles matched by the query blocks they share (paired_tile_order, which the
+    test shapes are too short for at the default PAIR_MIN_TILES): a program's two tiles are then not neighbours,
+    and on Hopper the kernel ran with that order."""
+    monkeypatch.setattr(backward_ws, "PAIR_MIN_TILES", 2)
+    orders = []
+    make = backward_ws.paired_tile_order
+
+    def spy(*args):
+        orders.append(make(*args))
+        return orders[-1]
+    monkeypatch.setattr(backward_ws, "paired_tile_order", spy)
+    test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls)
+    on_hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+    assert len(orders) == on_hopper
+    if orders and not case.endswith("causal gqa"):  # (causal lists: a block's own two tiles agree best)
+        assert (orders[0][..., 1::2] - orders[0][..., 0::2]).abs().ne(1).any(), "every pair neighbours"
 
 
 def _gradients_meet_the_oracle(q, k, v, keep, block, seq, seed, warp_specialized_calls) -> tuple:

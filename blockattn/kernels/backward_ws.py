@@ -12,6 +12,7 @@ dK and dV through the TMA unit. Key blocks of 64 keys (128x64, 64x64, or an odd 
 two 64-key tiles, one per consumer, each with its own walk (over all the group's heads for GQA): first the query
 blocks both tiles keep (common steps: one load for both consumers, who meet there and add dQ over both tiles' 128
 keys once, SUMMED_DQ), then each tile's rest, the two rests interleaved in the ring, dQ over each consumer's own keys.
+A program's two tiles are matched by the query blocks they share (PAIR_BY_SHARED, paired_tile_order).
 Five tile products per step, against seven for the Triton kernels' deterministic dQ walk (kernels/README.md, "The
 warp-specialized backward"). Measured on the H200 at B1 H24 S32768 D128,
 density 0.25, 128x128 blocks: 15.64 ms against 20.28 for the Triton backward and 21.64 for FlexAttention's
@@ -92,6 +93,24 @@ PAIRED_COMMON_FIRST = True
 # Measured against no common steps (twenty-eighth session, B1 H24 S32k): causal 1.26x at D=128, 1.14x at D=64;
 # random masks 1.04x / 1.06x / 1.00x at d=0.5 / 0.25 / 0.1, GQA 32/8 0.99x.
 PAIRED_SUMMED_DQ = True
+# Whether a paired program's two tiles are matched by the query blocks their lists share (paired_tile_order) rather
+# than taken as neighbours in tile_order: each shared block is a common step, loaded once and its dQ added once, and
+# at d=0.1 the paired backward is bound by those loads and adds in L2 (thirty-sixth session). On the benchmarks'
+# random masks at 128x64, B1 H24 S32k, matching takes a program's shared blocks from 2.6 to 6.5 at d=0.1 (16 to 23
+# at 0.25, 64 to 71 at 0.5) and all programs' steps (both walks, common ones once) down by 8.1% / 6.3% / 3.4%, and
+# the backward ran 2.9% / 3.0% / 0.7% faster (thirty-eighth session; GQA 32/8 S16k 0.7%, D=64 0.6%). PAIR_BALANCE:
+# what a step of difference between the two walks' lengths costs against a shared block (the shorter walk's
+# consumer idles at the end): 0 ran as fast at d=0.1, 1.7% faster at 0.25 and 5.8% slower with GQA; 1 ran slower
+# than 0.5 in every random-mask case. PAIR_ROUNDS: rounds of the matching (16 were no faster than 8), after which
+# unmatched tiles pair as tile_order puts them.
+PAIR_BY_SHARED = True
+PAIR_BALANCE = 0.5
+PAIR_ROUNDS = 8
+# The matching costs about 2-4 ms of host time (its rounds' small launches) where the lists are new, and its scores
+# take (tiles per (batch, kv head))^2 floats: it runs from PAIR_MIN_TILES tiles (Sk = 16k at 64-key tiles), where a
+# backward takes milliseconds, to PAIR_MAX_TILES (256k); outside, programs keep tile_order's neighbours.
+PAIR_MIN_TILES = 256
+PAIR_MAX_TILES = 4096
 
 _ROWS = gl.constexpr(STEP_ROWS)
 _KEYS = gl.constexpr(CONSUMER_KEYS)
@@ -830,8 +849,11 @@ def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_
     ordered = ORDERED
     paired, tile_keys, stages = _tiling(block_kv, heads != kv_heads)
     summed = paired and PAIRED_COMMON_FIRST and PAIRED_SUMMED_DQ
-    # (unordered, the kernel reads no order: q_count stands in for the pointer)
-    order = cached_tile_order(q_count, kv_heads, block_kv // tile_keys) if ordered else q_count
+    order = q_count  # (unordered, the kernel reads no order: q_count stands in for the pointer)
+    if ordered and paired and PAIR_BY_SHARED:
+        order = cached_paired_tile_order(q_count, q_index, kv_heads, block_kv // tile_keys)
+    elif ordered:
+        order = cached_tile_order(q_count, kv_heads, block_kv // tile_keys)
     if paired:  # per-tile lists, the steps both tiles of a program list first
         q_count, q_index = cached_pair_lists(q_count, q_index, order if ordered else None, kv_heads,
                                              block_kv // tile_keys)
@@ -871,10 +893,83 @@ def tile_order(q_count: torch.Tensor, kv_heads: int, tiles_per_block: int) -> to
     return torch.argsort(counts, dim=-1, descending=True, stable=True).to(torch.int32)
 
 
+def paired_tile_order(q_count: torch.Tensor, q_index: torch.Tensor, kv_heads: int,
+                      tiles_per_block: int) -> torch.Tensor:
+    """int32 [Bm, Hkv or 1, T]: tile_order's layout for paired programs (T = nk * tiles_per_block 64-key tiles),
+    whose entries 2p and 2p + 1 are program p's two tiles, matched by the query blocks their lists share (summed over
+    the query heads sharing the kv head), less PAIR_BALANCE a step of difference in their walks' lengths; programs
+    longest walk first. q_count int32 [Bm, Hm, nk], q_index int32 [Bm, Hm, nk, C] (build_lists'). Each of
+    PAIR_ROUNDS rounds pairs the unmatched tiles that are each other's best unmatched partner (a greedy matching's
+    parallel form, with no host synchronization); tiles still unmatched then pair as tile_order puts them, as do all
+    below PAIR_MIN_TILES tiles or past PAIR_MAX_TILES."""
+    batch, heads, blocks = q_count.shape
+    tiles = blocks * tiles_per_block
+    if not PAIR_MIN_TILES <= tiles <= PAIR_MAX_TILES:
+        return tile_order(q_count, kv_heads, tiles_per_block)
+    device = q_count.device
+    group = heads // kv_heads if heads > 1 else 1
+    columns = q_index.shape[-1]
+    # membership [Bm * kv heads, nk, group * C]: whether each query head of the group lists each query block
+    listed = torch.arange(columns, device=device) < q_count.unsqueeze(-1)
+    member = torch.zeros(batch, heads, blocks, columns + 1, device=device,
+                         dtype=torch.float16 if device.type == "cuda" else torch.float32)  # sums exact to 2048
+    member.scatter_(-1, torch.where(listed, q_index, columns).long(), 1.0)
+    member = member[..., :columns].reshape(batch, heads // group, group, blocks, columns).transpose(2, 3)
+    member = member.reshape(-1, blocks, group * columns)
+    walks = q_count.long().reshape(batch, heads // group, group, blocks).sum(2).reshape(-1, blocks)
+    walks = walks.repeat_interleave(tiles_per_block, dim=-1)
+    places = torch.arange(tiles, device=device)
+    # a symmetric tie-break below the scores' step (0.5 at PAIR_BALANCE 0.5), so that ties have a mutual best
+    spread = places[:, None] + places[None, :], (places[:, None] - places[None, :]).abs()
+    tie_break = torch.frac(spread[0] * 0.6180339887 + spread[1] * 0.7548776662) * 0.25
+    chunk = max(1, 2 ** 24 // tiles ** 2)  # (batch, kv head)s a step: their scores take at most 64 MiB
+    orders = []
+    for start in range(0, member.shape[0], chunk):
+        part = member[start:start + chunk]
+        walk = walks[start:start + chunk].float()
+        shared = (part @ part.transpose(1, 2)).float()
+        shared = shared.repeat_interleave(tiles_per_block, 1).repeat_interleave(tiles_per_block, 2)
+        score = shared - PAIR_BALANCE * (walk[:, :, None] - walk[:, None, :]).abs() + tie_break
+        score.diagonal(dim1=1, dim2=2).fill_(-torch.inf)
+        orders.append(_pairs_longest_first(_mutual_best(score, PAIR_ROUNDS), walk))
+    return torch.cat(orders).reshape(batch, heads // group, tiles).to(torch.int32)
+
+
+def _mutual_best(score: torch.Tensor, rounds: int) -> torch.Tensor:
+    """int64 [N, T]: each tile's partner, -1 if none, after `rounds` rounds in which tiles that are each other's best
+    by score (float [N, T, T], symmetric, -inf on the diagonal; overwritten) among the unmatched pair up."""
+    places = torch.arange(score.shape[-1], device=score.device)
+    partner = torch.full(score.shape[:2], -1, dtype=torch.long, device=score.device)
+    for _ in range(rounds):
+        best_score, best = score.max(-1)
+        mutual = (best.gather(-1, best) == places) & (best_score > -torch.inf)
+        partner = torch.where(mutual, best, partner)
+        score.masked_fill_(mutual[:, :, None] | mutual[:, None, :], -torch.inf)  # out of later rounds
+    return partner
+
+
+def _pairs_longest_first(partner: torch.Tensor, walk: torch.Tensor) -> torch.Tensor:
+    """int64 [N, T]: the pairs of partner ([N, T], -1 for unmatched tiles, which pair here with their neighbours in
+    order of walk) as consecutive entries, the pair whose longer walk (walk float [N, T]) is longest first; in a
+    pair the longer walk first (ties: the lower tile)."""
+    tiles = partner.shape[-1]
+    places = torch.arange(tiles, device=partner.device)
+    unmatched = partner < 0
+    ranked = torch.argsort(torch.where(unmatched, -walk, torch.inf), dim=-1, stable=True)  # unmatched first
+    neighbour = torch.empty_like(partner).scatter_(-1, ranked, ranked.gather(-1, places.expand_as(ranked) ^ 1))
+    partner = torch.where(unmatched, neighbour, partner)
+    other = walk.gather(-1, partner)
+    leads = (walk > other) | ((walk == other) & (places < partner))
+    pair_rank = torch.where(leads, -torch.maximum(walk, other), torch.inf)
+    leaders = torch.argsort(pair_rank, dim=-1, stable=True)[:, :tiles // 2]
+    return torch.stack((leaders, partner.gather(-1, leaders)), dim=-1).reshape(partner.shape)
+
+
 # tile_order's and pair_lists' results by ((id, version) of each lists tensor, the call's terms): (weak reference to
 # q_count, result) (_kept_per_lists). Lists are made once and used by many calls (every layer of a model, every step
 # of a mask that stays); an entry goes with its q_count.
 _TILE_ORDERS: dict = {}
+_PAIRED_ORDERS: dict = {}
 _PAIR_LISTS: dict = {}
 
 
@@ -882,6 +977,14 @@ def cached_tile_order(q_count: torch.Tensor, kv_heads: int, tiles_per_block: int
     """tile_order(q_count, ...), computed once per lists tensor (_kept_per_lists)."""
     return _kept_per_lists(_TILE_ORDERS, (q_count, ), (kv_heads, tiles_per_block),
                            lambda: tile_order(q_count, kv_heads, tiles_per_block))
+
+
+def cached_paired_tile_order(q_count: torch.Tensor, q_index: torch.Tensor, kv_heads: int,
+                             tiles_per_block: int) -> torch.Tensor:
+    """paired_tile_order(q_count, q_index, ...), computed once per lists tensors (_kept_per_lists)."""
+    return _kept_per_lists(_PAIRED_ORDERS, (q_count, q_index),
+                           (kv_heads, tiles_per_block, PAIR_BALANCE, PAIR_ROUNDS, PAIR_MIN_TILES, PAIR_MAX_TILES),
+                           lambda: paired_tile_order(q_count, q_index, kv_heads, tiles_per_block))
 
 
 def _kept_per_lists(table: dict, lists: tuple, terms: tuple, compute):
@@ -942,9 +1045,10 @@ def pair_lists(q_count: torch.Tensor, q_index: torch.Tensor, order: Optional[tor
 def cached_pair_lists(q_count: torch.Tensor, q_index: torch.Tensor, order: Optional[torch.Tensor], kv_heads: int,
                       tiles_per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """pair_lists(..., PAIRED_COMMON_FIRST), computed once per lists tensors (_kept_per_lists). The order comes from
-    q_count and kv_heads, which the cache key therefore holds."""
+    the lists, kv_heads and the pairing's settings, which the cache key therefore holds."""
     return _kept_per_lists(_PAIR_LISTS, (q_count, q_index),
-                           (order is None, kv_heads, tiles_per_block, PAIRED_COMMON_FIRST),
+                           (order is None, kv_heads, tiles_per_block, PAIRED_COMMON_FIRST, PAIR_BY_SHARED,
+                            PAIR_BALANCE, PAIR_ROUNDS, PAIR_MIN_TILES, PAIR_MAX_TILES),
                            lambda: pair_lists(q_count, q_index, order, tiles_per_block, PAIRED_COMMON_FIRST))
 
 
