@@ -4,6 +4,7 @@ On a machine without CUDA the kernels run under Triton's interpreter (TRITON_INT
 blockattn's kernels are imported) at small sizes; on a GPU the same tests run at full size.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -303,3 +304,21 @@ def interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block):
     if ON_GPU:
         return heads, kv_heads, seq_q, seq_kv
     return min(heads, 2 * kv_heads, 4), min(kv_heads, 2), 2 * block[0] + seq_q % block[0], 2 * block[1]
+
+
+@contextlib.contextmanager
+def no_host_reads(monkeypatch):
+    """Fails any read of a tensor's values back to the host: CUDA's sync debug mode on a GPU; on the CPU, where
+    nothing synchronizes, the reads themselves (Tensor.item, Tensor.tolist) are made to fail."""
+    if ON_GPU:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return
+    with monkeypatch.context() as patch:
+        for name in ("item", "tolist"):
+            patch.setattr(torch.Tensor, name, lambda self, name=name: pytest.fail(f"Tensor.{name} read a value"))
+        yield

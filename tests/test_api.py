@@ -7,7 +7,7 @@ import torch
 
 import blockattn
 from blockattn.api import resolve_backend
-from conftest import DEVICE, ON_GPU, qkv
+from conftest import DEVICE, ON_GPU, no_host_reads, qkv
 
 
 def base():
@@ -165,24 +165,6 @@ def test_the_kernels_launch_with_the_inputs_gpu_current(monkeypatch):
     out, lse = blockattn.attention(q, k, v, None, (32, 32), return_lse=True, backend="triton")
     blockattn.attention_backward(torch.ones_like(out), q, k, v, out, lse, None, (32, 32), backend="triton")
     assert devices == [q.device, q.device], "the forward and the backward launch under the guard"
-
-
-@contextlib.contextmanager
-def no_host_reads(monkeypatch):
-    """Fails any read of a tensor's values back to the host: CUDA's sync debug mode on a GPU; on the CPU, where
-    nothing synchronizes, the reads themselves (Tensor.item, Tensor.tolist) are made to fail."""
-    if ON_GPU:
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        return
-    with monkeypatch.context() as patch:
-        for name in ("item", "tolist"):
-            patch.setattr(torch.Tensor, name, lambda self, name=name: pytest.fail(f"Tensor.{name} read a value"))
-        yield
 
 
 @pytest.mark.parametrize("is_causal", [False, True])

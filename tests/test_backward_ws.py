@@ -11,8 +11,8 @@ import pytest
 import torch
 import blockattn
 from blockattn.kernels import backward, backward_ws, forward
-from conftest import (DEVICE, ON_GPU, expand, interpreter_share, oracle, qkv, random_keep, sm90_report,
-                      stack_bytes)
+from conftest import (DEVICE, ON_GPU, expand, interpreter_share, no_host_reads, oracle, qkv, random_keep,
+                      sm90_report, stack_bytes)
 
 
 def _meta(*shape, dtype=torch.bfloat16):
@@ -309,6 +309,38 @@ def test_paired_tile_order_shares_more_steps_than_neighbours(heads, kv_heads):
     total = int(q_count.sum())
     with_matching = _union_steps(q_count, q_index, matched, 1)
     assert with_matching < 0.97 * _union_steps(q_count, q_index, neighbours, 1) <= 0.97 * total
+
+
+def test_paired_tile_order_reads_nothing_back_and_is_captured(monkeypatch):
+    """paired_tile_order on the lists' device reads no value back to the host (so a backward with new lists does not
+    wait for the GPU); on a GPU it is captured in a CUDA graph whose replay, on lists rewritten in place, gives the
+    order computed eagerly from those lists."""
+    monkeypatch.setattr(backward_ws, "PAIR_MIN_TILES", 2)
+
+    def lists(seed):
+        keep = torch.rand(2, 4, 16, 32, generator=torch.Generator().manual_seed(seed)) < 0.3
+        return [t.to(DEVICE) for t in blockattn.sparsity.build_lists(keep.transpose(-1, -2))]
+    q_count, q_index = lists(1)
+    backward_ws.paired_tile_order(q_count, q_index, 2, 1)  # (first use: lazy initialization may read back)
+    with no_host_reads(monkeypatch):
+        order = backward_ws.paired_tile_order(q_count, q_index, 2, 1)
+    assert (order.sort(-1).values.cpu() == torch.arange(32, dtype=torch.int32)).all()
+    if not ON_GPU:
+        return
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backward_ws.paired_tile_order(q_count, q_index, 2, 1)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = backward_ws.paired_tile_order(q_count, q_index, 2, 1)
+    new_count, new_index = lists(2)
+    q_count.copy_(new_count)
+    q_index.copy_(new_index)
+    graph.replay()
+    eager = backward_ws.paired_tile_order(new_count, new_index, 2, 1)
+    assert torch.equal(captured, eager) and not torch.equal(eager, order)
 
 
 def test_paired_tile_order_is_kept_per_lists_and_settings(monkeypatch):
