@@ -919,7 +919,8 @@ def paired_tile_order(q_count: torch.Tensor, q_index: torch.Tensor, kv_heads: in
     walks = q_count.long().reshape(batch, heads // group, group, blocks).sum(2).reshape(-1, blocks)
     walks = walks.repeat_interleave(tiles_per_block, dim=-1)
     places = torch.arange(tiles, device=device)
-    # a symmetric tie-break below the scores' step (0.5 at PAIR_BALANCE 0.5), so that ties have a mutual best
+    # a symmetric tie-break below the scores' step (0.5 or 1 while PAIR_BALANCE is a multiple of 0.5), so that tied
+    # tiles still find a mutual best (any order it gives is valid: the pairing only moves the speed)
     spread = places[:, None] + places[None, :], (places[:, None] - places[None, :]).abs()
     tie_break = torch.frac(spread[0] * 0.6180339887 + spread[1] * 0.7548776662) * 0.25
     chunk = max(1, 2 ** 24 // tiles ** 2)  # (batch, kv head)s a step: their scores take at most 64 MiB
