@@ -98,7 +98,8 @@ PAIRED_SUMMED_DQ = True
 # at d=0.1 the paired backward is bound by those loads and adds in L2 (thirty-sixth session). On the benchmarks'
 # random masks at 128x64, B1 H24 S32k, matching takes a program's shared blocks from 2.6 to 6.5 at d=0.1 (16 to 23
 # at 0.25, 64 to 71 at 0.5) and all programs' steps (both walks, common ones once) down by 8.1% / 6.3% / 3.4%, and
-# the backward ran 2.9% / 3.0% / 0.7% faster (thirty-eighth session; GQA 32/8 S16k 0.7%, D=64 0.6%). PAIR_BALANCE:
+# the backward ran 2.9-3.0% / 1.5-3.0% / 0.7-1.2% faster in two calls (thirty-eighth session; GQA 32/8 S16k
+# 0.5-0.7%, D=64 0.6-1.3%). PAIR_BALANCE:
 # what a step of difference between the two walks' lengths costs against a shared block (the shorter walk's
 # consumer idles at the end): 0 ran as fast at d=0.1, 1.7% faster at 0.25 and 5.8% slower with GQA; 1 ran slower
 # than 0.5 in every random-mask case. PAIR_ROUNDS: rounds of the matching (16 were no faster than 8), after which
