@@ -886,12 +886,28 @@ def tile_order(q_count: torch.Tensor, kv_heads: int, tiles_per_block: int) -> to
     longest walk first (the q lists' counts summed over the query heads sharing the kv head; ties in key order).
     q_count int32 [Bm, Hm, nk] with Hm = H (a multiple of kv_heads) or 1 (one mask for all heads). Paired
     programs take consecutive entries, so that a program's two walks come out about as long."""
+    return torch.argsort(_walks(q_count, kv_heads, tiles_per_block), dim=-1, descending=True,
+                         stable=True).to(torch.int32)
+
+
+def _walks(q_count: torch.Tensor, kv_heads: int, tiles_per_block: int) -> torch.Tensor:
+    """int64 [Bm, Hkv or 1, nk * tiles_per_block]: each tile's walk, its key block's q lists' counts summed over the
+    query heads sharing the kv head (q_count int32 [Bm, Hm, nk], Hm = H or 1)."""
     batch, heads, blocks = q_count.shape
     counts = q_count.long()
     if heads > 1:
         counts = counts.reshape(batch, kv_heads, heads // kv_heads, blocks).sum(2)
-    counts = counts.repeat_interleave(tiles_per_block, dim=-1)
-    return torch.argsort(counts, dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts.repeat_interleave(tiles_per_block, dim=-1)
+
+
+def _membership(q_count: torch.Tensor, q_index: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(listed bool [..., C], member dtype [..., C]) of q lists (q_count int32 [...], q_index int32 [..., C],
+    build_lists'): whether each slot of a list is within its count, and whether each query block is listed (1)."""
+    columns = q_index.shape[-1]
+    listed = torch.arange(columns, device=q_count.device, dtype=torch.int32) < q_count.unsqueeze(-1)
+    member = torch.zeros(*q_index.shape[:-1], columns + 1, dtype=dtype, device=q_count.device)
+    member.scatter_(-1, torch.where(listed, q_index, columns).long(), 1)  # unlisted slots into a spare column
+    return listed, member[..., :columns]
 
 
 def paired_tile_order(q_count: torch.Tensor, q_index: torch.Tensor, kv_heads: int,
@@ -910,15 +926,12 @@ def paired_tile_order(q_count: torch.Tensor, q_index: torch.Tensor, kv_heads: in
     device = q_count.device
     group = heads // kv_heads if heads > 1 else 1
     columns = q_index.shape[-1]
-    # membership [Bm * kv heads, nk, group * C]: whether each query head of the group lists each query block
-    listed = torch.arange(columns, device=device) < q_count.unsqueeze(-1)
-    member = torch.zeros(batch, heads, blocks, columns + 1, device=device,
-                         dtype=torch.float16 if device.type == "cuda" else torch.float32)  # sums exact to 2048
-    member.scatter_(-1, torch.where(listed, q_index, columns).long(), 1.0)
-    member = member[..., :columns].reshape(batch, heads // group, group, blocks, columns).transpose(2, 3)
+    # membership [Bm * kv heads, nk, group * C]: whether each query head of the group lists each query block (fp16
+    # on a GPU: its sums are exact to 2048)
+    _, member = _membership(q_count, q_index, torch.float16 if device.type == "cuda" else torch.float32)
+    member = member.reshape(batch, heads // group, group, blocks, columns).transpose(2, 3)
     member = member.reshape(-1, blocks, group * columns)
-    walks = q_count.long().reshape(batch, heads // group, group, blocks).sum(2).reshape(-1, blocks)
-    walks = walks.repeat_interleave(tiles_per_block, dim=-1)
+    walks = _walks(q_count, kv_heads, tiles_per_block).reshape(-1, tiles)
     places = torch.arange(tiles, device=device)
     # a symmetric tie-break below the scores' step (0.5 or 1 while PAIR_BALANCE is a multiple of 0.5), so that tied
     # tiles still find a mutual best (any order it gives is valid: the pairing only moves the speed)
@@ -1019,17 +1032,13 @@ def pair_lists(q_count: torch.Tensor, q_index: torch.Tensor, order: Optional[tor
         q_count = q_count.repeat_interleave(tiles_per_block, dim=-1)
         q_index = q_index.repeat_interleave(tiles_per_block, dim=2)
     batch, heads, tiles = q_count.shape
-    columns = q_index.shape[-1]
     if order is None:
         order = torch.arange(tiles, device=q_count.device).expand(batch, 1, tiles)
     order = order.long()
     if order.shape[1] != heads:  # kv heads' orders for the query heads sharing each
         order = order.repeat_interleave(heads // order.shape[1], dim=1)
     partner = order.gather(-1, torch.argsort(order, dim=-1) ^ 1)  # the other tile of each tile's program
-    slot = torch.arange(columns, device=q_count.device, dtype=torch.int32)
-    listed = slot < q_count.unsqueeze(-1)
-    member = torch.zeros(batch, heads, tiles, columns + 1, dtype=torch.bool, device=q_count.device)
-    member.scatter_(-1, torch.where(listed, q_index, columns).long(), True)  # unlisted slots into a spare column
+    listed, member = _membership(q_count, q_index, torch.bool)
     partner_member = member.gather(2, partner.unsqueeze(-1).expand(member.shape))
     common = listed & partner_member.gather(-1, q_index.long()) & common_first
     rest = listed & ~common
