@@ -43,6 +43,10 @@ CASES = {
     # 128x64 blocks: the paired programs' other cases (density 0.25, head dim 64, causal)
     "paired_more": [Case(block=(128, 64), density=0.25), Case(block=(128, 64), dim=64, density=0.25),
                     Case(block=(128, 64), pattern="causal", density=0.5)],
+    # 128x64 blocks, GQA 32/8 and MHA 32 on the same query heads (target 4, per FLOP): the paired programs' merged
+    # walks over the group (merge_group_lists) and the group split in parts (KV_SPLIT)
+    "paired_gqa": [Case(block=(128, 64), heads=32, kv_heads=h, seq=16384, density=d)
+                   for d in (0.5, 0.1) for h in (8, 32)],
     # 128x64 blocks, causal at head dim 64 and with GQA: every step of a paired program common to its two tiles
     "paired_causal": [Case(block=(128, 64), dim=64, pattern="causal", density=0.5),
                       Case(block=(128, 64), heads=32, kv_heads=8, seq=16384, pattern="causal", density=0.5)],

@@ -44,6 +44,11 @@ def test_qualifying_calls():
     assert _qualifies(k=_meta(2, 2, 1152, 128), block_kv=192)
     assert _qualifies(q=_meta(2, 4, 1000, 64), k=_meta(2, 2, 1024, 64))
     assert _qualifies(q=_meta(2, 4, 1000, 128, dtype=torch.float16), k=_meta(2, 2, 1024, 128, dtype=torch.float16))
+    # paired GQA up to 2 ** HEAD_BITS query heads a kv head (merge_group_lists); 128-key tiles walk head by head
+    wide = _meta(1, 2 * 256, 128, 128)
+    assert _qualifies(q=wide, grad_out=wide, block_kv=64)
+    wider = _meta(1, 2 * 257, 128, 128)
+    assert _qualifies(q=wider, grad_out=wider)
     # bshd storage seen as bhsd: strides (S*H*D, D, H*D, 1), all 16-byte multiples
     bshd = _meta(2, 1024, 4, 128).transpose(1, 2)
     assert _qualifies(q=bshd, k=bshd, grad_out=bshd)
@@ -52,10 +57,13 @@ def test_qualifying_calls():
 @pytest.mark.parametrize("change", [
     dict(token_mask=object()), dict(block_mask=object()), dict(kv_valid=object()),
     dict(varlen=object()), dict(block_q=32), dict(block_q=96), dict(block_kv=32), dict(block_kv=96),
-    dict(block_kv=192), dict(block_kv=64, k=_meta(2, 2, 1088, 128)), dict(min_work=2 * 4 * 1000 * 1024 * 128 + 1)])
+    dict(block_kv=192), dict(block_kv=64, k=_meta(2, 2, 1088, 128)), dict(min_work=2 * 4 * 1000 * 1024 * 128 + 1),
+    dict(block_kv=64, q=_meta(1, 2 * 257, 128, 128), grad_out=_meta(1, 2 * 257, 128, 128),
+         k=_meta(1, 2, 1024, 128))])
 def test_calls_it_declines(change):
     """Element tests other than the causal one, blocks not of whole 64-row steps or 64-key tiles, Sk not a multiple
-    of the key block (192 at 1024) or of 128 (1088 = 17 tiles of 64: one would lack its pair), too little work."""
+    of the key block (192 at 1024) or of 128 (1088 = 17 tiles of 64: one would lack its pair), too little work, and
+    paired GQA with more query heads a kv head than the merged lists' entries can name (257 > 2 ** HEAD_BITS)."""
     assert not _qualifies(**change), change
 
 
@@ -122,9 +130,9 @@ def test_switched_off_deterministic_or_off_hopper_it_declines(monkeypatch):
 
 
 # Bytes of spilled registers a consumer thread may have (stack_bytes). Some variants spill: measured for the variants
-# below, 0-248 bytes under Triton 3.9 (the CPU tests'; the most with paired GQA causal) and 0-152 under Triton 3.6
-# (the H200's, whose speed BENCHMARKS.md reports), none at D=64 with 128-key tiles. The budget catches a change that
-# spills much more than that.
+# below, 0-232 bytes under Triton 3.9 (the CPU tests'; the most with paired GQA causal split in parts) and 0-104
+# under Triton 3.6 (the H200's, whose speed BENCHMARKS.md reports; the most with 128-key GQA causal), none at D=64
+# with 128-key tiles (thirty-ninth session). The budget catches a change that spills much more than that.
 SPILL_BUDGET = 384
 
 
@@ -144,6 +152,18 @@ def test_compiles_for_sm90_with_its_register_split(blocks, dtype, grouped, causa
     report = sm90_report(f"backward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.{dtype}, grouped={grouped}, "
                          f"causal={causal}, lagged={lagged}, dim={dim}, {variant})")
     assert {backward_ws.CONSUMER_REGS, backward_ws.LOADER_REGS} <= set(report["registers"]), report
+    assert report["wgmma"] and report["tma"] and report["reduction"], report
+    assert report["shared"] <= 227 * 1024, report
+    assert "LOCAL:0" in report["usage"] and stack_bytes(report) <= SPILL_BUDGET, f"registers spill: {report['usage']}"
+
+
+@pytest.mark.parametrize("grouped, causal, dim, split", [(False, False, 128, 4), (True, True, 128, 2),
+                                                          (False, True, 64, 8)])
+def test_compiles_for_sm90_with_the_group_split_in_parts(grouped, causal, dim, split):
+    """Paired programs of one part of a kv head's group (KV_SPLIT; grouped: of several query heads) compile with
+    TMA adds of dK and dV into fp32 sums, in shared memory, within SPILL_BUDGET."""
+    report = sm90_report(f"backward_ws.compile_sm90(128, 64, grouped={grouped}, causal={causal}, dim={dim}, "
+                         f"kv_split={split})")
     assert report["wgmma"] and report["tma"] and report["reduction"], report
     assert report["shared"] <= 227 * 1024, report
     assert "LOCAL:0" in report["usage"] and stack_bytes(report) <= SPILL_BUDGET, f"registers spill: {report['usage']}"
@@ -204,6 +224,55 @@ def test_pair_lists_put_the_blocks_a_programs_tiles_share_first(heads, kv_heads,
     assert not plain[..., 1].any()
     assert torch.equal(plain[..., 0], q_count.repeat_interleave(tiles_per_block, -1))
     assert torch.equal(plain_index, q_index.repeat_interleave(tiles_per_block, 2))
+
+
+@pytest.mark.parametrize("heads, kv_heads, ordered", [(6, 2, True), (4, 1, True), (1, 2, True), (2, 2, True),
+                                                     (4, 2, False)])
+def test_merge_group_lists_walks_every_heads_common_blocks_then_every_heads_rest(heads, kv_heads, ordered):
+    """merge_group_lists: paired GQA's one list per kv head's tile over its group's query heads. Its entries name
+    (query block, the head's place in the group); it holds each head's common blocks (those the program's other
+    tile lists too), head by head in order, then each head's rest, head by head, each part as pair_lists orders it;
+    its counts are the totals. heads 1: one mask for all heads, every head of the group listing the same blocks.
+    Group 1 (MHA) leaves the lists as they are (the launcher does not merge them)."""
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    batch, nq, nk = 2, 7, 6
+    tiles_per_block = 2 if ordered else 1  # (key order pairs a block's own two tiles)
+    group = (heads if heads > 1 else 4) // kv_heads
+    keep = torch.rand(batch, heads, nq, nk, generator=gen) < 0.45
+    keep[..., 0] = True  # a dense key block and an empty one
+    keep[..., 1] = False
+    q_count, q_index = blockattn.sparsity.build_lists(keep.transpose(-1, -2))
+    order = None  # key order, or (ordered) a random pairing: a key block's own two tiles would share every block
+    if ordered:
+        order = torch.argsort(torch.rand(batch, kv_heads if heads > 1 else 1, nk * tiles_per_block, generator=gen))
+    counts, index = backward_ws.pair_lists(q_count, q_index, order, tiles_per_block)
+    if group == 1:
+        assert backward_ws.cached_pair_lists(q_count, q_index, order, kv_heads, tiles_per_block, 1)[0].shape == \
+            counts.shape
+        return
+    merged_counts, merged = backward_ws.merge_group_lists(counts, index, group)
+    rows = kv_heads if heads > 1 else 1
+    tiles = nk * tiles_per_block
+    assert merged_counts.shape == (batch, rows, tiles, 2) and merged.shape == (batch, rows, tiles, group * nq)
+    assert merged_counts.dtype == merged.dtype == torch.int32
+    low = 2 ** backward_ws.HEAD_BITS - 1
+    for b in range(batch):
+        for row in range(rows):
+            for t in range(tiles):
+                common, rest = [], []
+                for g in range(group):
+                    h = row * group + g if heads > 1 else 0
+                    length, shared = counts[b, h, t].tolist()
+                    listed = index[b, h, t, :length].tolist()
+                    common += [(block, g) for block in listed[:shared]]
+                    rest += [(block, g) for block in listed[shared:]]
+                length, shared = merged_counts[b, row, t].tolist()
+                assert (length, shared) == (len(common) + len(rest), len(common))
+                entries = merged[b, row, t, :length].tolist()
+                assert [(e >> backward_ws.HEAD_BITS, e & low) for e in entries] == common + rest, (b, row, t)
+    assert merged_counts[..., 1].any() and (merged_counts[..., 0] > merged_counts[..., 1]).any()
+    with pytest.raises(ValueError, match="group"):
+        backward_ws.merge_group_lists(counts, index, 2 ** backward_ws.HEAD_BITS + 1)
 
 
 def test_pair_lists_are_kept_per_lists_tensor(monkeypatch):
@@ -527,6 +596,44 @@ def test_gradients_with_tiles_matched_by_shared_blocks(case, poisoned, warp_spec
     assert len(orders) == on_hopper
     if orders and not case.endswith("causal gqa"):  # (causal lists: a block's own two tiles agree best)
         assert (orders[0][..., 1::2] - orders[0][..., 0::2]).abs().ne(1).any(), "every pair neighbours"
+
+
+def test_kv_split_takes_a_head_a_part_where_the_groups_rows_exceed_l2(monkeypatch):
+    """kv_split: by default one part per query head of the group once the group's rows of Q, dO (2 bytes a value)
+    and dQ's fp32 sums outgrow the L2 cache, else one part; MHA one part; KV_SPLIT forces a count that divides the
+    group, and 1 where it does not."""
+    l2 = 50 * 2 ** 20
+    assert backward_ws.KV_SPLIT is None
+    assert backward_ws.kv_split(32, 8, 16384, 128, l2) == 4          # 64 MiB of rows a kv head
+    assert backward_ws.kv_split(32, 8, 12800, 128, l2) == 1          # exactly 50 MiB
+    assert backward_ws.kv_split(32, 8, 16384, 64, l2) == 1
+    assert backward_ws.kv_split(32, 32, 65536, 128, l2) == 1
+    assert backward_ws.kv_split(12, 2, 32768, 64, l2) == 6
+    monkeypatch.setattr(backward_ws, "KV_SPLIT", 2)
+    assert backward_ws.kv_split(32, 8, 1024, 128, l2) == 2
+    assert backward_ws.kv_split(6, 2, 16384, 128, l2) == 1
+
+
+@pytest.mark.parametrize("case, split", [("128x64 gqa fp16, query tail", 2), ("128x64 gqa fp16, query tail", 4),
+                                         ("one mask, batch 2, 64x64 gqa", 2), ("d64 64x64 gqa", 2),
+                                         ("128x64 causal gqa", 2), ("128x64 bf16", 2), ("256x256 gqa", 4)])
+def test_gradients_with_the_group_split_in_parts(case, split, poisoned, warp_specialized_calls, monkeypatch):
+    """As above with each kv head's group of query heads split in KV_SPLIT parts (paired GQA), whose programs add
+    their shares of dK and dV into fp32 sums: a group of 4 in 2 parts of 2 and in 4 parts of one head (the MHA
+    walk), one mask for all heads, D = 64, causal. MHA and 128-key tiles take no parts."""
+    monkeypatch.setattr(backward_ws, "KV_SPLIT", split)
+    splits = []
+    choose = backward_ws.kv_split
+
+    def spy(*args):
+        splits.append(choose(*args))
+        return splits[-1]
+    monkeypatch.setattr(backward_ws, "kv_split", spy)
+    test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls)
+    on_hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+    spec = CASES.get(case) or CAUSAL_CASES[case]
+    heads, kv_heads, block = spec[1], spec[2], spec[5]
+    assert splits == ([split] if on_hopper and heads > kv_heads and block[1] % 128 else [])
 
 
 def _gradients_meet_the_oracle(q, k, v, keep, block, seq, seed, warp_specialized_calls) -> tuple:

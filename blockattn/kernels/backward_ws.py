@@ -9,10 +9,12 @@ D=64 all columns over its own keys) and adds them into an fp32 buffer through th
 shared memory). dQ lags a step (LAGGED_DQ): a step computes the step before's dQ, so the consumers need not meet within
 a step. Each (batch, kv head)'s programs take its tiles longest walk first (ORDERED, tile_order), and MHA programs store
 dK and dV through the TMA unit. Key blocks of 64 keys (128x64, 64x64, or an odd multiple) run paired programs (PAIRED):
-two 64-key tiles, one per consumer, each with its own walk (over all the group's heads for GQA): first the query
-blocks both tiles keep (common steps: one load for both consumers, who meet there and add dQ over both tiles' 128
-keys once, SUMMED_DQ), then each tile's rest, the two rests interleaved in the ring, dQ over each consumer's own keys.
-A program's two tiles are matched by the query blocks they share (PAIR_BY_SHARED, paired_tile_order).
+two 64-key tiles, one per consumer, each with its own walk (for GQA one list over the group's heads,
+merge_group_lists): first the query blocks both tiles keep (common steps: one load for both consumers, who meet there
+and add dQ over both tiles' 128 keys once, SUMMED_DQ), then each tile's rest, the two rests interleaved in the ring,
+dQ over each consumer's own keys. A program's two tiles are matched by the query blocks they share (PAIR_BY_SHARED,
+paired_tile_order). Where a GQA group's rows outgrow L2, its paired programs split it in parts, one head each, that
+add their dK and dV into fp32 sums (KV_SPLIT, kv_split).
 Five tile products per step, against seven for the Triton kernels' deterministic dQ walk (kernels/README.md, "The
 warp-specialized backward"). Measured on the H200 at B1 H24 S32768 D128,
 density 0.25, 128x128 blocks: 15.64 ms against 20.28 for the Triton backward and 21.64 for FlexAttention's
@@ -112,9 +114,24 @@ PAIR_ROUNDS = 8
 # backward takes milliseconds, to PAIR_MAX_TILES (256k); outside, programs keep tile_order's neighbours.
 PAIR_MIN_TILES = 256
 PAIR_MAX_TILES = 4096
+# GQA's paired programs walk one merged list per tile over the group's query heads (merge_group_lists), whose
+# entries are query block << HEAD_BITS | the query head's place in its group: groups of up to 2 ** HEAD_BITS heads,
+# query blocks below 2 ** (31 - HEAD_BITS). The walk is then MHA's single loop, the head read with each step.
+HEAD_BITS = 8
+# Paired GQA (64-key tiles): into how many parts a kv head's programs split its group of query heads (kv_split),
+# each part's programs loading the tiles' K and V again and adding their shares of dK and dV into fp32 sums through
+# the TMA unit. 128-key tiles take one part: there 4 parts ran 0.9% / 7.7% slower at GQA 32/8 S16k d=0.5 / 0.1. None:
+# the group's query heads one a part where the group's rows of Q, dO and dQ's fp32 sums exceed the L2 cache, else
+# one part (an int: that many parts where it divides the group). The group's programs of a kv head run together and
+# walk all its heads' rows: past L2 they miss. GQA 32/8 S16k 128x64 d=0.5 (64 MiB of rows a kv head against 50 MiB
+# of L2): 1 part 12.11-12.23 ms, 2 parts 12.08-12.11, 4 parts 11.51-11.55 (MHA 32 11.40-11.52); Nsight Compute: one
+# part 91.5% L2 hits and 6.0 GB of DRAM traffic, four 97.6% and 1.9 GB. At d=0.1 4 parts ran 0.3-2.6% slower
+# (2.93-2.99 ms against 2.91-2.92), about what zeroing and converting the sums take (thirty-ninth session).
+KV_SPLIT = None
 
 _ROWS = gl.constexpr(STEP_ROWS)
 _KEYS = gl.constexpr(CONSUMER_KEYS)
+_HEAD_BITS = gl.constexpr(HEAD_BITS)
 
 if hasattr(tma, "async_atomic_add"):  # Triton 3.8 on
     _tma_add = tma.async_atomic_add
@@ -178,8 +195,22 @@ def _q_list(shared, off_b, off_h, key_block, BLOCK_Q: gl.constexpr):
 @gluon.jit
 def _first_row(index_row, step, BLOCK_Q: gl.constexpr):
     """The first query row of step `step` of a q list: entry step // (BLOCK_Q // 64), its tile step % (...)."""
+    _, row0 = _step_rows(index_row, step, BLOCK_Q, False)
+    return row0
+
+
+@gluon.jit
+def _step_rows(index_row, step, BLOCK_Q: gl.constexpr, HEAD_IN_ENTRY: gl.constexpr):
+    """(g, row0) of step `step` of a q list: the query head's place in its group and the step's first query row
+    (entry step // (BLOCK_Q // 64), its tile step % (...)). HEAD_IN_ENTRY: a merged list's (merge_group_lists), whose
+    entries hold both; else g = 0."""
     TILES: gl.constexpr = BLOCK_Q // _ROWS
-    return gl.load(index_row + step // TILES) * BLOCK_Q + (step % TILES) * _ROWS
+    entry = gl.load(index_row + step // TILES)
+    g = entry * 0
+    if HEAD_IN_ENTRY:
+        g = entry & ((1 << _HEAD_BITS) - 1)
+        entry = entry >> _HEAD_BITS
+    return g, entry * BLOCK_Q + (step % TILES) * _ROWS
 
 
 @gluon.jit
@@ -352,40 +383,25 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
 
 
 @gluon.jit
-def _pair_list(shared, off_b, off_h, tile, BLOCK_Q: gl.constexpr):
-    """PAIRED: (steps, common, index_row) of query head off_h's q list for 64-key tile `tile`, in pair_lists' layout:
-    its 64-row steps, how many of them lead it because the program's other tile lists them too, and its pointer."""
+def _pair_list(shared, off_b, off_hkv, tile, BLOCK_Q: gl.constexpr):
+    """PAIRED: (steps, common, index_row) of kv head off_hkv's list for 64-key tile `tile`, in pair_lists' layout
+    (GQA: merge_group_lists', over the group's query heads): its 64-row steps, how many of them lead it because the
+    program's other tile lists them too, and its pointer."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
      v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
      scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
      stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     TILES: gl.constexpr = BLOCK_Q // _ROWS
-    counts = Q_COUNT + off_b * stride_cb + off_h * stride_ch + 2 * tile
-    index_row = Q_INDEX + off_b.to(gl.int64) * stride_ib + off_h.to(gl.int64) * stride_ih + tile * stride_ik
+    counts = Q_COUNT + off_b * stride_cb + off_hkv * stride_ch + 2 * tile
+    index_row = Q_INDEX + off_b.to(gl.int64) * stride_ib + off_hkv.to(gl.int64) * stride_ih + tile * stride_ik
     return gl.load(counts) * TILES, gl.load(counts + 1) * TILES, index_row
 
 
 @gluon.jit
-def _pair_group_steps(shared, off_b, off_hkv, tile, BLOCK_Q: gl.constexpr):
-    """PAIRED: (steps, common) of _pair_list summed over the query heads sharing kv head off_hkv."""
-    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
-     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
-     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
-     stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
-    total = 0
-    common = 0
-    for g in range(group_size):
-        steps, common_g, _ = _pair_list(shared, off_b, off_hkv * group_size + g, tile, BLOCK_Q)
-        total += steps
-        common += common_g
-    return total, common
-
-
-@gluon.jit
 def _paired_place(step, common, both, W: gl.constexpr):
-    """PAIRED: where step `step` of consumer W's walk (over all the group's heads) falls among the program's steps, as
-    the loader takes them. A walk starts with the `common` steps both tiles' lists hold (over all the group's heads,
-    the same in both walks), one stage each, which both consumers read; then its own rest, the two rests one step of
+    """PAIRED: where step `step` of consumer W's walk (GQA: over all the group's heads) falls among the program's
+    steps, as the loader takes them. A walk starts with the `common` steps both tiles' lists hold (the same in both
+    walks), one stage each, which both consumers read; then its own rest, the two rests one step of
     each in turn while both last (`both` steps each), then the longer rest. A consumer's next step is thus at most 2
     places on, at most one round of a ring of 2 or more stages on: two rounds on, its wait on a stage's parity could
     not tell that round's load from the one before (kernels/README.md, "Paired programs")."""
@@ -395,14 +411,14 @@ def _paired_place(step, common, both, W: gl.constexpr):
 
 
 @gluon.jit
-def _paired_walk(shared, dk, dv, done, common, both, off_b, off_h, start_n, index_row, lo, hi, k_half, v_half,
-                 dq_tile, st_zero, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
+def _paired_walk(shared, dk, dv, common, both, off_b, first_head, start_n, index_row, steps, k_half, v_half, dq_tile,
+                 st_zero, W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, GROUPED: gl.constexpr,
                  CAUSAL: gl.constexpr, SUMMED_DQ: gl.constexpr):
-    """PAIRED: consumer W's steps lo .. hi-1 of query head off_h's q list (at index_row, pair_lists' layout) for its
-    own 64-key tile (keys start_n..), after `done` steps of its walk: (dk, dv, done) after them. `common` and `both`
-    place the steps in the ring's order (_paired_place); the walk's first `common` steps are common ones (both tiles
-    list them). A step's stage is released once dV and dK have read it: by each consumer for a common step, for both
-    by the one consumer otherwise. A step's dQ is over the consumer's own keys, all of D's columns, 64 at a time
+    """PAIRED: consumer W's walk over its own 64-key tile's list (keys start_n..; `steps` steps at index_row,
+    pair_lists' layout, GQA merge_group_lists' over the query heads first_head..): (dk, dv) after it. `common` and
+    `both` place the steps in the ring's order (_paired_place); the walk's first `common` steps are common ones (both
+    tiles list them). A step's stage is released once dV and dK have read it: by each consumer for a common step, for
+    both by the one consumer otherwise. A step's dQ is over the consumer's own keys, all of D's columns, 64 at a time
     through the consumer's dQ tile (_own_dq); SUMMED_DQ: a common step's is over both tiles' 128 keys (_common_dq),
     added once, not once per tile. CAUSAL as in _head_walk."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
@@ -416,11 +432,11 @@ def _paired_walk(shared, dk, dv, done, common, both, off_b, off_h, start_n, inde
     own_buffer = common * 0
     if SUMMED_DQ:
         own_buffer = common % 2
-    for step in range(lo, hi):
-        walked = done + step - lo  # the step's place in this consumer's walk
+    for walked in range(steps):  # the step's place in this consumer's walk
         i = _paired_place(walked, common, both, W)  # and in the ring's order
         stage = i % STAGES
-        row0 = _first_row(index_row, step, BLOCK_Q)
+        g, row0 = _step_rows(index_row, walked, BLOCK_Q, GROUPED)
+        off_h = first_head + g
         q_tile, do_tile, dst, pt_op = _step_scores(shared, k_half, v_half, terms_rows, st_zero, i, row0, start_n, W,
                                                    STAGES, CAUSAL, False)
         rest = walked >= common
@@ -448,7 +464,7 @@ def _paired_walk(shared, dk, dv, done, common, both, off_b, off_h, start_n, inde
                 _common_dq(shared, dq_tile, st_zero, walked, off_b, off_h, row0, W)
         else:
             _own_dq(shared, ds_t, k_half, dq_tile, st_zero, off_b, off_h, row0, W)
-    return dk, dv, done + hi - lo
+    return dk, dv
 
 
 @gluon.jit
@@ -495,7 +511,7 @@ def _common_dq(shared, dq_tile, st_zero, walked, off_b, off_h, row0, W: gl.const
 @gluon.jit
 def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, STAGES: gl.constexpr,
               GROUPED: gl.constexpr, CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr, ORDERED: gl.constexpr,
-              PAIRED: gl.constexpr, SUMMED_DQ: gl.constexpr):
+              PAIRED: gl.constexpr, SUMMED_DQ: gl.constexpr, KV_SPLIT: gl.constexpr):
     """Keys W*64 .. W*64+63 of the program's tile: dK and dV over the group's q lists, stored at the end, and dQ's
     columns W*64 .. W*64+63 of each step (at D = 64 all columns over its own keys), added into the fp32 buffer behind
     DQ_DESC (without the softmax scale). PAIRED: the program's second 64-key tile, its own walks (_paired_walk).
@@ -530,30 +546,17 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
     # The MHA walk is one loop: a loop over the group around it keeps more state live across the inner one, and
     # ptxas spilled three times as much (sm_90 SASS, Triton 3.6).
     if PAIRED:
-        # one walk over the group's heads per consumer: the steps both tiles list first, then its own rest
+        # one walk per consumer (GQA: over the group's heads, one merged list): the steps both tiles list first,
+        # then its own rest
         _, _, _, other_tile = _program(shared, 1 - W, BLOCK_KV, ORDERED, PAIRED)
+        steps, common, index_row = _pair_list(shared, off_b, off_hkv, key_block, BLOCK_Q)
+        other_steps, _, _ = _pair_list(shared, off_b, off_hkv, other_tile, BLOCK_Q)
+        first_head = off_hkv
         if GROUPED:
-            total, common = _pair_group_steps(shared, off_b, off_hkv, key_block, BLOCK_Q)
-            other_total, _ = _pair_group_steps(shared, off_b, off_hkv, other_tile, BLOCK_Q)
-            both = gl.minimum(total, other_total) - common
-            done = 0  # this consumer's steps so far
-            for part in range(2 * group_size):  # each head's common steps, then each head's rest
-                off_h = off_hkv * group_size + part % group_size
-                steps, common_h, index_row = _pair_list(shared, off_b, off_h, key_block, BLOCK_Q)
-                lo = 0
-                hi = common_h
-                if part >= group_size:
-                    lo = common_h
-                    hi = steps
-                dk, dv, done = _paired_walk(shared, dk, dv, done, common, both, off_b, off_h, start_n, index_row,
-                                            lo, hi, k_half, v_half, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL,
-                                            SUMMED_DQ)
-        else:  # one head: its list is the walk, common steps first
-            steps, common, index_row = _pair_list(shared, off_b, off_hkv, key_block, BLOCK_Q)
-            other_steps, _, _ = _pair_list(shared, off_b, off_hkv, other_tile, BLOCK_Q)
-            dk, dv, _ = _paired_walk(shared, dk, dv, 0, common, gl.minimum(steps, other_steps) - common, off_b,
-                                     off_hkv, start_n, index_row, 0, steps, k_half, v_half, dq_tile, st_zero, W,
-                                     BLOCK_Q, STAGES, CAUSAL, SUMMED_DQ)
+            first_head = off_hkv * group_size
+        dk, dv = _paired_walk(shared, dk, dv, common, gl.minimum(steps, other_steps) - common, off_b,
+                              first_head, start_n, index_row, steps, k_half, v_half, dq_tile, st_zero, W,
+                              BLOCK_Q, STAGES, GROUPED, CAUSAL, SUMMED_DQ)
     elif GROUPED:
         it = 0  # steps so far, over the group's heads: the ring's and the dS buffers' phases
         for g in range(group_size):
@@ -568,7 +571,14 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
     else:
         first_key = start_n + W * _KEYS
     tma.store_wait(0)  # the last dQ reduction has read its tile
-    if GROUPED:
+    if KV_SPLIT > 1:
+        # one part of the kv head's group: its share added into fp32 sums (DK_DESC / DV_DESC of [B, Hkv, Sk, D]
+        # zeroed, [1, 1, 64, 64] boxes), 64 columns at a time through its dQ tile
+        kv_head = off_hkv // KV_SPLIT
+        _add_columns(DK_DESC, dq_smem, dq_tile, dk * (scale_log2 / _LOG2E), off_b, kv_head, first_key, W)
+        _add_columns(DV_DESC, dq_smem, dq_tile, dv, off_b, kv_head, first_key, W)
+        tma.store_wait(0)  # before the program's shared memory goes
+    elif GROUPED:
         # stores from the accumulator's layout: the TMA path below made GQA 32/8 S16k 2-3% slower (its loop's
         # registers come out worse), MHA 1-5% faster (twenty-third session)
         keys = first_key + gl.arange(0, _KEYS, gl.SliceLayout(1, acc_layout))
@@ -580,6 +590,17 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
     else:
         _store_through_tma(DK_DESC, DV_DESC, dq_smem.index(W), dk * (scale_log2 / _LOG2E), dv,
                            [off_b, off_hkv, first_key, 0])
+
+
+@gluon.jit
+def _add_columns(DESC, dq_smem, dq_tile, acc, off_b, off_h, row0, W: gl.constexpr):
+    """Add consumer W's fp32 [64, D] acc at rows row0.. of head off_h of DESC's tensor, 64 columns at a time."""
+    if acc.shape[1] == _KEYS:
+        _add_dq(DESC, dq_smem, dq_tile, acc, off_b, off_h, row0, 0, W)
+    else:
+        first, second = acc.reshape([_KEYS, 2, _KEYS]).permute((0, 2, 1)).split()
+        _add_dq(DESC, dq_smem, dq_tile, first, off_b, off_h, row0, 0, W)
+        _add_dq(DESC, dq_smem, dq_tile, second, off_b, off_h, row0, _KEYS, W)
 
 
 @gluon.jit
@@ -600,9 +621,11 @@ def _store_through_tma(DK_DESC, DV_DESC, tile, dk, dv, coord):
 
 
 @gluon.jit
-def _load_step(shared, it, off_b, off_h, index_row, step, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr):
+def _load_step(shared, it, off_b, off_h, index_row, step, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr,
+               HEAD_IN_ENTRY: gl.constexpr):
     """The loader's program step `it`: step `step` of query head off_h's q list at index_row (its 64-row tiles of Q
-    and dO and their rows' lse2 and delta) into the ring's stage it % STAGES, once its consumers have released it."""
+    and dO and their rows' lse2 and delta) into the ring's stage it % STAGES, once its consumers have released it.
+    HEAD_IN_ENTRY: a merged list's step (merge_group_lists), of query head off_h + the head's place it holds."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
      v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
      scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
@@ -610,7 +633,8 @@ def _load_step(shared, it, off_b, off_h, index_row, step, BLOCK_Q: gl.constexpr,
     stage = it % STAGES
     # a fresh barrier counts as released in the phase before its first: the first round goes at once
     mbarrier.wait(q_empty.index(stage), ((it // STAGES) & 1) ^ 1)
-    row0 = _first_row(index_row, step, BLOCK_Q)
+    g, row0 = _step_rows(index_row, step, BLOCK_Q, HEAD_IN_ENTRY)
+    off_h = off_h + g
     mbarrier.expect(q_ready.index(stage), Q_DESC.block_type.nbytes + DO_DESC.block_type.nbytes
                     + TERMS_DESC.block_type.nbytes)
     tma_load(Q_DESC, [off_b, off_h, row0, 0], q_ready.index(stage), _box(q_smem.index(stage)))
@@ -619,81 +643,40 @@ def _load_step(shared, it, off_b, off_h, index_row, step, BLOCK_Q: gl.constexpr,
 
 
 @gluon.jit
-def _walk_on(shared, off_b, off_hkv, tile, g, step, steps, index_row, BLOCK_Q: gl.constexpr):
-    """PAIRED loader: a rest's cursor over the group's q lists for the tile (head g, its step `step` of `steps`, its
-    list at index_row) moved on to the next head with a rest left if head g's is done (a head's rest starts after
-    its common steps); the caller knows one has."""
-    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
-     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
-     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
-     stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
-    while step >= steps:
-        g += 1
-        steps, step, index_row = _pair_list(shared, off_b, off_hkv * group_size + g, tile, BLOCK_Q)
-    return g, step, steps, index_row
-
-
-@gluon.jit
-def _load_rest_step(shared, it, off_b, off_hkv, tile, g, step, steps, index_row, BLOCK_Q: gl.constexpr,
-                    STAGES: gl.constexpr, GROUPED: gl.constexpr):
-    """PAIRED loader: the next step of a tile's rest (cursor: head g, its step `step` of `steps`, its list at
-    index_row; GROUPED: first moved on past the heads with none left, _walk_on) as the program's step `it`. Returns
-    the cursor after it."""
-    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
-     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
-     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
-     stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
-    if GROUPED:
-        g, step, steps, index_row = _walk_on(shared, off_b, off_hkv, tile, g, step, steps, index_row, BLOCK_Q)
-    _load_step(shared, it, off_b, off_hkv * group_size + g, index_row, step, BLOCK_Q, STAGES)
-    return g, step + 1, steps, index_row
-
-
-@gluon.jit
 def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, STAGES: gl.constexpr,
             GROUPED: gl.constexpr, CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr, ORDERED: gl.constexpr,
-            PAIRED: gl.constexpr, SUMMED_DQ: gl.constexpr):
+            PAIRED: gl.constexpr, SUMMED_DQ: gl.constexpr, KV_SPLIT: gl.constexpr):
     """One warp: the tile's K and V, then each step's Q and dO tiles and its rows' lse2 and delta into the ring, a stage
-    once its consumers have released it. PAIRED: both 64-key tiles' K and V, then both consumers' walks over the
-    group's heads, one step of each in turn while both last (_paired_place). (Same parameters as _consumer: Gluon's
-    worker partitions share one signature.)"""
+    once its consumers have released it. PAIRED: both 64-key tiles' K and V, then both consumers' walks (GQA: over
+    the group's heads), one step of each in turn while both last (_paired_place). (Same parameters as _consumer:
+    Gluon's worker partitions share one signature.)"""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
      v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
      scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
      stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
     off_b, off_hkv, start_n, key_block = _program(shared, 0, BLOCK_KV, ORDERED, PAIRED)
+    kv_head = off_hkv // KV_SPLIT  # (KV_SPLIT: off_hkv is one of the kv head's parts)
     if PAIRED:
         _, _, second_n, second_block = _program(shared, 1, BLOCK_KV, ORDERED, PAIRED)
         mbarrier.expect(kv_ready, 2 * (K_DESC.block_type.nbytes + V_DESC.block_type.nbytes))
-        tma_load(K_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(k_smem.index(0)))
-        tma_load(V_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(v_smem.index(0)))
-        tma_load(K_DESC, [off_b, off_hkv, second_n, 0], kv_ready, _box(k_smem.index(1)))
-        tma_load(V_DESC, [off_b, off_hkv, second_n, 0], kv_ready, _box(v_smem.index(1)))
-        # The steps both tiles' lists hold, over the group's heads (the same in both lists), one stage each, which
-        # both consumers read; then both rests, one step of each in turn while both last, then the longer one's
-        # (_paired_place). A rest's cursor is its head (first_g / second_g), the head's step and its q list.
-        first_steps, common, first_row = _pair_list(shared, off_b, off_hkv * group_size, key_block, BLOCK_Q)
-        second_steps, _, second_row = _pair_list(shared, off_b, off_hkv * group_size, second_block, BLOCK_Q)
+        tma_load(K_DESC, [off_b, kv_head, start_n, 0], kv_ready, _box(k_smem.index(0)))
+        tma_load(V_DESC, [off_b, kv_head, start_n, 0], kv_ready, _box(v_smem.index(0)))
+        tma_load(K_DESC, [off_b, kv_head, second_n, 0], kv_ready, _box(k_smem.index(1)))
+        tma_load(V_DESC, [off_b, kv_head, second_n, 0], kv_ready, _box(v_smem.index(1)))
+        # The steps both tiles' lists hold (the same in both lists; GQA: merged lists over the group's heads), one
+        # stage each, which both consumers read; then both rests, one step of each in turn while both last, then the
+        # longer one's (_paired_place).
+        first_steps, common, first_row = _pair_list(shared, off_b, off_hkv, key_block, BLOCK_Q)
+        second_steps, _, second_row = _pair_list(shared, off_b, off_hkv, second_block, BLOCK_Q)
+        first_head = off_hkv
         if GROUPED:
-            first_total, common_total = _pair_group_steps(shared, off_b, off_hkv, key_block, BLOCK_Q)
-            second_total, _ = _pair_group_steps(shared, off_b, off_hkv, second_block, BLOCK_Q)
-            t = 0
-            for g in range(group_size):
-                off_h = off_hkv * group_size + g
-                _, common_h, index_row = _pair_list(shared, off_b, off_h, key_block, BLOCK_Q)
-                for step in range(common_h):
-                    _load_step(shared, t, off_b, off_h, index_row, step, BLOCK_Q, STAGES)
-                    t += 1
-        else:  # one head: its lists are the walks (the MHA loader stays as lean as before GQA had walks)
-            first_total = first_steps
-            second_total = second_steps
-            common_total = common
-            for step in range(common):
-                _load_step(shared, step, off_b, off_hkv, first_row, step, BLOCK_Q, STAGES)
-        first_g, first_step = 0, common
-        second_g, second_step = 0, common
-        first_rest = first_total - common_total
-        second_rest = second_total - common_total
+            first_head = off_hkv * group_size
+        for step in range(common):
+            _load_step(shared, step, off_b, first_head, first_row, step, BLOCK_Q, STAGES, GROUPED)
+        first_step = common
+        second_step = common
+        first_rest = first_steps - common
+        second_rest = second_steps - common
         both = gl.minimum(first_rest, second_rest)
         rest_second = second_rest > first_rest
         for t in range(first_rest + second_rest):
@@ -701,23 +684,21 @@ def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constex
             if t < 2 * both:
                 second = (t % 2) == 1
             if second:
-                second_g, second_step, second_steps, second_row = _load_rest_step(
-                    shared, common_total + t, off_b, off_hkv, second_block, second_g, second_step, second_steps,
-                    second_row, BLOCK_Q, STAGES, GROUPED)
+                _load_step(shared, common + t, off_b, first_head, second_row, second_step, BLOCK_Q, STAGES, GROUPED)
+                second_step += 1
             else:
-                first_g, first_step, first_steps, first_row = _load_rest_step(
-                    shared, common_total + t, off_b, off_hkv, key_block, first_g, first_step, first_steps, first_row,
-                    BLOCK_Q, STAGES, GROUPED)
+                _load_step(shared, common + t, off_b, first_head, first_row, first_step, BLOCK_Q, STAGES, GROUPED)
+                first_step += 1
     else:
         mbarrier.expect(kv_ready, K_DESC.block_type.nbytes + V_DESC.block_type.nbytes)
-        tma_load(K_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(k_smem))
-        tma_load(V_DESC, [off_b, off_hkv, start_n, 0], kv_ready, _box(v_smem))
+        tma_load(K_DESC, [off_b, kv_head, start_n, 0], kv_ready, _box(k_smem))
+        tma_load(V_DESC, [off_b, kv_head, start_n, 0], kv_ready, _box(v_smem))
         it = 0
         for g in range(group_size):
             off_h = off_hkv * group_size + g
             steps, index_row = _q_list(shared, off_b, off_h, key_block, BLOCK_Q)
             for step in range(steps):
-                _load_step(shared, it, off_b, off_h, index_row, step, BLOCK_Q, STAGES)
+                _load_step(shared, it, off_b, off_h, index_row, step, BLOCK_Q, STAGES, False)
                 it += 1
 
 
@@ -728,7 +709,7 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC
                             stride_dvb, stride_dvh, stride_dvs, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr,
                             STAGES: gl.constexpr, GROUPED: gl.constexpr, CAUSAL: gl.constexpr,
                             LAGGED_DQ: gl.constexpr, ORDERED: gl.constexpr, PAIRED: gl.constexpr,
-                            SUMMED_DQ: gl.constexpr,
+                            SUMMED_DQ: gl.constexpr, KV_SPLIT: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid (Sk / 128, launch.batch_head_axes(B, Hkv)). Q_DESC / DO_DESC: Gluon host descriptors of q and dO [B, H, Sq,
     D] with [1, 1, 64, D] boxes (D = 64 or 128); K_DESC / V_DESC of k, v [B, Hkv, Sk, D] with [1, 1, 128, D]; DQ_DESC of
@@ -740,8 +721,13 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC
     last dim contiguous, for GQA calls. Sk is a multiple of BLOCK_KV and of 128; BLOCK_KV is a multiple of 128 or
     (PAIRED) of 64 only; BLOCK_Q is a multiple of 64. PAIRED: a program takes two 64-key tiles (K_DESC / V_DESC with
     [1, 1, 64, D] boxes), each consumer one, with their own walks, and Q_COUNT int32 [Bm, Hm, Sk / 64, 2] / Q_INDEX
-    int32 [Bm, Hm, Sk / 64, C] are pair_lists': a row per tile, the steps both of a program's tiles list first.
-    GROUPED: Hkv < H. CAUSAL: only keys at or before each query row count (the lists those of BlockSparsity.causal()
+    int32 [Bm, Hm, Sk / 64, C] are pair_lists': a row per tile, the steps both of a program's tiles list first (GQA:
+    merge_group_lists', [Bm, Hkv or 1, Sk / 64, ...], one row per kv head's tile over its group's query heads).
+    GROUPED: a program's walk covers several query heads. KV_SPLIT > 1: each kv head's group of query heads is split
+    in KV_SPLIT parts, and the programs' kv heads (the grid's, lists', order's: kv_heads = Hkv * KV_SPLIT, group_size
+    a part's heads) are these parts, which load kv head off_hkv // KV_SPLIT's K and V; DK_DESC / DV_DESC then
+    describe zeroed fp32 sums [B, Hkv, Sk, D] with [1, 1, 64, 64] boxes, into which each program adds its dK
+    (scaled) and dV. CAUSAL: only keys at or before each query row count (the lists those of BlockSparsity.causal()
     or fewer). LAGGED_DQ (not PAIRED): each step computes the step before's dQ, the second consumer starting after
     the first. SUMMED_DQ (PAIRED): a common step's dQ is over both tiles' keys, added once."""
     D: gl.constexpr = Q_DESC.block_type.shape[3]
@@ -787,11 +773,11 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC
     SECOND: gl.constexpr = 1
     gl.warp_specialize([
         (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ, ORDERED, PAIRED,
-                       SUMMED_DQ)),
+                       SUMMED_DQ, KV_SPLIT)),
         (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ, ORDERED, PAIRED,
-                       SUMMED_DQ)),
+                       SUMMED_DQ, KV_SPLIT)),
         (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ, ORDERED, PAIRED,
-                       SUMMED_DQ)),
+                       SUMMED_DQ, KV_SPLIT)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -811,9 +797,10 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch
               *, is_causal: bool, token_mask, block_mask, kv_valid, varlen, min_work: int) -> bool:
     """plan()'s conditions on the call, whatever the device: no element tests but the causal one (no token_mask,
     block_mask, kv_valid or varlen, Sk a multiple of block_kv); bf16 or fp16 for q, k, v and grad_out alike; D = Dv in
-    HEAD_DIMS; block_kv a multiple of 64 (not of 128: paired programs) and block_q of 64; Sk a multiple of 128; at
-    least min_work of dense work (B * H * Sq * Sk * D); every tensor's last dim contiguous, its other strides positive
-    (a broadcast gradient has zeros) and, with its start, 16-byte aligned (TMA's rule)."""
+    HEAD_DIMS; block_kv a multiple of 64 (not of 128: paired programs, then at most 2 ** HEAD_BITS query heads a kv
+    head) and block_q of 64; Sk a multiple of 128; at least min_work of dense work (B * H * Sq * Sk * D); every
+    tensor's last dim contiguous, its other strides positive (a broadcast gradient has zeros) and, with its start,
+    16-byte aligned (TMA's rule)."""
     if any(x is not None for x in (token_mask, block_mask, kv_valid, varlen)):
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype == grad_out.dtype):
@@ -824,6 +811,8 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch
             or seq_kv % block_kv or seq_kv % TILE_N):
         return False
     if batch * heads * seq_q * seq_kv * dim < min_work:
+        return False
+    if block_kv % TILE_N and heads // k.shape[1] > 2 ** HEAD_BITS:  # merge_group_lists' bound
         return False
     return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
                and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
@@ -844,41 +833,70 @@ def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_
                           scale_log2: float, causal: bool, dq_acc, dk, dv) -> None:
     """Run the kernel: dS K (unscaled) added into dq_acc (fp32 [B, H, Sq, D], zeroed, contiguous), dk and dv
     [B, Hkv, Sk, D] stored. row_terms fp32 [B, H, 2, Sq]: lse2 and delta (backward._row_terms), from
-    row_terms_buffer. causal: the key <= query test on the steps the diagonal crosses."""
+    row_terms_buffer. causal: the key <= query test on the steps the diagonal crosses. Paired GQA calls may split
+    each kv head's group in parts (kv_split), whose dK and dV shares go through fp32 sums converted here."""
     batch, heads = q.shape[:2]
     kv_heads, seq_kv = k.shape[1], k.shape[2]
+    split = 1
+    if heads != kv_heads and block_kv % TILE_N:  # paired GQA (KV_SPLIT's comment)
+        split = kv_split(heads, kv_heads, q.shape[2], q.shape[3], _l2_bytes(q.device))
+    parts = kv_heads * split  # the programs' kv heads: each kv head's parts of its group
     ordered = ORDERED
-    paired, tile_keys, stages = _tiling(block_kv, heads != kv_heads)
+    paired, tile_keys, stages = _tiling(block_kv, heads != parts)
     summed = paired and PAIRED_COMMON_FIRST and PAIRED_SUMMED_DQ
     order = q_count  # (unordered, the kernel reads no order: q_count stands in for the pointer)
     if ordered and paired and PAIR_BY_SHARED:
-        order = cached_paired_tile_order(q_count, q_index, kv_heads, block_kv // tile_keys)
+        order = cached_paired_tile_order(q_count, q_index, parts, block_kv // tile_keys)
     elif ordered:
-        order = cached_tile_order(q_count, kv_heads, block_kv // tile_keys)
-    if paired:  # per-tile lists, the steps both tiles of a program list first
-        q_count, q_index = cached_pair_lists(q_count, q_index, order if ordered else None, kv_heads,
-                                             block_kv // tile_keys)
+        order = cached_tile_order(q_count, parts, block_kv // tile_keys)
+    if paired:  # per-tile lists, the steps both tiles of a program list first (GQA: merged over the group)
+        q_count, q_index = cached_pair_lists(q_count, q_index, order if ordered else None, parts,
+                                             block_kv // tile_keys, heads // parts)
+    dk_out, dv_out = dk, dv
+    if split > 1:  # fp32 sums the parts' programs add into
+        dk_out, dv_out = torch.zeros(2, *dk.shape, dtype=torch.float32, device=dk.device).unbind(0)
 
     def arguments():
+        columns = CONSUMER_KEYS if split > 1 else None  # (the fp32 sums': [1, 1, 64, 64] boxes)
         descriptors = dict(Q_DESC=host_descriptor(q, STEP_ROWS), K_DESC=host_descriptor(k, tile_keys),
                            V_DESC=host_descriptor(v, tile_keys), DO_DESC=host_descriptor(grad_out, STEP_ROWS),
                            DQ_DESC=host_descriptor(dq_acc, STEP_ROWS, CONSUMER_KEYS),
                            TERMS_DESC=host_descriptor(row_terms, 2, STEP_ROWS),
-                           DK_DESC=host_descriptor(dk, CONSUMER_KEYS), DV_DESC=host_descriptor(dv, CONSUMER_KEYS))
+                           DK_DESC=host_descriptor(dk_out, CONSUMER_KEYS, columns),
+                           DV_DESC=host_descriptor(dv_out, CONSUMER_KEYS, columns))
         static = dict(
-            scale_log2=scale_log2, kv_heads=kv_heads, group_size=heads // kv_heads,
+            scale_log2=scale_log2, kv_heads=parts, group_size=heads // parts,
             # the lists' size-1 batch and head dims broadcast: stride 0
             **stride_args("c", q_count, "bh"), **stride_args("i", q_index, "bhk"), **stride_args("o", order, "bh"),
-            **stride_args("dk", dk, "bhs"), **stride_args("dv", dv, "bhs"), BLOCK_Q=block_q, BLOCK_KV=block_kv,
-            STAGES=stages, GROUPED=heads != kv_heads, CAUSAL=causal, LAGGED_DQ=LAGGED_DQ, ORDERED=ordered,
-            PAIRED=paired, SUMMED_DQ=summed, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
-        return (seq_kv // TILE_N, *launch.batch_head_axes(batch, kv_heads)), descriptors, static
+            **stride_args("dk", dk_out, "bhs"), **stride_args("dv", dv_out, "bhs"), BLOCK_Q=block_q,
+            BLOCK_KV=block_kv, STAGES=stages, GROUPED=heads != parts, CAUSAL=causal, LAGGED_DQ=LAGGED_DQ,
+            ORDERED=ordered, PAIRED=paired, SUMMED_DQ=summed, KV_SPLIT=split, CONSUMER_REGS=CONSUMER_REGS,
+            LOADER_REGS=LOADER_REGS)
+        return (seq_kv // TILE_N, *launch.batch_head_axes(batch, parts)), descriptors, static
     launch_warp_specialized(attention_bwd_ws_kernel,
-                            (block_q, block_kv, scale_log2, causal, stages, LAGGED_DQ, ordered, summed),
-                            dict(Q_DESC=q, K_DESC=k, V_DESC=v, DO_DESC=grad_out, DQ_DESC=dq_acc, DK_DESC=dk,
-                                 DV_DESC=dv, DK=dk, DV=dv,
+                            (block_q, block_kv, scale_log2, causal, stages, LAGGED_DQ, ordered, summed, split),
+                            dict(Q_DESC=q, K_DESC=k, V_DESC=v, DO_DESC=grad_out, DQ_DESC=dq_acc, DK_DESC=dk_out,
+                                 DV_DESC=dv_out, DK=dk_out, DV=dv_out,
                                  TERMS_DESC=row_terms, Q_COUNT=q_count, Q_INDEX=q_index, TILE_ORDER=order),
                             arguments)
+    if split > 1:
+        dk.copy_(dk_out)
+        dv.copy_(dv_out)
+
+
+def _l2_bytes(device: torch.device) -> int:
+    """The device's L2 cache in bytes (0 off CUDA: meta tensors in tests)."""
+    return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
+
+
+def kv_split(heads: int, kv_heads: int, seq_q: int, dim: int, l2_bytes: int) -> int:
+    """Into how many parts the programs split each kv head's group of heads // kv_heads query heads (KV_SPLIT): with
+    KV_SPLIT None the group's size where its rows (seq_q of Q and dO at 2 bytes a value and of dQ's fp32 sums, dim
+    values each) exceed l2_bytes, else 1; an int where it divides the group, else 1."""
+    group = heads // kv_heads
+    if KV_SPLIT is None:
+        return group if group * seq_q * dim * 8 > l2_bytes else 1
+    return KV_SPLIT if group % KV_SPLIT == 0 else 1
 
 
 def tile_order(q_count: torch.Tensor, kv_heads: int, tiles_per_block: int) -> torch.Tensor:
@@ -1054,13 +1072,48 @@ def pair_lists(q_count: torch.Tensor, q_index: torch.Tensor, order: Optional[tor
 
 
 def cached_pair_lists(q_count: torch.Tensor, q_index: torch.Tensor, order: Optional[torch.Tensor], kv_heads: int,
-                      tiles_per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """pair_lists(..., PAIRED_COMMON_FIRST), computed once per lists tensors (_kept_per_lists). The order comes from
-    the lists, kv_heads and the pairing's settings, which the cache key therefore holds."""
+                      tiles_per_block: int, group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """pair_lists(..., PAIRED_COMMON_FIRST), for GQA (group query heads a kv head) merged by merge_group_lists,
+    computed once per lists tensors (_kept_per_lists). The order comes from the lists, kv_heads and the pairing's
+    settings, which the cache key therefore holds."""
+    def compute():
+        lists = pair_lists(q_count, q_index, order, tiles_per_block, PAIRED_COMMON_FIRST)
+        return merge_group_lists(*lists, group) if group > 1 else lists
     return _kept_per_lists(_PAIR_LISTS, (q_count, q_index),
-                           (order is None, kv_heads, tiles_per_block, PAIRED_COMMON_FIRST, PAIR_BY_SHARED,
-                            PAIR_BALANCE, PAIR_ROUNDS, PAIR_MIN_TILES, PAIR_MAX_TILES),
-                           lambda: pair_lists(q_count, q_index, order, tiles_per_block, PAIRED_COMMON_FIRST))
+                           (order is None, kv_heads, tiles_per_block, group, PAIRED_COMMON_FIRST, PAIR_BY_SHARED,
+                            PAIR_BALANCE, PAIR_ROUNDS, PAIR_MIN_TILES, PAIR_MAX_TILES), compute)
+
+
+def merge_group_lists(counts: torch.Tensor, index: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paired GQA's lists: each (batch, kv head)'s tile's lists of its group's query heads (pair_lists' counts int32
+    [Bm, Hm, T, 2] and index int32 [Bm, Hm, T, C], Hm = Hkv * group or 1) as one list, (counts int32 [Bm, Hkv or 1,
+    T, 2], index int32 [Bm, Hkv or 1, T, group * C]). Its entries are query block << HEAD_BITS | g for the group's
+    g-th query head: first every head's common blocks (those the program's other tile lists too), head by head, then
+    every head's rest, head by head; counts[..., 0] is the list's length, counts[..., 1] how many common ones lead it.
+    The walk is then MHA's one loop, the head read with each step."""
+    if group > 2 ** HEAD_BITS:
+        raise ValueError(f"group: at most {2 ** HEAD_BITS} query heads a kv head, got {group}")
+    batch, heads, tiles, columns = index.shape
+    if heads == 1:  # one mask for all heads: every head of the group lists the same blocks
+        counts, index = counts.expand(batch, group, tiles, 2), index.expand(batch, group, tiles, columns)
+        heads = group
+    counts = counts.reshape(batch, heads // group, group, tiles, 2)
+    index = index.reshape(batch, heads // group, group, tiles, columns)
+    length, common = counts[..., 0].unsqueeze(-1), counts[..., 1].unsqueeze(-1)  # [Bm, Hkv, group, T, 1]
+
+    def before(x):  # per head, the sum of x over the group's heads before it
+        return x.cumsum(2) - x
+    slot = torch.arange(columns, device=index.device, dtype=torch.int32)
+    total_common, total = common.sum(2, keepdim=True), length.sum(2, keepdim=True)
+    place = torch.where(slot < common, before(common) + slot,
+                        torch.where(slot < length, total_common + before(length - common) + slot - common,
+                                    total + before(columns - length) + slot - length))  # unused slots last
+    heads_place = torch.arange(group, device=index.device, dtype=torch.int32).reshape(group, 1, 1)
+    entries = (index << HEAD_BITS) | heads_place
+    flat = (batch, heads // group, tiles, group * columns)
+    merged = torch.empty(flat, dtype=torch.int32, device=index.device).scatter_(
+        -1, place.transpose(2, 3).reshape(flat).long(), entries.transpose(2, 3).reshape(flat))
+    return torch.stack((total, total_common), dim=-1).reshape(*flat[:3], 2).to(torch.int32), merged
 
 
 def row_terms_buffer(batch: int, heads: int, seq_q: int, device) -> torch.Tensor:
@@ -1072,12 +1125,14 @@ def row_terms_buffer(batch: int, heads: int, seq_q: int, device) -> torch.Tensor
 
 def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = torch.bfloat16,
                  grouped: bool = False, causal: bool = False, lagged: Optional[bool] = None, dim: int = 128,
-                 ordered: Optional[bool] = None, summed: Optional[bool] = None):
+                 ordered: Optional[bool] = None, summed: Optional[bool] = None, kv_split: int = 1):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for q lists at (block_q, block_kv), GQA (grouped) or not, causal or not, dQ lagged a step or not (None:
     as a launch would, LAGGED_DQ), head dim `dim` (HEAD_DIMS), tiles in tile_order's order or not (None: ORDERED),
     with the launch's register settings; block_kv not a multiple of 128 compiles the paired programs, their common
-    steps' dQ summed over both tiles or not (None: as a launch would, PAIRED_COMMON_FIRST and PAIRED_SUMMED_DQ)."""
+    steps' dQ summed over both tiles or not (None: as a launch would, PAIRED_COMMON_FIRST and PAIRED_SUMMED_DQ);
+    kv_split > 1: each kv head's group split in that many parts, dK and dV added into fp32 sums (KV_SPLIT; grouped
+    then says whether a part holds several query heads)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     name = _GL_DTYPES[dtype][0]
@@ -1086,20 +1141,24 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
     descriptors = dict(Q_DESC=rows_desc, DO_DESC=rows_desc, K_DESC=keys_desc, V_DESC=keys_desc,
                        DQ_DESC=descriptor_signature(torch.float32, STEP_ROWS, CONSUMER_KEYS),
                        TERMS_DESC=descriptor_signature(torch.float32, 2, STEP_ROWS),
-                       DK_DESC=descriptor_signature(dtype, CONSUMER_KEYS, dim),
-                       DV_DESC=descriptor_signature(dtype, CONSUMER_KEYS, dim))
+                       DK_DESC=descriptor_signature(dtype, CONSUMER_KEYS, dim) if kv_split == 1
+                       else descriptor_signature(torch.float32, CONSUMER_KEYS, CONSUMER_KEYS),
+                       DV_DESC=descriptor_signature(dtype, CONSUMER_KEYS, dim) if kv_split == 1
+                       else descriptor_signature(torch.float32, CONSUMER_KEYS, CONSUMER_KEYS))
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, STAGES=stages, GROUPED=grouped,
                      CAUSAL=causal, LAGGED_DQ=LAGGED_DQ if lagged is None else lagged,
                      ORDERED=ORDERED if ordered is None else ordered, PAIRED=paired,
                      SUMMED_DQ=paired and (PAIRED_COMMON_FIRST and PAIRED_SUMMED_DQ if summed is None else summed),
+                     KV_SPLIT=kv_split,
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
     signature = {}
     for param in attention_bwd_ws_kernel.params:
         if param.name in constants:
             signature[param.name] = "constexpr"
         else:
+            gradients = "*fp32" if kv_split > 1 else f"*{name}"
             signature[param.name] = descriptors.get(param.name) or {
-                "DK": f"*{name}", "DV": f"*{name}", "Q_COUNT": "*i32", "Q_INDEX": "*i32", "TILE_ORDER": "*i32",
+                "DK": gradients, "DV": gradients, "Q_COUNT": "*i32", "Q_INDEX": "*i32", "TILE_ORDER": "*i32",
                 "scale_log2": "fp32"}.get(param.name, "i32")
     source = GluonASTSource(attention_bwd_ws_kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH_OPTIONS))
