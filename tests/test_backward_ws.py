@@ -577,6 +577,18 @@ def test_gradients_with_tiles_longest_first(case, poisoned, warp_specialized_cal
     test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls)
 
 
+def _recorded(monkeypatch, name: str) -> list:
+    """The results of backward_ws's function `name`, one per call from here on (the function still runs)."""
+    results = []
+    function = getattr(backward_ws, name)
+
+    def spy(*args):
+        results.append(function(*args))
+        return results[-1]
+    monkeypatch.setattr(backward_ws, name, spy)
+    return results
+
+
 @pytest.mark.parametrize("case", ["128x64 bf16", "128x64 gqa fp16, query tail", "one mask, batch 2, 64x64 gqa",
                                   "d64 64x64 gqa", "128x192, query tail", "128x64 causal gqa"])
 def test_gradients_with_tiles_matched_by_shared_blocks(case, poisoned, warp_specialized_calls, monkeypatch):
@@ -584,13 +596,7 @@ def test_gradients_with_tiles_matched_by_shared_blocks(case, poisoned, warp_spec
     test shapes are too short for at the default PAIR_MIN_TILES): a program's two tiles are then not neighbours,
     and on Hopper the kernel ran with that order."""
     monkeypatch.setattr(backward_ws, "PAIR_MIN_TILES", 2)
-    orders = []
-    make = backward_ws.paired_tile_order
-
-    def spy(*args):
-        orders.append(make(*args))
-        return orders[-1]
-    monkeypatch.setattr(backward_ws, "paired_tile_order", spy)
+    orders = _recorded(monkeypatch, "paired_tile_order")
     test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls)
     on_hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
     assert len(orders) == on_hopper
@@ -622,13 +628,7 @@ def test_gradients_with_the_group_split_in_parts(case, split, poisoned, warp_spe
     their shares of dK and dV into fp32 sums: a group of 4 in 2 parts of 2 and in 4 parts of one head (the MHA
     walk), one mask for all heads, D = 64, causal. MHA and 128-key tiles take no parts."""
     monkeypatch.setattr(backward_ws, "KV_SPLIT", split)
-    splits = []
-    choose = backward_ws.kv_split
-
-    def spy(*args):
-        splits.append(choose(*args))
-        return splits[-1]
-    monkeypatch.setattr(backward_ws, "kv_split", spy)
+    splits = _recorded(monkeypatch, "kv_split")
     test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls)
     on_hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
     spec = CASES.get(case) or CAUSAL_CASES[case]
