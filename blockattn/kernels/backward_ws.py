@@ -125,8 +125,9 @@ HEAD_BITS = 8
 # one part (an int: that many parts where it divides the group). The group's programs of a kv head run together and
 # walk all its heads' rows: past L2 they miss. GQA 32/8 S16k 128x64 d=0.5 (64 MiB of rows a kv head against 50 MiB
 # of L2): 1 part 12.11-12.23 ms, 2 parts 12.08-12.11, 4 parts 11.51-11.55 (MHA 32 11.40-11.52); Nsight Compute: one
-# part 91.5% L2 hits and 6.0 GB of DRAM traffic, four 97.6% and 1.9 GB. At d=0.1 4 parts ran 0.3-2.6% slower
-# (2.93-2.99 ms against 2.91-2.92), about what zeroing and converting the sums take (thirty-ninth session).
+# part 91.5% L2 hits and 6.0 GB of DRAM traffic, four 97.6% and 1.9 GB (parts' shares then stored, not added). At
+# d=0.1 4 parts ran 0.3-2.6% slower (2.93-2.99 ms against 2.91-2.92), about what zeroing and converting the sums
+# take (thirty-ninth session).
 KV_SPLIT = None
 
 _ROWS = gl.constexpr(STEP_ROWS)
