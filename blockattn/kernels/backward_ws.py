@@ -399,6 +399,16 @@ def _pair_list(shared, off_b, off_hkv, tile, BLOCK_Q: gl.constexpr):
 
 
 @gluon.jit
+def _first_head(off_hkv, group_size, GROUPED: gl.constexpr):
+    """PAIRED: the first query head of kv head off_hkv's group, the one a merged list's heads count from. Not GROUPED:
+    off_hkv itself, without the product by group_size (1), which MHA's walk would keep live (ptxas then spilled
+    16 more bytes a thread, Triton 3.6)."""
+    if GROUPED:
+        return off_hkv * group_size
+    return off_hkv
+
+
+@gluon.jit
 def _paired_place(step, common, both, W: gl.constexpr):
     """PAIRED: where step `step` of consumer W's walk (GQA: over all the group's heads) falls among the program's
     steps, as the loader takes them. A walk starts with the `common` steps both tiles' lists hold (the same in both
@@ -552,12 +562,9 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
         _, _, _, other_tile = _program(shared, 1 - W, BLOCK_KV, ORDERED, PAIRED)
         steps, common, index_row = _pair_list(shared, off_b, off_hkv, key_block, BLOCK_Q)
         other_steps, _, _ = _pair_list(shared, off_b, off_hkv, other_tile, BLOCK_Q)
-        first_head = off_hkv
-        if GROUPED:
-            first_head = off_hkv * group_size
         dk, dv = _paired_walk(shared, dk, dv, common, gl.minimum(steps, other_steps) - common, off_b,
-                              first_head, start_n, index_row, steps, k_half, v_half, dq_tile, st_zero, W,
-                              BLOCK_Q, STAGES, GROUPED, CAUSAL, SUMMED_DQ)
+                              _first_head(off_hkv, group_size, GROUPED), start_n, index_row, steps, k_half, v_half,
+                              dq_tile, st_zero, W, BLOCK_Q, STAGES, GROUPED, CAUSAL, SUMMED_DQ)
     elif GROUPED:
         it = 0  # steps so far, over the group's heads: the ring's and the dS buffers' phases
         for g in range(group_size):
@@ -669,9 +676,7 @@ def _loader(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constex
         # longer one's (_paired_place).
         first_steps, common, first_row = _pair_list(shared, off_b, off_hkv, key_block, BLOCK_Q)
         second_steps, _, second_row = _pair_list(shared, off_b, off_hkv, second_block, BLOCK_Q)
-        first_head = off_hkv
-        if GROUPED:
-            first_head = off_hkv * group_size
+        first_head = _first_head(off_hkv, group_size, GROUPED)
         for step in range(common):
             _load_step(shared, step, off_b, first_head, first_row, step, BLOCK_Q, STAGES, GROUPED)
         first_step = common
@@ -1139,13 +1144,14 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
     name = _GL_DTYPES[dtype][0]
     paired, tile_keys, stages = _tiling(block_kv, grouped)
     rows_desc, keys_desc = descriptor_signature(dtype, STEP_ROWS, dim), descriptor_signature(dtype, tile_keys, dim)
+    # dK and dV: stored in the inputs' dtype, or (kv_split > 1) added into fp32 sums 64 columns at a time
+    gradient_desc, gradients = descriptor_signature(dtype, CONSUMER_KEYS, dim), f"*{name}"
+    if kv_split > 1:
+        gradient_desc, gradients = descriptor_signature(torch.float32, CONSUMER_KEYS, CONSUMER_KEYS), "*fp32"
     descriptors = dict(Q_DESC=rows_desc, DO_DESC=rows_desc, K_DESC=keys_desc, V_DESC=keys_desc,
                        DQ_DESC=descriptor_signature(torch.float32, STEP_ROWS, CONSUMER_KEYS),
                        TERMS_DESC=descriptor_signature(torch.float32, 2, STEP_ROWS),
-                       DK_DESC=descriptor_signature(dtype, CONSUMER_KEYS, dim) if kv_split == 1
-                       else descriptor_signature(torch.float32, CONSUMER_KEYS, CONSUMER_KEYS),
-                       DV_DESC=descriptor_signature(dtype, CONSUMER_KEYS, dim) if kv_split == 1
-                       else descriptor_signature(torch.float32, CONSUMER_KEYS, CONSUMER_KEYS))
+                       DK_DESC=gradient_desc, DV_DESC=gradient_desc)
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, STAGES=stages, GROUPED=grouped,
                      CAUSAL=causal, LAGGED_DQ=LAGGED_DQ if lagged is None else lagged,
                      ORDERED=ORDERED if ordered is None else ordered, PAIRED=paired,
@@ -1157,7 +1163,6 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
         if param.name in constants:
             signature[param.name] = "constexpr"
         else:
-            gradients = "*fp32" if kv_split > 1 else f"*{name}"
             signature[param.name] = descriptors.get(param.name) or {
                 "DK": gradients, "DV": gradients, "Q_COUNT": "*i32", "Q_INDEX": "*i32", "TILE_ORDER": "*i32",
                 "scale_log2": "fp32"}.get(param.name, "i32")
