@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 import blockattn
-from blockattn.kernels import backward, backward_ws, forward
+from blockattn.kernels import backward, backward_ws, forward, replay
 from conftest import (DEVICE, ON_GPU, expand, interpreter_share, no_host_reads, oracle, qkv, random_keep,
                       sm90_report, stack_bytes)
 
@@ -578,9 +578,11 @@ def test_gradients_with_tiles_longest_first(case, poisoned, warp_specialized_cal
 
 
 def _recorded(monkeypatch, name: str) -> list:
-    """The results of backward_ws's function `name`, one per call from here on (the function still runs)."""
+    """The results of backward_ws's function `name`, one per call from here on (the function still runs). The
+    backward's preparation then runs eagerly: a replay (kernels/replay.py) would call no function, a capture two."""
     results = []
     function = getattr(backward_ws, name)
+    monkeypatch.setattr(replay, "ENABLED", False)
 
     def spy(*args):
         results.append(function(*args))
@@ -594,14 +596,69 @@ def _recorded(monkeypatch, name: str) -> list:
 def test_gradients_with_tiles_matched_by_shared_blocks(case, poisoned, warp_specialized_calls, monkeypatch):
     """As above with the paired programs' tiles matched by the query blocks they share (paired_tile_order, which the
     test shapes are too short for at the default PAIR_MIN_TILES): a program's two tiles are then not neighbours,
-    and on Hopper the kernel ran with that order."""
+    and on Hopper the kernel ran with that order (matched from a mask's first backward on: MATCH_FROM_USE 1)."""
     monkeypatch.setattr(backward_ws, "PAIR_MIN_TILES", 2)
+    monkeypatch.setattr(backward_ws, "MATCH_FROM_USE", 1)
     orders = _recorded(monkeypatch, "paired_tile_order")
     test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls)
     on_hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
     assert len(orders) == on_hopper
     if orders and not case.endswith("causal gqa"):  # (causal lists: a block's own two tiles agree best)
         assert (orders[0][..., 1::2] - orders[0][..., 0::2]).abs().ne(1).any(), "every pair neighbours"
+
+
+def test_gradients_with_a_new_mask_each_call(poisoned, warp_specialized_calls, monkeypatch):
+    """Paired programs with their tiles matched (PAIR_MIN_TILES 2, MATCH_FROM_USE 1), MHA and GQA: two random masks
+    of one shape in turn, each call's lists new, so that on a GPU the first call captures the preparation (tile
+    order, matching, pair lists) and the second replays it (kernels/replay.py). Every call's gradients meet the fp64
+    oracle."""
+    monkeypatch.setattr(backward_ws, "PAIR_MIN_TILES", 2)
+    monkeypatch.setattr(backward_ws, "MATCH_FROM_USE", 1)
+    monkeypatch.setattr(replay, "_GRAPHS", type(replay._GRAPHS)())
+    block, seq = (128, 64), 256
+    on_hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+    for kv_heads in (4, 2):
+        q, k, v = (t.requires_grad_() for t in qkv(1, 4, seq, 128, kv_heads=kv_heads, seed=kv_heads))
+        for seed in range(2):
+            keep = random_keep(1, 4, seq, seq, block, density=0.4, seed=seed)
+            _gradients_meet_the_oracle(q, k, v, keep, block, seq, seed, warp_specialized_calls)
+            warp_specialized_calls.clear()
+    # a graph per computation (order, pair lists) and group; the tile order's MHA and GQA keys differ
+    assert len(replay._GRAPHS) == (4 if on_hopper else 0)
+
+
+def test_tiles_are_matched_from_a_masks_second_backward_on(poisoned, warp_specialized_calls, monkeypatch):
+    """One prepared BlockSparsity (128x64, PAIR_MIN_TILES 2) through three backward calls: on Hopper the first pairs
+    tile_order's neighbours, the second matches its tiles (paired_tile_order runs once), the third keeps that
+    order; a mask given as a tensor, new lists each call, is never matched. Every call's gradients meet the fp64
+    oracle. backward_uses counts per lists tensors, afresh after a write in place."""
+    monkeypatch.setattr(backward_ws, "PAIR_MIN_TILES", 2)
+    orders = _recorded(monkeypatch, "paired_tile_order")
+    block, seq = (128, 64), 256
+    on_hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, seq, 128, kv_heads=1, seed=3))
+    keep = random_keep(1, 2, seq, seq, block, density=0.4, seed=3)
+    blocks = blockattn.BlockSparsity.from_mask(keep, block, seq, seq)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out = oracle(*leaves, expand(keep, block, seq, seq))[0]
+    grad_out = torch.randn(out.shape, generator=torch.Generator(device=DEVICE).manual_seed(3), device=DEVICE)
+    want = torch.autograd.grad(out, leaves, grad_out)
+    for call, matched in enumerate([0, 1, 1]):
+        grads = torch.autograd.grad(blockattn.attention(q, k, v, blocks), (q, k, v), grad_out.to(q.dtype))
+        for name, got, ref in zip("qkv", grads, want):
+            err = ((got.double() - ref).norm() / ref.norm()).item()
+            assert torch.isfinite(got).all() and err < 1e-2, f"call {call}: d{name} relative error {err:.2e}"
+        assert len(orders) == (matched if on_hopper else 0)
+    assert warp_specialized_calls == ([block] * 3 if on_hopper else [])
+    warp_specialized_calls.clear()
+    for _ in range(2):
+        _gradients_meet_the_oracle(q, k, v, keep, block, seq, 5, warp_specialized_calls)
+        warp_specialized_calls.clear()
+    assert len(orders) == on_hopper
+    q_count, q_index = (t.clone() for t in blocks.q_lists())
+    assert [backward_ws.backward_uses(q_count, q_index) for _ in range(3)] == [1, 2, 3]
+    q_count[0, 0, 0] = q_count[0, 0, 0]  # a write in place: the lists may differ now
+    assert backward_ws.backward_uses(q_count, q_index) == 1
 
 
 def test_kv_split_takes_a_head_a_part_where_the_groups_rows_exceed_l2(monkeypatch):

@@ -41,7 +41,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from . import buffers, launch
+from . import buffers, launch, replay
 from .forward import stride_args
 # Registers per thread for a consumer warpgroup and for the loader (setmaxnreg) and the launch options (the
 # register bound among them): the forward's. Its host descriptors, their compile signatures and the launch
@@ -114,6 +114,14 @@ PAIR_ROUNDS = 8
 # backward takes milliseconds, to PAIR_MAX_TILES (256k); outside, programs keep tile_order's neighbours.
 PAIR_MIN_TILES = 256
 PAIR_MAX_TILES = 4096
+# The backward call on a mask's lists from which on its tiles are matched (backward_uses counts them per lists
+# tensors): before, its programs pair tile_order's neighbours. The matching's GPU time where the lists are new (0.3-0.9
+# ms at B1 H24 S16k-32k, 10.8 ms at S128k, replayed from a CUDA graph; kernels/replay.py) is more than it saves in
+# one backward (about 3%), so a mask made afresh for every call (a video model's per-step top-k blocks) runs faster
+# unmatched: at H24 S16k 128x64 d=0.1, forward+backward with a new mask each call took 2.88-2.91 ms unmatched against
+# 3.19-3.28 matched (fortieth session, benchmarks/dynamic_masks.py). A mask used again (by the next layer, the next
+# step) is matched once, from its second backward on. Under CUDA graph capture (where nothing is kept) calls count 1.
+MATCH_FROM_USE = 2
 # GQA's paired programs walk one merged list per tile over the group's query heads (merge_group_lists), whose
 # entries are query block << HEAD_BITS | the query head's place in its group: groups of up to 2 ** HEAD_BITS heads,
 # query blocks below 2 ** (31 - HEAD_BITS). The walk is then MHA's single loop, the head read with each step.
@@ -851,13 +859,14 @@ def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_
     paired, tile_keys, stages = _tiling(block_kv, heads != parts)
     summed = paired and PAIRED_COMMON_FIRST and PAIRED_SUMMED_DQ
     order = q_count  # (unordered, the kernel reads no order: q_count stands in for the pointer)
-    if ordered and paired and PAIR_BY_SHARED:
+    matched = ordered and paired and PAIR_BY_SHARED and backward_uses(q_count, q_index) >= MATCH_FROM_USE
+    if matched:
         order = cached_paired_tile_order(q_count, q_index, parts, block_kv // tile_keys)
     elif ordered:
         order = cached_tile_order(q_count, parts, block_kv // tile_keys)
     if paired:  # per-tile lists, the steps both tiles of a program list first (GQA: merged over the group)
         q_count, q_index = cached_pair_lists(q_count, q_index, order if ordered else None, parts,
-                                             block_kv // tile_keys, heads // parts)
+                                             block_kv // tile_keys, heads // parts, matched)
     dk_out, dv_out = dk, dv
     if split > 1:  # fp32 sums the parts' programs add into
         dk_out, dv_out = torch.zeros(2, *dk.shape, dtype=torch.float32, device=dk.device).unbind(0)
@@ -1010,12 +1019,13 @@ def _pairs_longest_first(partner: torch.Tensor, walk: torch.Tensor) -> torch.Ten
 _TILE_ORDERS: dict = {}
 _PAIRED_ORDERS: dict = {}
 _PAIR_LISTS: dict = {}
+_USES: dict = {}  # backward_uses' counts
 
 
 def cached_tile_order(q_count: torch.Tensor, kv_heads: int, tiles_per_block: int) -> torch.Tensor:
     """tile_order(q_count, ...), computed once per lists tensor (_kept_per_lists)."""
     return _kept_per_lists(_TILE_ORDERS, (q_count, ), (kv_heads, tiles_per_block),
-                           lambda: tile_order(q_count, kv_heads, tiles_per_block))
+                           lambda counts: tile_order(counts, kv_heads, tiles_per_block))
 
 
 def cached_paired_tile_order(q_count: torch.Tensor, q_index: torch.Tensor, kv_heads: int,
@@ -1023,22 +1033,36 @@ def cached_paired_tile_order(q_count: torch.Tensor, q_index: torch.Tensor, kv_he
     """paired_tile_order(q_count, q_index, ...), computed once per lists tensors (_kept_per_lists)."""
     return _kept_per_lists(_PAIRED_ORDERS, (q_count, q_index),
                            (kv_heads, tiles_per_block, PAIR_BALANCE, PAIR_ROUNDS, PAIR_MIN_TILES, PAIR_MAX_TILES),
-                           lambda: paired_tile_order(q_count, q_index, kv_heads, tiles_per_block))
+                           lambda counts, index: paired_tile_order(counts, index, kv_heads, tiles_per_block))
 
 
-def _kept_per_lists(table: dict, lists: tuple, terms: tuple, compute):
-    """compute(), kept in table under the lists tensors' ids and versions and the hashable terms, so computed again
-    only after a list is written in place; the entry goes with lists[0]. Under CUDA graph capture it is computed
-    afresh and not kept: the capture's memory belongs to the graph; so is an inference tensor's, which has no
-    version counter to tell a write in place."""
-    first = lists[0]
+def backward_uses(q_count: torch.Tensor, q_index: torch.Tensor) -> int:
+    """How many paired backward calls have run on these lists tensors, this one included (MATCH_FROM_USE). Under CUDA
+    graph capture, and for inference tensors, nothing is kept: 1."""
+    uses = _kept_per_lists(_USES, (q_count, q_index), (), lambda *lists: [0], replayed=False)
+    uses[0] += 1
+    return uses[0]
+
+
+def _kept_per_lists(table: dict, lists: tuple, terms: tuple, compute, derived: tuple = (), replayed: bool = True):
+    """compute(*lists, *derived) (derived: tensors that follow from the lists and the terms, such as their tile
+    order), kept in table under the lists tensors' ids and versions and the hashable terms, so computed again only
+    after a list is written in place; the entry goes with lists[0]. Under CUDA graph capture it is computed afresh
+    and not kept: the capture's memory belongs to the graph; so is an inference tensor's, which has no version
+    counter to tell a write in place. On CUDA new lists take the computation's replay (replay.run; not `replayed`:
+    computed directly, as a value that is no tensor must be): a mask made afresh every step then costs little host
+    time."""
+    first, inputs = lists[0], lists + derived
     if any(t.is_inference() for t in lists) or (first.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return compute()
+        return compute(*inputs)
     key = tuple((id(t), t._version) for t in lists) + terms
     entry = table.get(key)
     if entry is not None and entry[0]() is first:
         return entry[1]
-    value = compute()
+    if replayed:  # (the name tells the computations apart)
+        value = replay.run(compute, inputs, (compute.__qualname__, ) + terms)
+    else:
+        value = compute(*inputs)
     table[key] = (weakref.ref(first, lambda _, key=key: table.pop(key, None)), value)
     return value
 
@@ -1078,16 +1102,19 @@ def pair_lists(q_count: torch.Tensor, q_index: torch.Tensor, order: Optional[tor
 
 
 def cached_pair_lists(q_count: torch.Tensor, q_index: torch.Tensor, order: Optional[torch.Tensor], kv_heads: int,
-                      tiles_per_block: int, group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                      tiles_per_block: int, group: int = 1, matched: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """pair_lists(..., PAIRED_COMMON_FIRST), for GQA (group query heads a kv head) merged by merge_group_lists,
-    computed once per lists tensors (_kept_per_lists). The order comes from the lists, kv_heads and the pairing's
-    settings, which the cache key therefore holds."""
-    def compute():
-        lists = pair_lists(q_count, q_index, order, tiles_per_block, PAIRED_COMMON_FIRST)
+    computed once per lists tensors (_kept_per_lists). The order comes from the lists, kv_heads, whether it is the
+    matching's (matched: cached_paired_tile_order's, else cached_tile_order's) and the pairing's settings, which the
+    cache key therefore holds."""
+    def compute(counts, index, *given_order):
+        lists = pair_lists(counts, index, given_order[0] if given_order else None, tiles_per_block,
+                           PAIRED_COMMON_FIRST)
         return merge_group_lists(*lists, group) if group > 1 else lists
     return _kept_per_lists(_PAIR_LISTS, (q_count, q_index),
-                           (order is None, kv_heads, tiles_per_block, group, PAIRED_COMMON_FIRST, PAIR_BY_SHARED,
-                            PAIR_BALANCE, PAIR_ROUNDS, PAIR_MIN_TILES, PAIR_MAX_TILES), compute)
+                           (order is None, kv_heads, tiles_per_block, group, PAIRED_COMMON_FIRST, matched,
+                            PAIR_BALANCE, PAIR_ROUNDS, PAIR_MIN_TILES, PAIR_MAX_TILES), compute,
+                           () if order is None else (order, ))
 
 
 def merge_group_lists(counts: torch.Tensor, index: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

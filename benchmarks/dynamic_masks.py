@@ -1,0 +1,82 @@
+"""A mask made afresh for every call (a video model's top-k blocks chosen each step): what the backward's per-mask
+preparation (tile order, the paired programs' matching and lists) costs, against the same calls on one mask whose
+lists stay cached. 128x64 blocks (paired programs), random masks, bf16, D=128.
+
+Per case and way, the wall time per call of `calls` forward+backward calls in a row, each on its own mask (from
+`distinct` masks made beforehand, BlockSparsity.from_mask called inside the call), synchronized once at the end,
+and the host time the loop took to enqueue them. Ways:
+
+- "same mask": one BlockSparsity for all calls (the preparation cached; tiles matched from the second call on);
+- "new mask": a new mask per call, the default: its tiles unmatched (backward_ws.MATCH_FROM_USE 2), the preparation
+  (tile order, pair lists) replayed from CUDA graphs (kernels/replay.py);
+- "new, matched": the same with the tiles matched at once (MATCH_FROM_USE 1), replayed;
+- "new, matched, eager": matched at once and computed eagerly (replay.ENABLED False), as the package ran until the
+  fortieth session (the preparation's ~200 PyTorch operations on the host each call).
+
+    python benchmarks/dynamic_masks.py --calls 30
+"""
+
+import argparse
+import time
+
+import torch
+
+import blockattn
+from blockattn.kernels import backward_ws, replay
+
+# (heads, kv heads, sequence, density)
+CASES = [(24, 24, 16384, 0.1), (24, 24, 32768, 0.1), (32, 8, 16384, 0.1), (24, 24, 16384, 0.5)]
+BLOCK = (128, 64)
+
+
+def run_calls(q, k, v, grad, masks, calls: int, same: bool) -> tuple:
+    """(wall ms, host ms) per call of `calls` forward+backward calls, a BlockSparsity made from masks[i] per call
+    (masks[0] once for all when `same`)."""
+    shared = blockattn.BlockSparsity.from_mask(masks[0], BLOCK, q.shape[2], k.shape[2]) if same else None
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(calls):
+        blocks = shared or blockattn.BlockSparsity.from_mask(masks[i % len(masks)], BLOCK, q.shape[2], k.shape[2])
+        torch.autograd.grad(blockattn.attention(q, k, v, blocks), (q, k, v), grad)
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    return wall * 1e3 / calls, host * 1e3 / calls
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--distinct", type=int, default=8, help="masks made beforehand, used in turn")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; {args.calls} calls a way, ms per call "
+          "(wall / host enqueue)")
+    print("| case | same mask | new mask | new, matched | new, matched, eager |")
+    print("| --- | --- | --- | --- | --- |")
+    for heads, kv_heads, seq, density in CASES:
+        gen = torch.Generator(device=device).manual_seed(seq + heads)
+        nq, nk = seq // BLOCK[0], seq // BLOCK[1]
+        masks = [torch.rand(1, heads, nq, nk, generator=gen, device=device) < density for _ in range(args.distinct)]
+        q = torch.randn(1, heads, seq, 128, generator=gen, device=device, dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(1, kv_heads, seq, 128, generator=gen, device=device, dtype=torch.bfloat16,
+                            requires_grad=True) for _ in range(2))
+        grad = torch.randn_like(q)
+        # (same mask, replayed, the call from which on tiles are matched)
+        ways = {"same mask": (True, True, 2), "new mask": (False, True, 2), "new, matched": (False, True, 1),
+                "new, matched, eager": (False, False, 1)}
+        results = {name: [] for name in ways}
+        for _ in range(args.rounds):
+            for name, (same, replayed, match_from) in ways.items():
+                replay.ENABLED, backward_ws.MATCH_FROM_USE = replayed, match_from
+                run_calls(q, k, v, grad, masks, 3, same)  # warm-up: compiles, captures
+                results[name].append(run_calls(q, k, v, grad, masks, args.calls, same))
+        replay.ENABLED, backward_ws.MATCH_FROM_USE = True, 2
+        cells = [" ".join(f"{wall:.2f} / {host:.2f}" for wall, host in results[name]) for name in ways]
+        label = f"H{heads}" + (f"/{kv_heads}" if kv_heads != heads else "") + f" S{seq} d={density}"
+        print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
