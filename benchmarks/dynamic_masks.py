@@ -14,6 +14,8 @@ and the host time the loop took to enqueue them. Ways:
   fortieth session (the preparation's ~200 PyTorch operations on the host each call).
 
     python benchmarks/dynamic_masks.py --calls 30
+    python benchmarks/dynamic_masks.py --profile     # the first case's kernels per call, same mask and new mask
+    python benchmarks/dynamic_masks.py --first-calls # the first case's first calls on a mask, wall ms each
 """
 
 import argparse
@@ -44,11 +46,27 @@ def run_calls(q, k, v, grad, masks, calls: int, same: bool) -> tuple:
     return wall * 1e3 / calls, host * 1e3 / calls
 
 
+def one_call(q, k, v, grad, masks, same: bool):
+    """A function running one forward+backward call, on masks[0] always (`same`) or on the next of masks."""
+    shared = blockattn.BlockSparsity.from_mask(masks[0], BLOCK, q.shape[2], k.shape[2])
+    calls = iter(range(10 ** 9))
+
+    def call():
+        blocks = shared if same else blockattn.BlockSparsity.from_mask(masks[next(calls) % len(masks)], BLOCK,
+                                                                      q.shape[2], k.shape[2])
+        torch.autograd.grad(blockattn.attention(q, k, v, blocks), (q, k, v), grad)
+    return call
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--distinct", type=int, default=8, help="masks made beforehand, used in turn")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--profile", action="store_true",
+                        help="print the first case's GPU time per kernel (torch.profiler), same mask and new mask")
+    parser.add_argument("--first-calls", action="store_true",
+                        help="print the wall time of each of the first case's first calls on new masks of one shape")
     args = parser.parse_args()
     device = torch.device("cuda")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; {args.calls} calls a way, ms per call "
@@ -63,6 +81,28 @@ def main():
         k, v = (torch.randn(1, kv_heads, seq, 128, generator=gen, device=device, dtype=torch.bfloat16,
                             requires_grad=True) for _ in range(2))
         grad = torch.randn_like(q)
+        if args.first_calls:
+            for replayed in (True, False, True):
+                replay.ENABLED = replayed
+                replay.clear()
+                for mask in masks[:3]:  # each mask's first three calls, graphs captured on the first mask's
+                    call, walls = one_call(q, k, v, grad, [mask], True), []
+                    for _ in range(3):
+                        torch.cuda.synchronize()
+                        start = time.perf_counter()
+                        call()
+                        torch.cuda.synchronize()
+                        walls.append((time.perf_counter() - start) * 1e3)
+                    print(f"replayed {replayed}: a mask's first three calls " + " / ".join(f"{t:.1f}" for t in walls)
+                          + " ms", flush=True)
+            replay.ENABLED = True
+            return
+        if args.profile:
+            from ws_backward import profile
+            for same in (True, False):
+                profile(f"H{heads}/{kv_heads} S{seq} d={density} {'same mask' if same else 'new mask'}",
+                        one_call(q, k, v, grad, masks, same), top=16)
+            return
         # (same mask, replayed, the call from which on tiles are matched)
         ways = {"same mask": (True, True, 2), "new mask": (False, True, 2), "new, matched": (False, True, 1),
                 "new, matched, eager": (False, False, 1)}

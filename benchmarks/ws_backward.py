@@ -94,7 +94,7 @@ def main():
               + "/".join(f"{g:.1e}" for g in gaps), flush=True)
 
 
-def profile(label, call, calls=10):
+def profile(label, call, calls=10, top=8):
     """Print each kernel's GPU time per call of `call` (after a warm-up call), largest first; and, for the same
     calls back to back (no cache flush between them, unlike _time_ms), the wall time per call between CUDA events
     and the host's enqueue time per call. Wall above the kernels' sum is time the GPU waited (for the host, or at
@@ -119,7 +119,7 @@ def profile(label, call, calls=10):
     total = sum(e.device_time_total for e in kernels) / calls / 1e3
     print(f"{label}: GPU time per call {total:.3f} ms (back to back: wall {wall_ms:.3f}, host enqueue "
           f"{enqueue_ms:.3f} ms/call): " + "; ".join(
-        f"{e.key[:60]} {e.device_time_total / calls / 1e3:.3f} ms x{e.count // calls}" for e in kernels[:8]), flush=True)
+        f"{e.key[:60]} {e.device_time_total / calls / 1e3:.3f} ms x{e.count // calls}" for e in kernels[:top]), flush=True)
 
 
 if __name__ == "__main__":

@@ -167,13 +167,16 @@ def test_the_kernels_launch_with_the_inputs_gpu_current(monkeypatch):
     assert devices == [q.device, q.device], "the forward and the backward launch under the guard"
 
 
-@pytest.mark.parametrize("is_causal", [False, True])
-def test_warp_specialized_calls_read_nothing_back(monkeypatch, is_causal):
+@pytest.mark.parametrize("is_causal, block", [(False, (128, 128)), (True, (128, 128)), (False, (128, 64))])
+def test_warp_specialized_calls_read_nothing_back(monkeypatch, is_causal, block):
     """As below, for the calls the warp-specialized Gluon forward and backward take on Hopper (D=128, bf16, 128x128
     blocks, the descriptor-work floor lowered so that a small call qualifies): nothing read back after a first call,
-    and both kernels ran (on the CPU the Triton kernels run these shapes under the same check)."""
+    and both kernels ran (on the CPU the Triton kernels run these shapes under the same check). 128x64 blocks, with
+    the paired programs' tiles matched at these sizes (PAIR_MIN_TILES 2): the second call matches them, captures the
+    preparation in CUDA graphs (kernels/replay.py) and still reads nothing back."""
     from blockattn.kernels import backward_ws, forward_ws, tma
     monkeypatch.setattr(tma, "MIN_DESCRIPTOR_WORK", 0)
+    monkeypatch.setattr(backward_ws, "PAIR_MIN_TILES", 2)
     ran = []
     for module, name in ((forward_ws, "attention_forward_ws"), (backward_ws, "attention_backward_ws")):
         def spy(*args, run=getattr(module, name), name=name):
@@ -182,16 +185,17 @@ def test_warp_specialized_calls_read_nothing_back(monkeypatch, is_causal):
         monkeypatch.setattr(module, name, spy)
     seq = 512 if ON_GPU else 256
     q, k, v = (t.requires_grad_(True) for t in qkv(1, 2, seq, 128))
-    keep = torch.rand(1, 2, seq // 128, seq // 128, generator=torch.Generator(device=DEVICE).manual_seed(2),
+    keep = torch.rand(1, 2, seq // block[0], seq // block[1], generator=torch.Generator(device=DEVICE).manual_seed(2),
                       device=DEVICE) < 0.5
-    keep |= torch.eye(seq // 128, dtype=torch.bool, device=DEVICE)
-    blocks = blockattn.BlockSparsity.from_mask(keep, (128, 128), seq, seq)
-    for check in (False, True):
+    keep |= torch.eye(seq // block[0], dtype=torch.bool, device=DEVICE).repeat_interleave(block[0] // block[1], 1)
+    blocks = blockattn.BlockSparsity.from_mask(keep, block, seq, seq)
+    checks = (False, True) if block[1] == 128 else (False, True, True)
+    for check in checks:
         with no_host_reads(monkeypatch) if check else contextlib.nullcontext():
             out = blockattn.attention(q, k, v, blocks, is_causal=is_causal, backend="triton")
             out.float().sum().backward()
     hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
-    assert ran == (["attention_forward_ws", "attention_backward_ws"] * 2 if hopper else [])
+    assert ran == (["attention_forward_ws", "attention_backward_ws"] * len(checks) if hopper else [])
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "thd"])
