@@ -1085,7 +1085,10 @@ def pair_lists(q_count: torch.Tensor, q_index: torch.Tensor, order: Optional[tor
     order = order.long()
     if order.shape[1] != heads:  # kv heads' orders for the query heads sharing each
         order = order.repeat_interleave(heads // order.shape[1], dim=1)
-    partner = order.gather(-1, torch.argsort(order, dim=-1) ^ 1)  # the other tile of each tile's program
+    # each tile's place in the order (the permutation's inverse: a scatter, where an argsort took a sort) and so
+    # the other tile of its program
+    position = torch.empty_like(order).scatter_(-1, order, torch.arange(tiles, device=order.device).expand_as(order))
+    partner = order.gather(-1, position ^ 1)
     listed, member = _membership(q_count, q_index, torch.bool)
     partner_member = member.gather(2, partner.unsqueeze(-1).expand(member.shape))
     common = listed & partner_member.gather(-1, q_index.long()) & common_first
