@@ -2,6 +2,8 @@
 eagerly, mask after mask; one graph per computation and shapes; none while a graph is captured; at most KEPT kept.
 On the CPU the preparation runs eagerly and keeps no graph."""
 
+import contextlib
+import warnings
 from collections import OrderedDict
 
 import pytest
@@ -93,3 +95,97 @@ def test_a_capture_takes_the_preparation_in(graphs, monkeypatch):
     q_index.copy_(new_index)
     graph.replay()
     assert torch.equal(captured, backward_ws.paired_tile_order(new_count, new_index, 4, 1))
+
+
+def test_a_refused_capture_warns_once_and_computes_eagerly(graphs, monkeypatch):
+    """Where CUDA refuses a capture (CaptureRefused), run() warns, returns the eager result and computes eagerly from
+    then on, trying no capture again (on any machine: the capture is stood in for)."""
+    attempts = []
+
+    class Refused:
+        def __init__(self, compute, inputs):
+            attempts.append(len(inputs))
+            raise replay.CaptureRefused("operation not permitted when stream is capturing")
+    monkeypatch.setattr(replay, "ENABLED", True)
+    monkeypatch.setattr(replay, "_graphable", lambda tensor: True)
+    monkeypatch.setattr(replay, "_stream", lambda device: 0)
+    monkeypatch.setattr(replay, "_Replay", Refused)
+    q_count, _ = _lists(5, 4, 6, 8)
+    with pytest.warns(RuntimeWarning, match="could not capture"):
+        first = replay.run(lambda counts: backward_ws.tile_order(counts, 2, 1), (q_count, ), ("test", ))
+    assert torch.equal(first, backward_ws.tile_order(q_count, 2, 1)) and attempts == [1]
+    assert not replay.ENABLED and not graphs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = replay.run(lambda counts: backward_ws.tile_order(counts, 2, 1), (q_count, ), ("test", ))
+    assert torch.equal(again, first) and attempts == [1]
+
+
+class _Recorder:
+    """Stand-ins for CUDA's stream, device and graph objects (torch.cuda.*), logging what _Replay asks of them."""
+
+    def __init__(self, monkeypatch, refuse):
+        self.log, self.refuse, self.capturing = [], refuse, False
+        recorder = self
+
+        class Stream:
+            def __init__(self, name):
+                self.name = name
+
+            def wait_stream(self, other):
+                recorder.log.append(f"{self.name} waits for {other.name}")
+
+        class Graph:
+            def capture_begin(self, capture_error_mode):
+                recorder.log.append(f"capture ({capture_error_mode})")
+                if refuse == "begin":
+                    raise RuntimeError("capture not permitted")
+                recorder.capturing = True
+
+            def capture_end(self):
+                recorder.log.append("end")
+                recorder.capturing = False
+
+            def replay(self):
+                recorder.log.append("replay")
+
+        @contextlib.contextmanager
+        def on_stream(stream):
+            recorder.log.append(f"on {stream.name}")
+            yield
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("current"))
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream("side"))
+        monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "stream", on_stream)
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+
+    def compute(self, counts):
+        self.log.append("compute")
+        if self.capturing and self.refuse == "inside":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return counts * 2, counts + 1
+
+
+@pytest.mark.parametrize("refuse", [None, "begin", "inside"])
+def test_the_capture_sequence_with_cuda_stood_in_for(monkeypatch, refuse):
+    """_Replay's steps, CUDA's objects stood in for (on any machine): the side stream waits for the current one, the
+    computation runs once outside the capture and once inside, the current stream waits for the side one. A capture
+    refused at its start, or by an operation inside it (the capture then ended), comes out as CaptureRefused, the
+    streams joined all the same. A replay copies the new inputs into the static ones, replays and returns clones of
+    the captured outputs."""
+    recorder = _Recorder(monkeypatch, refuse)
+    counts = torch.arange(6, dtype=torch.int32)
+    start = ["side waits for current", "on side", "compute", "capture (thread_local)"]
+    if refuse:
+        with pytest.raises(replay.CaptureRefused, match="not permitted"):
+            replay._Replay(recorder.compute, (counts, ))
+        inside = ["compute", "end"] if refuse == "inside" else []
+        assert recorder.log == start + inside + ["current waits for side"]
+        return
+    captured = replay._Replay(recorder.compute, (counts, ))
+    assert recorder.log == start + ["compute", "end", "current waits for side"]
+    new = torch.arange(6, 12, dtype=torch.int32)
+    results = captured((new, ))
+    assert recorder.log[-1] == "replay" and torch.equal(captured.inputs[0], new)
+    for result, output in zip(results, captured.outputs):
+        assert torch.equal(result, output) and result.data_ptr() != output.data_ptr()

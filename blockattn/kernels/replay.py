@@ -3,17 +3,20 @@ host time.
 
 Where a mask's q lists are new, the warp-specialized backward derives from them a tile order and, for 64-key tiles,
 the paired programs' lists (backward_ws: tile_order, paired_tile_order, pair_lists, merge_group_lists): about 200
-small PyTorch operations, 4-5 ms of host time at B1 H24 S32k, more than the backward's own GPU time at S=16k. Masks
-made afresh every step (a video model's top-k blocks) pay it on every call. On CUDA, run() captures such a
-computation once per shapes, settings and stream in a CUDA graph and replays it after: two copies in, one graph
-launch, a clone per output. Results are the eager computation's, bit for bit (the same kernels on the same values).
+small PyTorch operations, 3-9 ms of host time a call at B1 H24 S16k-32k (by the host), more than the whole
+forward+backward's GPU time at S=16k (2.5 ms at d=0.1). Masks made afresh every step (a video model's top-k blocks)
+pay it on every call. On CUDA, run() captures such a computation once per shapes, settings and stream in a CUDA graph
+and replays it after: two copies in, one graph launch, a clone per output. Results are the eager computation's, bit
+for bit (the same kernels on the same values).
 
 Each graph keeps its static inputs, outputs and intermediate memory (tens of MB at S=32k, a few hundred at S=128k),
-so only the KEPT most recently used stay; clear() drops them all.
+so only the KEPT most recently used stay; clear() drops them all. Where CUDA refuses a capture (an allocator setting
+or another library's hooks may), run() warns once and computes eagerly from then on, as it does with ENABLED False.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from typing import Callable, Hashable, Sequence
 
@@ -21,12 +24,17 @@ import torch
 
 from .. import sparsity
 
-# Whether run() replays CUDA computations from graphs (benchmarks switch it off to time the eager path).
+# Whether run() replays CUDA computations from graphs (benchmarks switch it off to time the eager path; run() does
+# after a capture failed).
 ENABLED = True
 # Graphs kept, the least recently used dropped first.
 KEPT = 4
 
 _GRAPHS: OrderedDict = OrderedDict()
+
+
+class CaptureRefused(RuntimeError):
+    """CUDA refused to capture a computation (which runs eagerly all the same): run() computes eagerly from then on."""
 
 
 class _Replay:
@@ -38,16 +46,21 @@ class _Replay:
         self.inputs = [t.clone(memory_format=torch.contiguous_format) for t in inputs]
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
-        with torch.cuda.device(device), torch.cuda.stream(side):
-            compute(*self.inputs)  # once outside the capture: lazy initializations (cuBLAS's) must not be captured
-            self.graph = torch.cuda.CUDAGraph()
-            # thread_local: other threads' calls that a capture forbids (a synchronization) do not break this one
-            self.graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                outputs = compute(*self.inputs)
-            finally:
-                self.graph.capture_end()
-        current.wait_stream(side)
+        try:
+            with torch.cuda.device(device), torch.cuda.stream(side):
+                compute(*self.inputs)  # once outside the capture: lazy initializations (cuBLAS's) must not be captured
+                self.graph = torch.cuda.CUDAGraph()
+                try:
+                    # thread_local: other threads' calls that a capture forbids (a synchronization) do not break it
+                    self.graph.capture_begin(capture_error_mode="thread_local")
+                    try:
+                        outputs = compute(*self.inputs)
+                    finally:
+                        self.graph.capture_end()
+                except RuntimeError as error:
+                    raise CaptureRefused(str(error)) from error
+        finally:
+            current.wait_stream(side)
         self.single = isinstance(outputs, torch.Tensor)
         self.outputs = (outputs, ) if self.single else tuple(outputs)
 
@@ -64,20 +77,38 @@ def run(compute: Callable, inputs: Sequence[torch.Tensor], terms: Hashable):
     synchronization. On CUDA from a graph captured the first time for the inputs' shapes and dtypes, their device,
     the current stream and `terms` (everything else the computation depends on: its name, its settings); eagerly
     elsewhere, while ENABLED is False, while torch.compile traces and while a graph is being captured (the
-    computation then joins that graph)."""
+    computation then joins that graph). Where CUDA refuses the capture, it warns and sets ENABLED False."""
+    global ENABLED
     first = inputs[0]
-    if not ENABLED or not first.is_cuda or sparsity.compiling_or_capturing(first.device):
+    if not ENABLED or not _graphable(first):
         return compute(*inputs)
-    stream = torch.cuda.current_stream(first.device)
-    key = (terms, first.device, stream.cuda_stream, tuple((t.shape, t.dtype) for t in inputs))
+    key = (terms, first.device, _stream(first.device), tuple((t.shape, t.dtype) for t in inputs))
     replay = _GRAPHS.get(key)
     if replay is None:
-        replay = _Replay(compute, inputs)
+        try:
+            replay = _Replay(compute, inputs)
+        except CaptureRefused as error:
+            ENABLED = False
+            warnings.warn(f"blockattn could not capture the backward's per-mask preparation in a CUDA graph ({error});"
+                          " it runs eagerly from now on", RuntimeWarning, stacklevel=2)
+            return compute(*inputs)
         _GRAPHS[key] = replay
         while len(_GRAPHS) > KEPT:
             _GRAPHS.popitem(last=False)
     _GRAPHS.move_to_end(key)
     return replay(inputs)
+
+
+def _graphable(tensor: torch.Tensor) -> bool:
+    """Whether a computation on tensor's device may be captured now: a CUDA tensor, outside torch.compile's tracing
+    and any capture."""
+    return tensor.is_cuda and not sparsity.compiling_or_capturing(tensor.device)
+
+
+def _stream(device: torch.device) -> int:
+    """The device's current CUDA stream (its handle): each stream replays graphs of its own, whose static inputs no
+    other stream's replay may overwrite meanwhile."""
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def clear() -> None:
