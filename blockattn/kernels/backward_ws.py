@@ -115,12 +115,13 @@ PAIR_ROUNDS = 8
 PAIR_MIN_TILES = 256
 PAIR_MAX_TILES = 4096
 # The backward call on a mask's lists from which on its tiles are matched (backward_uses counts them per lists
-# tensors): before, its programs pair tile_order's neighbours. The matching's GPU time where the lists are new (0.3-0.9
-# ms at B1 H24 S16k-32k, 10.8 ms at S128k, replayed from a CUDA graph; kernels/replay.py) is more than it saves in
-# one backward (about 3%), so a mask made afresh for every call (a video model's per-step top-k blocks) runs faster
-# unmatched: at H24 S16k 128x64 d=0.1, forward+backward with a new mask each call took 2.88-2.91 ms unmatched against
-# 3.19-3.28 matched (fortieth session, benchmarks/dynamic_masks.py). A mask used again (by the next layer, the next
-# step) is matched once, from its second backward on. Under CUDA graph capture (where nothing is kept) calls count 1.
+# tensors): before, its programs pair tile_order's neighbours. The matching's GPU time where the lists are new (0.44
+# ms at GQA 32/8 S16k, 0.90 at B1 H24 S32k, 10.8 at S128k, replayed from a CUDA graph; kernels/replay.py) is more than
+# it saves in one backward (about 3%), so a mask made afresh for every call (a video model's per-step top-k blocks)
+# runs faster unmatched: at H24 S16k 128x64 d=0.1, forward+backward with a new mask each call took 2.88-2.91 ms
+# unmatched against 3.19-3.28 matched (fortieth session, benchmarks/dynamic_masks.py). A mask used again (by the next
+# layer, the next step) is matched once, from its second backward on. Under CUDA graph capture (where nothing is kept)
+# calls count 1.
 MATCH_FROM_USE = 2
 # GQA's paired programs walk one merged list per tile over the group's query heads (merge_group_lists), whose
 # entries are query block << HEAD_BITS | the query head's place in its group: groups of up to 2 ** HEAD_BITS heads,
