@@ -11,9 +11,10 @@ enqueue per call (fastest of several rounds, calls back to back, no profiler) of
   - where a forward+backward's time goes on autograd's device thread: from autograd.grad's call to backward_some's
     start (the hand-off), inside backward_some, and from its end to autograd.grad's return (medians).
 
-B8 H16 S1024 D128 bf16, d=0.5, 128x128 blocks by default.
+B8 H16 S1024 D128 bf16, d=0.5, 128x128 blocks by default (--batch, --heads, --seq, --density, --block).
 
     python benchmarks/autograd_floor.py [--seq 1024] [--calls 50] [--rounds 7]
+    python benchmarks/autograd_floor.py --batch 1 --heads 24 --seq 8192 --density 0.1
     taskset -c 3 python benchmarks/autograd_floor.py   (every thread on one core)
 """
 
@@ -60,7 +61,12 @@ def main():
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--density", type=float, default=0.5)
+    parser.add_argument("--block", type=int, nargs=2, default=(128, 128))
     args = parser.parse_args()
+    shape = (args.batch, args.heads, args.seq, args.density, tuple(args.block))
     rest = tuple(range(17))
 
     def row(label, fn, calls_per_fn: int = 1):
@@ -69,7 +75,7 @@ def main():
         print(f"{label}: {per_call_us(fn, args.calls // calls_per_fn, args.rounds) / calls_per_fn:.1f} us a call",
               flush=True)
 
-    q, k, v, blocks, grad = short_inputs(8, 16, args.seq, 0.5)
+    q, k, v, blocks, grad = short_inputs(*shape)
     for device in ("cuda", "cpu"):
         tq, tk, tv, tg = (t.detach().to(device).requires_grad_(t is not grad) for t in (q, k, v, grad))
         row(f"empty Function, {device}: forward", lambda: Empty.apply(tq, tk, tv, rest))
@@ -78,7 +84,7 @@ def main():
         row(f"empty Function, {device}: forward + autograd.grad, multithreading off",
             calling_thread(lambda: torch.autograd.grad(Empty.apply(tq, tk, tv, rest)[0], (tq, tk, tv), tg)))
 
-    _, fwd_bwd = short_case(8, 16, args.seq, 0.5)
+    _, fwd_bwd = short_case(*shape)
     for _ in range(10):
         fwd_bwd()
     captured = []

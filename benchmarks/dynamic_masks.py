@@ -16,10 +16,13 @@ and the host time the loop took to enqueue them. Ways:
     python benchmarks/dynamic_masks.py --calls 30
     python benchmarks/dynamic_masks.py --profile     # the first case's kernels per call, same mask and new mask
     python benchmarks/dynamic_masks.py --first-calls # the first case's first calls on a mask, wall ms each
+    python benchmarks/dynamic_masks.py --host-profile --cases 24,24,4096,0.1  # where a new mask's host time goes
 """
 
 import argparse
+import cProfile
 import itertools
+import pstats
 import time
 
 import torch
@@ -44,10 +47,8 @@ def one_call(q, k, v, grad, masks, same: bool):
     return call
 
 
-def run_calls(q, k, v, grad, masks, calls: int, same: bool) -> tuple:
-    """(wall ms, host ms) per call of `calls` forward+backward calls (one_call's), a BlockSparsity made from masks[i]
-    per call (masks[0] once for all when `same`)."""
-    call = one_call(q, k, v, grad, masks, same)
+def run_calls(call, calls: int) -> tuple:
+    """(wall ms, host ms) per call of `calls` forward+backward calls (one_call's `call`)."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
@@ -67,13 +68,18 @@ def main():
                         help="print the first case's GPU time per kernel (torch.profiler), same mask and new mask")
     parser.add_argument("--first-calls", action="store_true",
                         help="print the wall time of each of the first case's first calls on new masks of one shape")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="print cProfile's view of the first case's host time, new mask each call")
+    parser.add_argument("--cases", nargs="+", default=None, help="heads,kv_heads,seq,density each (default: CASES)")
     args = parser.parse_args()
+    cases = CASES if args.cases is None else [
+        (int(h), int(hkv), int(s), float(d)) for h, hkv, s, d in (c.split(",") for c in args.cases)]
     device = torch.device("cuda")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; {args.calls} calls a way, ms per call "
           "(wall / host enqueue)")
     print("| case | same mask | new mask | new, matched | new, matched, eager |")
     print("| --- | --- | --- | --- | --- |")
-    for heads, kv_heads, seq, density in CASES:
+    for heads, kv_heads, seq, density in cases:
         gen = torch.Generator(device=device).manual_seed(seq + heads)
         nq, nk = seq // BLOCK[0], seq // BLOCK[1]
         masks = [torch.rand(1, heads, nq, nk, generator=gen, device=device) < density for _ in range(args.distinct)]
@@ -97,6 +103,22 @@ def main():
                           + " ms", flush=True)
             replay.ENABLED = True
             return
+        if args.host_profile:
+            call = one_call(q, k, v, grad, masks, False)
+            for _ in range(5):  # compiles, captures
+                call()
+            torch.cuda.synchronize()
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(args.calls):
+                call()
+            profiler.disable()
+            torch.cuda.synchronize()
+            print(f"H{heads}/{kv_heads} S{seq} d={density}, new mask, {args.calls} calls:")
+            stats = pstats.Stats(profiler).strip_dirs()
+            stats.sort_stats("cumulative").print_stats(40)
+            stats.sort_stats("tottime").print_stats(25)
+            return
         if args.profile:
             from ws_backward import profile
             for same in (True, False):
@@ -110,8 +132,11 @@ def main():
         for _ in range(args.rounds):
             for name, (same, replayed, match_from) in ways.items():
                 replay.ENABLED, backward_ws.MATCH_FROM_USE = replayed, match_from
-                run_calls(q, k, v, grad, masks, 3, same)  # warm-up: compiles, captures
-                results[name].append(run_calls(q, k, v, grad, masks, args.calls, same))
+                # warm-up: compiles, captures, and for "same mask" its first two calls (the second matches its
+                # tiles), so that the timed calls are all alike
+                call = one_call(q, k, v, grad, masks, same)
+                run_calls(call, 3)
+                results[name].append(run_calls(call, args.calls))
         replay.ENABLED, backward_ws.MATCH_FROM_USE = True, 2
         cells = [" ".join(f"{wall:.2f} / {host:.2f}" for wall, host in results[name]) for name in ways]
         label = f"H{heads}" + (f"/{kv_heads}" if kv_heads != heads else "") + f" S{seq} d={density}"

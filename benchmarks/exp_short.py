@@ -18,9 +18,9 @@ from blockattn.bench import Case, block_mask
 from blockattn.kernels import backward
 
 
-def short_inputs(batch: int, heads: int, seq: int, density: float):
-    """(q, k, v, blocks, grad): a B x H x S, D=128 bf16 case with 128x128 blocks on the GPU, inputs requiring grad."""
-    case = Case(batch=batch, heads=heads, kv_heads=heads, seq=seq, density=density, block=(128, 128))
+def short_inputs(batch: int, heads: int, seq: int, density: float, block: tuple = (128, 128)):
+    """(q, k, v, blocks, grad): a B x H x S, D=128 bf16 case with `block` blocks on the GPU, inputs requiring grad."""
+    case = Case(batch=batch, heads=heads, kv_heads=heads, seq=seq, density=density, block=tuple(block))
     device = torch.device("cuda")
     blocks = blockattn.BlockSparsity.from_mask(block_mask(case, device), case.block, case.seq, case.seq)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -29,10 +29,10 @@ def short_inputs(batch: int, heads: int, seq: int, density: float):
     return q, k, v, blocks, torch.randn_like(q)
 
 
-def short_case(batch: int, heads: int, seq: int, density: float):
+def short_case(batch: int, heads: int, seq: int, density: float, block: tuple = (128, 128)):
     """(fwd, fwd_bwd): closures running blockattn on short_inputs(), the forward without gradients and
     forward+backward through autograd."""
-    q, k, v, blocks, grad = short_inputs(batch, heads, seq, density)
+    q, k, v, blocks, grad = short_inputs(batch, heads, seq, density, block)
 
     def fwd():
         with torch.no_grad():

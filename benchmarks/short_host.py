@@ -1,5 +1,6 @@
 """Short-sequence forward and forward+backward: do_bench time (eager and CUDA-graph replay) and host enqueue time
-per call, for blockattn (and FlexAttention, compiled, with --flex) on B8 H16 S D128 (d=0.5, 128x128 blocks);
+per call, for blockattn (and FlexAttention, compiled, with --flex) on B8 H16 S D128 (d=0.5, 128x128 blocks; --batch,
+--heads, --density and --block change them);
 --profile adds cProfile tables of the host's own time (forward, then forward+backward, then the backward on
 autograd's thread).
 
@@ -7,6 +8,7 @@ autograd's thread).
     python benchmarks/short_host.py --seq 1024 --descriptors both --rounds 3
     python benchmarks/short_host.py --seq 1024 --profile
     python benchmarks/short_host.py --seq 1024 --flex --threads both
+    python benchmarks/short_host.py --seq 4096 8192 --batch 1 --heads 24 --density 0.1 --flex
 """
 
 import argparse
@@ -23,10 +25,10 @@ from exp_short import calling_thread, host_ms, print_profile, short_case, short_
 from short_graphs import graphed
 
 
-def flex_case(batch: int, heads: int, seq: int, density: float):
+def flex_case(batch: int, heads: int, seq: int, density: float, block: tuple = (128, 128)):
     """(fwd, fwd_bwd) for compiled FlexAttention on short_inputs()' tensors and mask."""
     from torch.nn.attention.flex_attention import flex_attention
-    q, k, v, blocks, grad = short_inputs(batch, heads, seq, density)
+    q, k, v, blocks, grad = short_inputs(batch, heads, seq, density, block)
     mask = flex_block_mask(blocks)
     compiled = torch.compile(flex_attention, dynamic=False)
 
@@ -50,6 +52,11 @@ def main():
                         help="where autograd runs the backward: device (its worker thread, the default), calling "
                         "(torch.autograd.set_multithreading_enabled(False) around each forward+backward), both")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--density", type=float, default=0.5)
+    parser.add_argument("--block", type=int, nargs=2, default=(128, 128),
+                        help="blockattn's blocks (FlexAttention compiled with default options takes 128x128 only)")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile tables of blockattn's forward and fwd+bwd, and of the backward alone")
     args = parser.parse_args()
@@ -58,9 +65,10 @@ def main():
     settings = {"auto": [("", threshold)], "always": [("", 0)],
                 "both": [(" descriptors=auto", threshold), (" descriptors=always", 0)]}[args.descriptors]
     for seq in args.seq:
-        impls = {"blockattn": short_case(8, 16, seq, 0.5)}
+        shape = (args.batch, args.heads, seq, args.density)
+        impls = {"blockattn": short_case(*shape, tuple(args.block))}
         if args.flex:
-            impls["flex"] = flex_case(8, 16, seq, 0.5)
+            impls["flex"] = flex_case(*shape)
         for _ in range(args.rounds):
             for impl, (fwd, fwd_bwd) in impls.items():
                 for label, value in settings if impl == "blockattn" else [("", threshold)]:

@@ -306,6 +306,24 @@ def interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block):
     return min(heads, 2 * kv_heads, 4), min(kv_heads, 2), 2 * block[0] + seq_q % block[0], 2 * block[1]
 
 
+def captured_replay(fn, inputs: tuple, new_inputs: tuple, warm_up=None):
+    """GPU only: fn() captured in a CUDA graph (after one eager call of warm_up, fn by default, on a side stream, for
+    libraries' lazy initialization, which a capture refuses), inputs then overwritten in place with new_inputs, the
+    graph replayed: fn's captured output, which now holds its result for new_inputs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        (fn if warm_up is None else warm_up)()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn()
+    for tensor, new in zip(inputs, new_inputs):
+        tensor.copy_(new)
+    graph.replay()
+    return captured
+
+
 @contextlib.contextmanager
 def no_host_reads(monkeypatch):
     """Fails any read of a tensor's values back to the host: CUDA's sync debug mode on a GPU; on the CPU, where

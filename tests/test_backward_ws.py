@@ -11,8 +11,8 @@ import pytest
 import torch
 import blockattn
 from blockattn.kernels import backward, backward_ws, forward, replay
-from conftest import (DEVICE, ON_GPU, expand, interpreter_share, no_host_reads, oracle, qkv, random_keep,
-                      sm90_report, stack_bytes)
+from conftest import (DEVICE, ON_GPU, captured_replay, expand, interpreter_share, no_host_reads, oracle, qkv,
+                      random_keep, sm90_report, stack_bytes)
 
 
 def _meta(*shape, dtype=torch.bfloat16):
@@ -396,18 +396,9 @@ def test_paired_tile_order_reads_nothing_back_and_is_captured(monkeypatch):
     assert (order.sort(-1).values.cpu() == torch.arange(32, dtype=torch.int32)).all()
     if not ON_GPU:
         return
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        backward_ws.paired_tile_order(q_count, q_index, 2, 1)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = backward_ws.paired_tile_order(q_count, q_index, 2, 1)
     new_count, new_index = lists(2)
-    q_count.copy_(new_count)
-    q_index.copy_(new_index)
-    graph.replay()
+    captured = captured_replay(lambda: backward_ws.paired_tile_order(q_count, q_index, 2, 1), (q_count, q_index),
+                               (new_count, new_index))
     eager = backward_ws.paired_tile_order(new_count, new_index, 2, 1)
     assert torch.equal(captured, eager) and not torch.equal(eager, order)
 

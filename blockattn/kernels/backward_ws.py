@@ -805,7 +805,7 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tens
         return False
     return (qualifies(q, k, v, grad_out, block_q, block_kv, is_causal=is_causal, token_mask=token_mask,
                       block_mask=block_mask, kv_valid=kv_valid, varlen=varlen, min_work=min_work)
-            and torch.cuda.get_device_capability(q.device) == (9, 0))
+            and launch.device_capability(q.device) == (9, 0))
 
 
 def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, block_q: int, block_kv: int,
@@ -902,7 +902,7 @@ def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_
 
 def _l2_bytes(device: torch.device) -> int:
     """The device's L2 cache in bytes (0 off CUDA: meta tensors in tests)."""
-    return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
+    return launch.device_properties(device).L2_cache_size if device.type == "cuda" else 0
 
 
 def kv_split(heads: int, kv_heads: int, seq_q: int, dim: int, l2_bytes: int) -> int:

@@ -385,7 +385,7 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_
     chosen = qualifies(q, k, v, block_q, block_kv, is_causal=is_causal, token_mask=token_mask, block_mask=block_mask,
                        kv_valid=kv_valid, varlen=varlen, quant=quant, min_work=min_work)
     # the device query last: most calls that decline do so on their arguments, for less host time
-    return chosen if chosen is not None and torch.cuda.get_device_capability(q.device) == (9, 0) else None
+    return chosen if chosen is not None and launch.device_capability(q.device) == (9, 0) else None
 
 
 def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_kv: int, *, is_causal: bool,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from . import autotune
+from . import autotune, launch
 
 # Whether the kernels may read tiles through descriptors at all (tests switch it off to cover the pointer loads).
 TMA_LOADS = True
@@ -41,7 +41,7 @@ def _descriptor_class():
 
 
 def _gpu_has_tma(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and launch.device_capability(device)[0] >= 9
 
 
 def available(kernel_fn, device: torch.device) -> bool:
