@@ -11,7 +11,10 @@ and the host time the loop took to enqueue them. Ways:
   (tile order, pair lists) replayed from CUDA graphs (kernels/replay.py);
 - "new, matched": the same with the tiles matched at once (MATCH_FROM_USE 1), replayed;
 - "new, matched, eager": matched at once and computed eagerly (replay.ENABLED False), as the package ran until the
-  fortieth session (the preparation's ~200 PyTorch operations on the host each call).
+  fortieth session (the preparation's ~200 PyTorch operations on the host each call);
+- "new, step captured": the whole step (from_mask, forward, backward) captured once in a CUDA graph, a call copying
+  the next mask into the graph's mask tensor and replaying it (a user's torch.cuda.graphs capture; the host does
+  almost nothing, and the tiles are unmatched: nothing is kept under a capture).
 
     python benchmarks/dynamic_masks.py --calls 30
     python benchmarks/dynamic_masks.py --profile     # the first case's kernels per call, same mask and new mask
@@ -47,6 +50,21 @@ def one_call(q, k, v, grad, masks, same: bool):
     return call
 
 
+def captured_step(q, k, v, grad, masks):
+    """A function running one forward+backward call on the next of masks as the replay of a CUDA graph that captured
+    the whole step, BlockSparsity.from_mask included, on a mask tensor each call overwrites."""
+    from short_graphs import graphed
+    mask = masks[0].clone()
+    replay_step = graphed(lambda: torch.autograd.grad(blockattn.attention(
+        q, k, v, blockattn.BlockSparsity.from_mask(mask, BLOCK, q.shape[2], k.shape[2])), (q, k, v), grad))
+    calls = itertools.count()
+
+    def call():
+        mask.copy_(masks[next(calls) % len(masks)])
+        replay_step()
+    return call
+
+
 def run_calls(call, calls: int) -> tuple:
     """(wall ms, host ms) per call of `calls` forward+backward calls (one_call's `call`)."""
     torch.cuda.synchronize()
@@ -77,8 +95,8 @@ def main():
     device = torch.device("cuda")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; {args.calls} calls a way, ms per call "
           "(wall / host enqueue)")
-    print("| case | same mask | new mask | new, matched | new, matched, eager |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| case | same mask | new mask | new, matched | new, matched, eager | new, step captured |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for heads, kv_heads, seq, density in cases:
         gen = torch.Generator(device=device).manual_seed(seq + heads)
         nq, nk = seq // BLOCK[0], seq // BLOCK[1]
@@ -125,16 +143,17 @@ def main():
                 profile(f"H{heads}/{kv_heads} S{seq} d={density} {'same mask' if same else 'new mask'}",
                         one_call(q, k, v, grad, masks, same), top=16)
             return
-        # (same mask, replayed, the call from which on tiles are matched)
+        # (same mask, replayed, the call from which on tiles are matched; None: the step captured whole)
         ways = {"same mask": (True, True, 2), "new mask": (False, True, 2), "new, matched": (False, True, 1),
-                "new, matched, eager": (False, False, 1)}
+                "new, matched, eager": (False, False, 1), "new, step captured": None}
         results = {name: [] for name in ways}
         for _ in range(args.rounds):
-            for name, (same, replayed, match_from) in ways.items():
+            for name, way in ways.items():
+                same, replayed, match_from = way or (False, True, 2)
                 replay.ENABLED, backward_ws.MATCH_FROM_USE = replayed, match_from
                 # warm-up: compiles, captures, and for "same mask" its first two calls (the second matches its
                 # tiles), so that the timed calls are all alike
-                call = one_call(q, k, v, grad, masks, same)
+                call = one_call(q, k, v, grad, masks, same) if way else captured_step(q, k, v, grad, masks)
                 run_calls(call, 3)
                 results[name].append(run_calls(call, args.calls))
         replay.ENABLED, backward_ws.MATCH_FROM_USE = True, 2

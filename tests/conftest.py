@@ -318,8 +318,9 @@ def captured_replay(fn, inputs: tuple, new_inputs: tuple, warm_up=None):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = fn()
-    for tensor, new in zip(inputs, new_inputs):
-        tensor.copy_(new)
+    with torch.no_grad():  # (leaves that require grad take the copies too)
+        for tensor, new in zip(inputs, new_inputs):
+            tensor.copy_(new)
     graph.replay()
     return captured
 

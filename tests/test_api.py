@@ -7,7 +7,7 @@ import torch
 
 import blockattn
 from blockattn.api import resolve_backend
-from conftest import DEVICE, ON_GPU, no_host_reads, qkv
+from conftest import DEVICE, ON_GPU, captured_replay, expand, no_host_reads, oracle, qkv, random_keep
 
 
 def base():
@@ -165,6 +165,54 @@ def test_the_kernels_launch_with_the_inputs_gpu_current(monkeypatch):
     out, lse = blockattn.attention(q, k, v, None, (32, 32), return_lse=True, backend="triton")
     blockattn.attention_backward(torch.ones_like(out), q, k, v, out, lse, None, (32, 32), backend="triton")
     assert devices == [q.device, q.device], "the forward and the backward launch under the guard"
+
+
+@pytest.mark.parametrize("heads, kv_heads, block", [(4, 4, (128, 128)), (4, 4, (128, 64)), (4, 2, (128, 64))])
+def test_a_step_making_its_mask_is_captured_whole_and_replays_a_new_mask(monkeypatch, heads, kv_heads, block):
+    """A training step that makes its BlockSparsity from a mask tensor (a video model's blocks chosen anew each step)
+    and runs attention() forward and backward, captured whole in one CUDA graph: replayed after new q, k, v and a new
+    mask are copied into its inputs, its output and gradients meet the fp64 oracle on the new mask. On Hopper the
+    Gluon forward and backward ran inside the capture (128x64: the paired programs, the backward's preparation
+    computed inside the graph, GQA's lists merged there). On the CPU the step runs eagerly on the first mask, then
+    on the second, copied in the same way."""
+    from blockattn.kernels import backward_ws, forward_ws
+    ran = []
+    for module, name in ((forward_ws, "attention_forward_ws"), (backward_ws, "attention_backward_ws")):
+        def spy(*args, run=getattr(module, name), name=name):
+            ran.append(name)
+            return run(*args)
+        monkeypatch.setattr(module, name, spy)
+    monkeypatch.setattr(backward_ws, "PAIR_MIN_TILES", 2)  # (matched tiles, were anything kept under a capture)
+    seq = 512 if ON_GPU else 256
+    q, k, v = (t.requires_grad_(True) for t in qkv(1, heads, seq, 128, kv_heads=kv_heads, seed=3))
+    new_q, new_k, new_v = qkv(1, heads, seq, 128, kv_heads=kv_heads, seed=4)
+    grad_out = torch.randn(q.shape, generator=torch.Generator(device=DEVICE).manual_seed(5), device=DEVICE,
+                           dtype=q.dtype)
+    first_mask, new_mask = (random_keep(1, heads, seq, seq, block, density=0.4, seed=seed) for seed in (6, 7))
+    mask = first_mask.clone()
+
+    def step():
+        blocks = blockattn.BlockSparsity.from_mask(mask, block, seq, seq)
+        out = blockattn.attention(q, k, v, blocks, backend="triton")
+        return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+    inputs, new_inputs = (mask, q, k, v), (new_mask, new_q, new_k, new_v)
+    if ON_GPU:
+        out, *grads = captured_replay(step, inputs, new_inputs)
+    else:
+        step()
+        with torch.no_grad():
+            for tensor, new in zip(inputs, new_inputs):
+                tensor.copy_(new)
+        out, *grads = step()
+    leaves = [t.detach().double().requires_grad_() for t in (new_q, new_k, new_v)]
+    want_out, _ = oracle(*leaves, expand(new_mask, block, seq, seq))
+    want = torch.autograd.grad(want_out, leaves, grad_out.double())
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (want_out, *want)):
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        assert torch.isfinite(got).all() and err < 1e-2, f"{name} relative error {err:.2e}"
+    hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+    # (on a GPU: the warm-up's call and the captured one)
+    assert ran == (["attention_forward_ws", "attention_backward_ws"] * 2 if hopper else [])
 
 
 @pytest.mark.parametrize("is_causal, block", [(False, (128, 128)), (True, (128, 128)), (False, (128, 64))])
