@@ -167,14 +167,10 @@ def test_the_kernels_launch_with_the_inputs_gpu_current(monkeypatch):
     assert devices == [q.device, q.device], "the forward and the backward launch under the guard"
 
 
-@pytest.mark.parametrize("heads, kv_heads, block", [(4, 4, (128, 128)), (4, 4, (128, 64)), (4, 2, (128, 64))])
-def test_a_step_making_its_mask_is_captured_whole_and_replays_a_new_mask(monkeypatch, heads, kv_heads, block):
-    """A training step that makes its BlockSparsity from a mask tensor (a video model's blocks chosen anew each step)
-    and runs attention() forward and backward, captured whole in one CUDA graph: replayed after new q, k, v and a new
-    mask are copied into its inputs, its output and gradients meet the fp64 oracle on the new mask. On Hopper the
-    Gluon forward and backward ran inside the capture (128x64: the paired programs, the backward's preparation
-    computed inside the graph, GQA's lists merged there). On the CPU the step runs eagerly on the first mask, then
-    on the second, copied in the same way."""
+@pytest.fixture
+def gluon_runs(monkeypatch) -> list:
+    """The names of the warp-specialized Gluon launchers (attention_forward_ws, attention_backward_ws) in the order
+    they ran from here on."""
     from blockattn.kernels import backward_ws, forward_ws
     ran = []
     for module, name in ((forward_ws, "attention_forward_ws"), (backward_ws, "attention_backward_ws")):
@@ -182,6 +178,19 @@ def test_a_step_making_its_mask_is_captured_whole_and_replays_a_new_mask(monkeyp
             ran.append(name)
             return run(*args)
         monkeypatch.setattr(module, name, spy)
+    return ran
+
+
+@pytest.mark.parametrize("heads, kv_heads, block", [(4, 4, (128, 128)), (4, 4, (128, 64)), (4, 2, (128, 64))])
+def test_a_step_making_its_mask_is_captured_whole_and_replays_a_new_mask(monkeypatch, gluon_runs, heads, kv_heads,
+                                                                         block):
+    """A training step that makes its BlockSparsity from a mask tensor (a video model's blocks chosen anew each step)
+    and runs attention() forward and backward, captured whole in one CUDA graph: replayed after new q, k, v and a new
+    mask are copied into its inputs, its output and gradients meet the fp64 oracle on the new mask. On Hopper the
+    Gluon forward and backward ran inside the capture (128x64: the paired programs, the backward's preparation
+    computed inside the graph, GQA's lists merged there). On the CPU the step runs eagerly on the first mask, then
+    on the second, copied in the same way."""
+    from blockattn.kernels import backward_ws
     monkeypatch.setattr(backward_ws, "PAIR_MIN_TILES", 2)  # (matched tiles, were anything kept under a capture)
     seq = 512 if ON_GPU else 256
     q, k, v = (t.requires_grad_(True) for t in qkv(1, heads, seq, 128, kv_heads=kv_heads, seed=3))
@@ -212,25 +221,19 @@ def test_a_step_making_its_mask_is_captured_whole_and_replays_a_new_mask(monkeyp
         assert torch.isfinite(got).all() and err < 1e-2, f"{name} relative error {err:.2e}"
     hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
     # (on a GPU: the warm-up's call and the captured one)
-    assert ran == (["attention_forward_ws", "attention_backward_ws"] * 2 if hopper else [])
+    assert gluon_runs == (["attention_forward_ws", "attention_backward_ws"] * 2 if hopper else [])
 
 
 @pytest.mark.parametrize("is_causal, block", [(False, (128, 128)), (True, (128, 128)), (False, (128, 64))])
-def test_warp_specialized_calls_read_nothing_back(monkeypatch, is_causal, block):
+def test_warp_specialized_calls_read_nothing_back(monkeypatch, gluon_runs, is_causal, block):
     """As below, for the calls the warp-specialized Gluon forward and backward take on Hopper (D=128, bf16, 128x128
     blocks, the descriptor-work floor lowered so that a small call qualifies): nothing read back after a first call,
     and both kernels ran (on the CPU the Triton kernels run these shapes under the same check). 128x64 blocks, with
     the paired programs' tiles matched at these sizes (PAIR_MIN_TILES 2): the second call matches them, captures the
     preparation in CUDA graphs (kernels/replay.py) and still reads nothing back."""
-    from blockattn.kernels import backward_ws, forward_ws, tma
+    from blockattn.kernels import backward_ws, tma
     monkeypatch.setattr(tma, "MIN_DESCRIPTOR_WORK", 0)
     monkeypatch.setattr(backward_ws, "PAIR_MIN_TILES", 2)
-    ran = []
-    for module, name in ((forward_ws, "attention_forward_ws"), (backward_ws, "attention_backward_ws")):
-        def spy(*args, run=getattr(module, name), name=name):
-            ran.append(name)
-            return run(*args)
-        monkeypatch.setattr(module, name, spy)
     seq = 512 if ON_GPU else 256
     q, k, v = (t.requires_grad_(True) for t in qkv(1, 2, seq, 128))
     keep = torch.rand(1, 2, seq // block[0], seq // block[1], generator=torch.Generator(device=DEVICE).manual_seed(2),
@@ -243,7 +246,7 @@ def test_warp_specialized_calls_read_nothing_back(monkeypatch, is_causal, block)
             out = blockattn.attention(q, k, v, blocks, is_causal=is_causal, backend="triton")
             out.float().sum().backward()
     hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
-    assert ran == (["attention_forward_ws", "attention_backward_ws"] * len(checks) if hopper else [])
+    assert gluon_runs == (["attention_forward_ws", "attention_backward_ws"] * len(checks) if hopper else [])
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "thd"])
