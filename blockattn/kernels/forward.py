@@ -343,7 +343,6 @@ GLUON_MIN_TRITON = (3, 6)
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def _triton_version() -> tuple[int, int]:
     major, minor = triton.__version__.split(".")[:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)

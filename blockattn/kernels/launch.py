@@ -77,7 +77,8 @@ def batch_head_axes(batch: int, heads: int) -> tuple[int, int]:
 
 def device_properties(device: torch.device):
     """torch.cuda.get_device_properties(device) (capability as .major and .minor, .L2_cache_size), kept per device:
-    the launchers ask on every call, and the query took 20-40 us of a call's host time (cProfile, H200 machine)."""
+    the launchers ask on every call, and under cProfile the query took 20-40 us of a call's host time (H200
+    machine)."""
     return _device_properties(torch.cuda.current_device() if device.index is None else device.index)
 
 
