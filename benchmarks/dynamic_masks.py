@@ -14,12 +14,15 @@ and the host time the loop took to enqueue them. Ways:
   fortieth session (the preparation's ~200 PyTorch operations on the host each call);
 - "new, step captured": the whole step (from_mask, forward, backward) captured once in a CUDA graph, a call copying
   the next mask into the graph's mask tensor and replaying it (a user's torch.cuda.graphs capture; the host does
-  almost nothing, and the tiles are unmatched: nothing is kept under a capture).
+  almost nothing, and the tiles are unmatched: nothing is kept under a capture);
+- "new, compiled": the step compiled with torch.compile(mode="reduce-overhead", fullgraph=True), the mask an
+  argument (Inductor's CUDA graphs replay forward and backward; the tiles unmatched as under any capture).
 
     python benchmarks/dynamic_masks.py --calls 30
     python benchmarks/dynamic_masks.py --profile     # the first case's kernels per call, same mask and new mask
     python benchmarks/dynamic_masks.py --first-calls # the first case's first calls on a mask, wall ms each
     python benchmarks/dynamic_masks.py --host-profile --cases 24,24,4096,0.1  # where a new mask's host time goes
+    python benchmarks/dynamic_masks.py --cases 24,24,4096,0.1 --ways "same mask" "new mask" "new, compiled"
 """
 
 import argparse
@@ -65,6 +68,25 @@ def captured_step(q, k, v, grad, masks):
     return call
 
 
+def compiled_step(q, k, v, grad, masks):
+    """A function running one forward+backward call on the next of masks through torch.compile's mode
+    "reduce-overhead" (CUDA graph trees), BlockSparsity.from_mask inside the compiled function."""
+    def step(q, k, v, mask):
+        return blockattn.attention(q, k, v, blockattn.BlockSparsity.from_mask(mask, BLOCK, q.shape[2], k.shape[2]))
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, mode="reduce-overhead")
+    calls = itertools.count()
+
+    def call():
+        torch.compiler.cudagraph_mark_step_begin()
+        torch.autograd.grad(compiled(q, k, v, masks[next(calls) % len(masks)]), (q, k, v), grad)
+    return call
+
+
+# (same mask, replayed, the call from which on tiles are matched), or the function building the call
+WAYS = {"same mask": (True, True, 2), "new mask": (False, True, 2), "new, matched": (False, True, 1),
+        "new, matched, eager": (False, False, 1), "new, step captured": captured_step, "new, compiled": compiled_step}
+
+
 def run_calls(call, calls: int) -> tuple:
     """(wall ms, host ms) per call of `calls` forward+backward calls (one_call's `call`)."""
     torch.cuda.synchronize()
@@ -89,14 +111,16 @@ def main():
     parser.add_argument("--host-profile", action="store_true",
                         help="print cProfile's view of the first case's host time, new mask each call")
     parser.add_argument("--cases", nargs="+", default=None, help="heads,kv_heads,seq,density each (default: CASES)")
+    parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=list(WAYS), metavar="WAY",
+                        help="which ways to time (default: all): " + ", ".join(f'"{w}"' for w in WAYS))
     args = parser.parse_args()
     cases = CASES if args.cases is None else [
         (int(h), int(hkv), int(s), float(d)) for h, hkv, s, d in (c.split(",") for c in args.cases)]
     device = torch.device("cuda")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; {args.calls} calls a way, ms per call "
           "(wall / host enqueue)")
-    print("| case | same mask | new mask | new, matched | new, matched, eager | new, step captured |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| case | " + " | ".join(args.ways) + " |")
+    print("| --- " * (len(args.ways) + 1) + "|")
     for heads, kv_heads, seq, density in cases:
         gen = torch.Generator(device=device).manual_seed(seq + heads)
         nq, nk = seq // BLOCK[0], seq // BLOCK[1]
@@ -143,17 +167,16 @@ def main():
                 profile(f"H{heads}/{kv_heads} S{seq} d={density} {'same mask' if same else 'new mask'}",
                         one_call(q, k, v, grad, masks, same), top=16)
             return
-        # (same mask, replayed, the call from which on tiles are matched; None: the step captured whole)
-        ways = {"same mask": (True, True, 2), "new mask": (False, True, 2), "new, matched": (False, True, 1),
-                "new, matched, eager": (False, False, 1), "new, step captured": None}
+        ways = {name: WAYS[name] for name in args.ways}
         results = {name: [] for name in ways}
         for _ in range(args.rounds):
             for name, way in ways.items():
-                same, replayed, match_from = way or (False, True, 2)
+                same, replayed, match_from = way if isinstance(way, tuple) else (False, True, 2)
                 replay.ENABLED, backward_ws.MATCH_FROM_USE = replayed, match_from
                 # warm-up: compiles, captures, and for "same mask" its first two calls (the second matches its
                 # tiles), so that the timed calls are all alike
-                call = one_call(q, k, v, grad, masks, same) if way else captured_step(q, k, v, grad, masks)
+                call = (one_call(q, k, v, grad, masks, same) if isinstance(way, tuple)
+                        else way(q, k, v, grad, masks))
                 run_calls(call, 3)
                 results[name].append(run_calls(call, args.calls))
         replay.ENABLED, backward_ws.MATCH_FROM_USE = True, 2

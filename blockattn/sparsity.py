@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from typing import Optional
 
 import torch
@@ -83,10 +84,34 @@ def build_lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def compiling_or_capturing(device: torch.device) -> bool:
-    """Whether torch.compile is tracing, or a CUDA graph capturing on a CUDA device: then work must go into the
-    graph (nothing cached from outside it, no launch that first compiles and loads a module)."""
+    """Whether torch.compile is tracing, or a CUDA graph capturing on a CUDA device, or Inductor's CUDA graphs
+    (torch.compile's mode="reduce-overhead") warming up there: then work must go into the graph (nothing cached
+    from outside it, no launch that first compiles and loads a module), and nothing computed may be kept (a
+    warm-up's allocations go to the graphs' private memory pool, which must hold no tensor past the run: Inductor
+    checks, and raises)."""
     # is_compiling first: torch.compile cannot trace is_current_stream_capturing (a graph break)
-    return torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    return torch.compiler.is_compiling() or (device.type == "cuda" and (torch.cuda.is_current_stream_capturing()
+                                                                         or _inductor_graphs_warming_up(device)))
+
+
+def _inductor_graphs_warming_up(device: torch.device) -> bool:
+    """Whether Inductor's CUDA graph trees run a warm-up on this thread for device now: their manager is warming up
+    and the current stream is its own (the warm-up's, which allocates into the pool). Read from Inductor's private
+    state, where torch.compile has imported it: False if absent or laid out otherwise."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:
+        return False
+    try:
+        # (no get_manager: it would create a container for a thread that never had one)
+        if not hasattr(trees.local, "tree_manager_containers") and not torch._C._is_key_in_tls(
+                "tree_manager_containers"):
+            return False
+        index = torch.cuda.current_device() if device.index is None else device.index
+        container = trees.get_obj(trees.local, "tree_manager_containers").get(index)
+        manager = None if container is None else container.tree_manager
+        return manager is not None and manager.in_warmup and torch.cuda.current_stream(device) == manager.stream
+    except (AttributeError, KeyError, RuntimeError, TypeError):
+        return False
 
 
 def _in_one_launch(keep: torch.Tensor) -> bool:

@@ -4,7 +4,7 @@ import torch
 
 import blockattn
 from blockattn.kernels import ops
-from conftest import DEVICE, ON_GPU, qkv, random_keep
+from conftest import DEVICE, ON_GPU, expand, oracle, qkv, random_keep
 
 
 def op_args(requires_grad):
@@ -145,3 +145,39 @@ def test_compiled_kv_valid_builds_its_lists_in_the_graph():
             torch.testing.assert_close(got.grad, expected.grad, rtol=0, atol=0)
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert graphs[0] >= 1 and graphs[2] == graphs[1], graphs
+
+
+def test_a_step_making_its_mask_compiles_once_and_runs_from_cuda_graphs():
+    """A step that makes its BlockSparsity from the mask tensor it is given (a video model's blocks chosen anew each
+    step), compiled with torch.compile's mode="reduce-overhead" on a GPU (Inductor's CUDA graphs, forward and
+    backward; "aot_eager" on the CPU): three calls on three masks compile once, on a GPU none skips the CUDA
+    graphs, and each call's output and gradients meet the fp64 oracle on its own mask."""
+    seq, block = (512, (128, 64)) if ON_GPU else (128, (32, 16))
+    q, k, v = (t.requires_grad_(True) for t in qkv(1, 4, seq, 128 if ON_GPU else 32, kv_heads=2, seed=6))
+    grad_out = torch.randn(q.shape, generator=torch.Generator(device=DEVICE).manual_seed(7), device=DEVICE,
+                           dtype=q.dtype)
+
+    def step(q, k, v, mask):
+        return blockattn.attention(q, k, v, blockattn.BlockSparsity.from_mask(mask, block, seq, seq),
+                                   backend="triton")
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(step, fullgraph=True, dynamic=False,
+                             **({"mode": "reduce-overhead"} if ON_GPU else {"backend": "aot_eager"}))
+    graphs = []
+    for seed in (8, 9, 10):
+        mask = random_keep(1, 4, seq, seq, block, density=0.4, seed=seed)
+        if ON_GPU:
+            torch.compiler.cudagraph_mark_step_begin()
+        out = compiled(q, k, v, mask)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        want_out, _ = oracle(*leaves, expand(mask, block, seq, seq))
+        want = torch.autograd.grad(want_out, leaves, grad_out.double())
+        for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (want_out, *want)):
+            err = ((got.double() - ref).norm() / ref.norm()).item()
+            assert torch.isfinite(got).all() and err < 1e-2, f"mask {seed}: {name} relative error {err:.2e}"
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[2] >= 1, graphs
+    assert not torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]

@@ -41,6 +41,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from .. import sparsity
 from . import buffers, launch, replay
 from .forward import stride_args
 # Registers per thread for a consumer warpgroup and for the loader (setmaxnreg) and the launch options (the
@@ -1048,13 +1049,13 @@ def backward_uses(q_count: torch.Tensor, q_index: torch.Tensor) -> int:
 def _kept_per_lists(table: dict, lists: tuple, terms: tuple, compute, derived: tuple = (), replayed: bool = True):
     """compute(*lists, *derived) (derived: tensors that follow from the lists and the terms, such as their tile
     order), kept in table under the lists tensors' ids and versions and the hashable terms, so computed again only
-    after a list is written in place; the entry goes with lists[0]. Under CUDA graph capture it is computed afresh
-    and not kept: the capture's memory belongs to the graph; so is an inference tensor's, which has no version
-    counter to tell a write in place. On CUDA new lists take the computation's replay (replay.run; not `replayed`:
+    after a list is written in place; the entry goes with lists[0]. Under CUDA graph capture (and while Inductor's
+    CUDA graphs warm up: sparsity.compiling_or_capturing) it is computed afresh and not kept: the capture's memory
+    belongs to the graph; so is an inference tensor's, which has no version counter to tell a write in place. On CUDA new lists take the computation's replay (replay.run; not `replayed`:
     computed directly, as a value that is no tensor must be): a mask made afresh every step then costs little host
     time."""
     first, inputs = lists[0], lists + derived
-    if any(t.is_inference() for t in lists) or (first.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if any(t.is_inference() for t in lists) or (first.is_cuda and sparsity.compiling_or_capturing(first.device)):
         return compute(*inputs)
     key = tuple((id(t), t._version) for t in lists) + terms
     entry = table.get(key)
