@@ -174,3 +174,36 @@ def test_mask_of_the_wrong_shape_names_the_expected_shape():
 def test_float_mask_is_refused():
     with pytest.raises(TypeError, match="bool, int8 or uint8"):
         BlockSparsity.from_mask(torch.ones(8, 16), (128, 64), 1000, 1000)
+
+
+def test_inductor_graphs_warming_up_is_read_from_their_manager(monkeypatch):
+    """compiling_or_capturing says yes while Inductor's CUDA graph trees warm up on this thread (their manager in
+    warm-up, the current stream its own), and no once the manager records or executes, on another stream, for
+    another device, before torch.compile imported them, or where their private state is laid out otherwise (on any
+    machine: the trees' module, manager and streams are stood in for)."""
+    import sys
+    import types
+    from blockattn import sparsity
+    own, other = object(), object()
+    manager = types.SimpleNamespace(in_warmup=True, stream=own)
+    containers = {0: types.SimpleNamespace(tree_manager=manager)}
+    trees = types.SimpleNamespace(local=types.SimpleNamespace(tree_manager_containers=containers),
+                                  get_obj=lambda local, name: getattr(local, name))
+    current = [own]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", trees)
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert sparsity.compiling_or_capturing(cuda0)
+    assert not sparsity.compiling_or_capturing(cuda1)  # no manager there
+    assert not sparsity.compiling_or_capturing(torch.device("cpu"))
+    current[0] = other
+    assert not sparsity.compiling_or_capturing(cuda0)  # the warm-up runs on the manager's stream only
+    current[0] = own
+    manager.in_warmup = False
+    assert not sparsity.compiling_or_capturing(cuda0)  # recording (a capture, asked apart) or executing
+    manager.in_warmup = True
+    del manager.stream
+    assert not sparsity.compiling_or_capturing(cuda0)  # laid out otherwise: as if absent
+    monkeypatch.delitem(sys.modules, "torch._inductor.cudagraph_trees")
+    assert not sparsity.compiling_or_capturing(cuda0)
