@@ -1,12 +1,13 @@
 """The PyTorch backend: block-gathered sparse attention, differentiable through autograd.
 
-For each chunk of query blocks it gathers only the kept key blocks (from the kv lists), so memory grows with the
-kept blocks, never with Sq x Sk. It computes in float32 (float64 for float64 inputs) and follows the semantics of
-DESIGN.md exactly: a row with no visible key gives zeros and LSE -inf.
+For each chunk of query blocks (of like list lengths) it gathers only the kept key blocks (from the kv lists), so
+memory grows with the kept blocks, never with Sq x Sk. It computes in float32 (float64 for float64 inputs) and
+follows the semantics of DESIGN.md exactly: a row with no visible key gives zeros and LSE -inf.
 """
 
 from __future__ import annotations
 
+import bisect
 from typing import Optional
 
 import torch
@@ -15,6 +16,10 @@ from .sparsity import BlockSparsity
 
 # Bytes of fp32 scores one chunk of query blocks may hold; chunks keep the peak memory bounded.
 _CHUNK_BYTES = 256 * 2**20
+# A chunk's query blocks keep lists whose lengths differ by at most this factor (plus one block): each block is
+# padded to its chunk's longest list, so a skewed mask (a few query blocks that keep everything) no longer makes
+# every block attend as many keys as the longest.
+_LENGTH_SPREAD = 1.25
 
 
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: BlockSparsity, scale: float,
@@ -25,10 +30,11 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     lse float32 [B, Hq, Sq], or None unless need_lse). token_mask: bool, broadcastable to [B, Hq, Sq, Sk];
     kv_valid: int [B|1, nk].
 
-    Each chunk of query blocks attends, through scaled_dot_product_attention (PyTorch's fused kernels), to its
-    gathered key blocks; the mask is per key ([.., 1, L]) unless causality or a token mask make it per element.
-    Rows that see no key are given one harmless key and zeroed afterwards, so neither the output nor the gradients
-    see a NaN."""
+    The (batch, head, query block) rows are taken in order of their kv lists' lengths, in chunks of like lengths
+    (_chunks); each chunk's rows attend, through scaled_dot_product_attention (PyTorch's fused kernels), to their
+    gathered key blocks, padded to the chunk's longest list; the mask is per key ([.., 1, L]) unless causality or
+    a token mask make it per element. Rows that see no key are given one harmless key and zeroed afterwards, so
+    neither the output nor the gradients see a NaN."""
     batch, heads, seq_q, _ = q.shape
     kv_heads, seq_kv = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -36,75 +42,98 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     nq, nk = blocks.num_blocks
     compute = torch.promote_types(q.dtype, torch.float32)
     device = q.device
+    rows = batch * heads * nq
+    dim_v = v.shape[-1]
 
-    count = blocks.kv_count.expand(batch, heads, nq)
-    index = blocks.kv_index.expand(batch, heads, nq, blocks.kv_index.shape[-1])
-    # the widest row: gathered width (a host read; this is the CPU path); an empty batch has none
-    slots = max(int(count.max().item()), 1) if count.numel() else 1
-    index = index[..., :slots].long()
+    count = blocks.kv_count.expand(batch, heads, nq).reshape(rows)
+    width_cap = blocks.kv_index.shape[-1]
+    index = blocks.kv_index.expand(batch, heads, nq, width_cap).reshape(rows, width_cap)
+    # the rows by their lists' lengths (a host read: this is the CPU path)
+    order = torch.argsort(count, stable=True)
+    lengths = count[order].tolist()
+    in_place = not lengths or lengths[0] == lengths[-1]  # every list as long: the stable sort kept the rows' order
 
     pad_q, pad_kv = nq * block_q - seq_q, nk * block_kv - seq_kv
-    q_blocks = torch.nn.functional.pad(q, (0, 0, 0, pad_q)).view(batch, heads, nq, block_q, q.shape[-1])
+    q_blocks = torch.nn.functional.pad(q, (0, 0, 0, pad_q)).reshape(rows, block_q, q.shape[-1])
     k_blocks = torch.nn.functional.pad(k, (0, 0, 0, pad_kv)).view(batch, kv_heads, nk, block_kv, k.shape[-1])
-    v_blocks = torch.nn.functional.pad(v, (0, 0, 0, pad_kv)).view(batch, kv_heads, nk, block_kv, v.shape[-1])
-
-    b_idx = torch.arange(batch, device=device).view(batch, 1, 1, 1)
-    h_idx = torch.arange(heads, device=device).view(1, heads, 1, 1)
-    kv_h_idx = h_idx // group
-    offsets_kv = torch.arange(block_kv, device=device)
+    v_blocks = torch.nn.functional.pad(v, (0, 0, 0, pad_kv)).view(batch, kv_heads, nk, block_kv, dim_v)
+    row_batch, row_head, row_block = order // (heads * nq), order // nq % heads, order % nq  # per sorted row
+    offsets_q, offsets_kv = torch.arange(block_q, device=device), torch.arange(block_kv, device=device)
     if token_mask is not None:
         token_mask = token_mask.expand(batch, heads, seq_q, seq_kv)
     if kv_valid is not None:
         kv_valid = kv_valid.expand(batch, nk).long()
 
-    per_q_block = batch * heads * block_q * slots * block_kv * 4
-    chunk = max(1, _CHUNK_BYTES // max(per_q_block, 1))
     outs, lses = [], []
-    for start in range(0, nq, chunk):
-        stop = min(nq, start + chunk)
-        rows = stop - start
-        idx = index[:, :, start:stop]                                     # [B, H, c, slots]
-        keys = k_blocks[b_idx, kv_h_idx, idx].flatten(3, 4).to(compute)    # [B, H, c, L = slots*bkv, D]
-        values = v_blocks[b_idx, kv_h_idx, idx].flatten(3, 4).to(compute)  # [B, H, c, L, Dv]
-        queries = q_blocks[:, :, start:stop].to(compute)                  # [B, H, c, bq, D]
+    # (an empty batch: one empty chunk, so that out and lse still hang off q, k and v for autograd)
+    chunks = _chunks(lengths, block_q * block_kv * 4, _CHUNK_BYTES) if rows else [(0, 0, 1)]
+    for start, stop, width in chunks:
+        n = stop - start
+        if width == 0:  # rows that keep no key block: zeros, LSE -inf
+            outs.append(torch.zeros(n, block_q, dim_v, dtype=compute, device=device))
+            lses.append(torch.full((n, block_q), float("-inf"), dtype=torch.float32, device=device))
+            continue
+        b, kv_h, qb = row_batch[start:stop, None], row_head[start:stop, None] // group, row_block[start:stop]
+        listed = torch.arange(width, device=device) < count[order[start:stop], None]      # [n, w]
+        # (slots past a list's count hold any block; block 0 stands in, masked off)
+        idx = torch.where(listed, index[order[start:stop], :width], 0).long()             # [n, w]
+        keys = k_blocks[b, kv_h, idx].flatten(1, 2).to(compute)                           # [n, L = w*bkv, D]
+        values = v_blocks[b, kv_h, idx].flatten(1, 2).to(compute)                         # [n, L, Dv]
+        queries = (q_blocks[start:stop] if in_place else q_blocks[order[start:stop]]).to(compute)  # [n, bq, D]
 
-        listed = torch.arange(slots, device=device) < count[:, :, start:stop, None]   # [B, H, c, slots]
-        key_pos = idx[..., None] * block_kv + offsets_kv                   # [B, H, c, slots, bkv]
+        key_pos = idx[..., None] * block_kv + offsets_kv                                  # [n, w, bkv]
         visible = listed[..., None] & (key_pos < seq_kv)
         if kv_valid is not None:
-            valid_len = kv_valid[b_idx, idx]                               # [B, H, c, slots]
-            visible = visible & (offsets_kv < valid_len[..., None])
-        visible = visible.flatten(3, 4)[..., None, :]                      # [B, H, c, 1, L]
-        key_pos = key_pos.flatten(3, 4)
-        query_pos = torch.arange(start * block_q, stop * block_q, device=device).view(rows, block_q)
+            visible = visible & (offsets_kv < kv_valid[b, idx][..., None])
+        visible = visible.flatten(1, 2)[:, None, :]                                       # [n, 1, L]
+        key_pos = key_pos.flatten(1, 2)
+        query_pos = qb[:, None] * block_q + offsets_q                                     # [n, bq]
         if is_causal:
-            visible = visible & (key_pos[..., None, :] <= query_pos[:, :, None])
+            visible = visible & (key_pos[:, None, :] <= query_pos[:, :, None])
         if token_mask is not None:
-            q_rows = query_pos.clamp(max=seq_q - 1)[None, None, :, :, None]
-            k_cols = key_pos.clamp(max=seq_kv - 1)[:, :, :, None, :]
-            visible = visible & token_mask[b_idx[..., None], h_idx[..., None], q_rows, k_cols]
-        seen = visible.any(-1, keepdim=True)                               # [B, H, c, bq | 1, 1]
+            q_rows = query_pos.clamp(max=seq_q - 1)[:, :, None]
+            k_cols = key_pos.clamp(max=seq_kv - 1)[:, None, :]
+            visible = visible & token_mask[b[..., None], row_head[start:stop, None, None], q_rows, k_cols]
+        seen = visible.any(-1, keepdim=True)                                              # [n, bq | 1, 1]
         # a row that sees nothing attends to its first gathered key instead, and is zeroed below
         first = torch.zeros_like(visible)
         first[..., 0] = True
         attend = visible | (first & ~seen)
 
-        def flat(t):  # [B, H, c, X, Y] -> [B, H*c, X, Y], the 4-D shape the fused kernels take
-            return t.reshape(batch, heads * rows, *t.shape[3:])
-
         out = torch.nn.functional.scaled_dot_product_attention(
-            flat(queries), flat(keys), flat(values), attn_mask=flat(attend), scale=scale)
-        outs.append(out.view(batch, heads, rows, block_q, v.shape[-1]) * seen)
+            queries[:, None], keys[:, None], values[:, None], attn_mask=attend[:, None], scale=scale)[:, 0]
+        outs.append(out * seen)
         if need_lse:
-            scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale  # [B, H, c, bq, L]
+            scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale                # [n, bq, L]
             lse = torch.logsumexp(scores.masked_fill(~attend, float("-inf")), -1, keepdim=True)
             lses.append(torch.where(seen, lse, torch.full_like(lse, float("-inf"))).squeeze(-1))
 
-    out = torch.cat(outs, dim=2).flatten(2, 3)[:, :, :seq_q].to(q.dtype)
+    # back to (batch, head, query block) order: the sort's inverse permutation
+    inverse = None if in_place else torch.empty_like(order).scatter_(0, order, torch.arange(rows, device=device))
+
+    def unsorted(parts):
+        whole = torch.cat(parts)
+        return whole if inverse is None else whole[inverse]
+    out = unsorted(outs).view(batch, heads, nq * block_q, dim_v)[:, :, :seq_q].to(q.dtype)
     if not need_lse:
         return out, None
-    lse = torch.cat(lses, dim=2).flatten(2, 3)[:, :, :seq_q].to(torch.float32)
-    return out, lse
+    return out, unsorted(lses).view(batch, heads, nq * block_q)[:, :, :seq_q].to(torch.float32)
+
+
+def _chunks(lengths: list, slot_bytes: int, budget: int) -> list:
+    """[(start, stop, width)] over rows sorted by their lists' lengths (ascending): consecutive rows whose lengths
+    lie within _LENGTH_SPREAD of the first's (plus one), as many as keep width x slot_bytes of scores a row within
+    budget bytes (one at least); width is the chunk's longest length. Rows of length 0 make chunks of their own."""
+    chunks, start = [], 0
+    while start < len(lengths):
+        first = lengths[start]
+        cap = 0 if first == 0 else max(first + 1, int(first * _LENGTH_SPREAD))
+        stop = bisect.bisect_right(lengths, cap, lo=start)
+        if first:  # (empty rows hold no scores)
+            stop = min(stop, start + max(1, budget // (lengths[stop - 1] * slot_bytes)))
+        chunks.append((start, stop, lengths[stop - 1]))
+        start = stop
+    return chunks
 
 
 def _round_half_away(y: torch.Tensor) -> torch.Tensor:

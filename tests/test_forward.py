@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import blockattn
-from conftest import DEVICE, ON_GPU, assert_one_ulp, check_against_oracle, expand, kernel, qkv, random_keep
+from conftest import (DEVICE, ON_GPU, assert_one_ulp, check_against_oracle, expand, kernel, oracle, qkv,
+                      random_keep)
 
 BACKENDS = ("torch", "triton")
 
@@ -223,3 +224,56 @@ def test_prepared_sparsity_gives_the_same_answer_as_the_mask(geometry, pinned):
     for backend in BACKENDS:
         assert torch.equal(blockattn.attention(q, k, v, prepared, backend=backend),
                            blockattn.attention(q, k, v, keep, g.block, backend=backend))
+
+
+def test_torch_backend_chunks_rows_by_list_length():
+    """reference._chunks: rows sorted by list length go in chunks of like lengths (within _LENGTH_SPREAD of the
+    first, plus one), empty rows apart, as many rows as the scores' budget allows (one at least)."""
+    from blockattn import reference
+    lengths = [0, 0, 1, 2, 2, 3, 8, 9, 10, 11, 40]
+    assert reference._chunks(lengths, 1, 10 ** 6) == [(0, 2, 0), (2, 5, 2), (5, 6, 3), (6, 9, 10), (9, 10, 11),
+                                                      (10, 11, 40)]
+    assert reference._chunks(lengths, 1, 20) == [(0, 2, 0), (2, 5, 2), (5, 6, 3), (6, 8, 9), (8, 9, 10),
+                                                 (9, 10, 11), (10, 11, 40)]
+    assert reference._chunks(lengths, 100, 1) == [(0, 2, 0)] + [(i, i + 1, n) for i, n in enumerate(lengths)][2:]
+    assert reference._chunks([], 1, 1) == []
+
+
+@pytest.mark.parametrize("budget", ["default", "one row"])
+@pytest.mark.parametrize("tests", ["none", "causal, token mask, kv_valid"])
+@pytest.mark.parametrize("lists", ["skewed", "even"])
+def test_torch_backend_on_a_skewed_mask(monkeypatch, budget, tests, lists):
+    """The PyTorch backend on lists of every length at once (query blocks that keep everything, most little, some
+    nothing; GQA, a ragged last block), its rows taken in chunks of like lengths, also one row a chunk; and on
+    lists all as long (every block kept: the rows stay in place): output, LSE and gradients against the fp64
+    oracle."""
+    from blockattn import reference
+    if budget == "one row":
+        monkeypatch.setattr(reference, "_CHUNK_BYTES", 1)
+    seq, block = 300, (32, 16)
+    q, k, v = (t.float().requires_grad_() for t in qkv(2, 4, seq, 32, kv_heads=2, seed=11))
+    keep = random_keep(2, 4, seq, seq, block, density=0.1, seed=12)
+    keep[:, :, :2] = True                                   # two query blocks keep every key block
+    keep[0, 1, 3:5] = False                                 # two keep none
+    if lists == "even":
+        keep[:] = True
+    visible = expand(keep, block, seq, seq)
+    options = {}
+    if tests != "none":
+        gen = torch.Generator(device=DEVICE).manual_seed(13)
+        token = torch.rand(seq, seq, generator=gen, device=DEVICE) < 0.9
+        valid = torch.randint(0, block[1] + 1, (2, math.ceil(seq / block[1])), generator=gen, device=DEVICE,
+                              dtype=torch.int32)
+        within = torch.arange(seq, device=DEVICE) % block[1]
+        real = within[None, :] < valid.repeat_interleave(block[1], 1)[:, :seq]
+        options = dict(attn_mask=token, is_causal=True, kv_valid=valid)
+        visible = visible & token & real[:, None, None, :]
+    out, lse = blockattn.attention(q, k, v, keep, block, backend="torch", return_lse=True, **options)
+    check_against_oracle(out, lse, q, k, v, visible, is_causal=tests != "none")
+    grad_out = torch.randn(out.shape, generator=torch.Generator(device=DEVICE).manual_seed(14), device=DEVICE)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(oracle(*leaves, visible, is_causal=tests != "none")[0], leaves, grad_out.double())
+    for name, got, ref in zip("qkv", grads, want):
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        assert torch.isfinite(got).all() and err < 1e-5, f"d{name} relative error {err:.2e}"
