@@ -145,6 +145,17 @@ def sdpa_error(q, k, v, visible, want, rows):
     return rel_error(got, want, rows)
 
 
+def assert_output_and_gradients(out, grads, q, k, v, visible, grad_out, *, tolerance, is_causal=False, label=""):
+    """out and grads (dq, dk, dv for the output gradient grad_out) each within `tolerance` relative error of the
+    fp64 oracle's for inputs q, k, v over the token mask visible, and finite."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want_out = oracle(*leaves, visible, is_causal=is_causal)[0]
+    want = torch.autograd.grad(want_out, leaves, grad_out.double())
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (want_out, *want)):
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        assert torch.isfinite(got).all() and err < tolerance, f"{label}{name} relative error {err:.2e}"
+
+
 def check_against_oracle(out, lse, q, k, v, visible, *, scale=None, is_causal=False, factor=4.0):
     """out within `factor` times dense SDPA's error (same dtype) of the fp64 oracle on rows that see a key;
     rows that see nothing are exactly zero with LSE -inf."""

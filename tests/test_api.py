@@ -7,7 +7,8 @@ import torch
 
 import blockattn
 from blockattn.api import resolve_backend
-from conftest import DEVICE, ON_GPU, captured_replay, expand, no_host_reads, oracle, qkv, random_keep
+from conftest import (DEVICE, ON_GPU, assert_output_and_gradients, captured_replay, expand, no_host_reads, qkv,
+                      random_keep)
 
 
 def base():
@@ -213,12 +214,8 @@ def test_a_step_making_its_mask_is_captured_whole_and_replays_a_new_mask(monkeyp
             for tensor, new in zip(inputs, new_inputs):
                 tensor.copy_(new)
         out, *grads = step()
-    leaves = [t.detach().double().requires_grad_() for t in (new_q, new_k, new_v)]
-    want_out, _ = oracle(*leaves, expand(new_mask, block, seq, seq))
-    want = torch.autograd.grad(want_out, leaves, grad_out.double())
-    for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (want_out, *want)):
-        err = ((got.double() - ref).norm() / ref.norm()).item()
-        assert torch.isfinite(got).all() and err < 1e-2, f"{name} relative error {err:.2e}"
+    assert_output_and_gradients(out, grads, new_q, new_k, new_v, expand(new_mask, block, seq, seq), grad_out,
+                                tolerance=1e-2)
     hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
     # (on a GPU: the warm-up's call and the captured one)
     assert gluon_runs == (["attention_forward_ws", "attention_backward_ws"] * 2 if hopper else [])

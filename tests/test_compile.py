@@ -4,7 +4,7 @@ import torch
 
 import blockattn
 from blockattn.kernels import ops
-from conftest import DEVICE, ON_GPU, expand, oracle, qkv, random_keep
+from conftest import DEVICE, ON_GPU, assert_output_and_gradients, expand, qkv, random_keep
 
 
 def op_args(requires_grad):
@@ -172,12 +172,8 @@ def test_a_step_making_its_mask_compiles_once_and_runs_from_cuda_graphs():
             torch.compiler.cudagraph_mark_step_begin()
         out = compiled(q, k, v, mask)
         grads = torch.autograd.grad(out, (q, k, v), grad_out)
-        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        want_out, _ = oracle(*leaves, expand(mask, block, seq, seq))
-        want = torch.autograd.grad(want_out, leaves, grad_out.double())
-        for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (want_out, *want)):
-            err = ((got.double() - ref).norm() / ref.norm()).item()
-            assert torch.isfinite(got).all() and err < 1e-2, f"mask {seed}: {name} relative error {err:.2e}"
+        assert_output_and_gradients(out, grads, q, k, v, expand(mask, block, seq, seq), grad_out, tolerance=1e-2,
+                                    label=f"mask {seed}: ")
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert graphs[0] == graphs[2] >= 1, graphs
     assert not torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
