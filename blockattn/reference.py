@@ -71,7 +71,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
         n = stop - start
         if width == 0:  # rows that keep no key block: zeros, LSE -inf
             outs.append(torch.zeros(n, block_q, dim_v, dtype=compute, device=device))
-            lses.append(torch.full((n, block_q), float("-inf"), dtype=torch.float32, device=device))
+            lses.append(torch.full((n, block_q), float("-inf"), dtype=compute, device=device))
             continue
         b, kv_h, qb = row_batch[start:stop, None], row_head[start:stop, None] // group, row_block[start:stop]
         listed = torch.arange(width, device=device) < count[order[start:stop], None]      # [n, w]
