@@ -78,7 +78,8 @@ def full_first_lists_kernel(KEEP, FULL, COUNT, INDEX, num_rows, rows_per_lead, c
 def full_first_lists(keep: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """sparsity._full_first_lists in one launch: keep, full bool [..., R, C] (full within keep, any strides,
     broadcast dims included) -> count int32 [..., R], index int32 [..., R, C] (both contiguous)."""
-    shape = torch.broadcast_shapes(keep.shape, full.shape)
+    # (build_lists passes one tensor twice: no broadcast, whose Python check costs a new mask host time)
+    shape = keep.shape if full is keep else torch.broadcast_shapes(keep.shape, full.shape)
     keep, full = keep.expand(shape), full.expand(shape)
     rows_per_lead, columns = shape[-2], shape[-1]
     leads = math.prod(shape[:-2])
