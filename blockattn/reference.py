@@ -50,7 +50,8 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     index = blocks.kv_index.expand(batch, heads, nq, width_cap).reshape(rows, width_cap)
     # the rows by their lists' lengths (a host read: this is the CPU path)
     order = torch.argsort(count, stable=True)
-    lengths = count[order].tolist()
+    sorted_count = count[order]
+    lengths = sorted_count.tolist()
     in_place = not lengths or lengths[0] == lengths[-1]  # every list as long: the stable sort kept the rows' order
 
     pad_q, pad_kv = nq * block_q - seq_q, nk * block_kv - seq_kv
@@ -73,13 +74,14 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
             outs.append(torch.zeros(n, block_q, dim_v, dtype=compute, device=device))
             lses.append(torch.full((n, block_q), float("-inf"), dtype=compute, device=device))
             continue
+        here = order[start:stop]  # the chunk's rows, as (batch, head, query block) numbers
         b, kv_h, qb = row_batch[start:stop, None], row_head[start:stop, None] // group, row_block[start:stop]
-        listed = torch.arange(width, device=device) < count[order[start:stop], None]      # [n, w]
+        listed = torch.arange(width, device=device) < sorted_count[start:stop, None]      # [n, w]
         # (slots past a list's count hold any block; block 0 stands in, masked off)
-        idx = torch.where(listed, index[order[start:stop], :width], 0).long()             # [n, w]
+        idx = torch.where(listed, index[here, :width], 0).long()                          # [n, w]
         keys = k_blocks[b, kv_h, idx].flatten(1, 2).to(compute)                           # [n, L = w*bkv, D]
         values = v_blocks[b, kv_h, idx].flatten(1, 2).to(compute)                         # [n, L, Dv]
-        queries = (q_blocks[start:stop] if in_place else q_blocks[order[start:stop]]).to(compute)  # [n, bq, D]
+        queries = (q_blocks[start:stop] if in_place else q_blocks[here]).to(compute)      # [n, bq, D]
 
         key_pos = idx[..., None] * block_kv + offsets_kv                                  # [n, w, bkv]
         visible = listed[..., None] & (key_pos < seq_kv)

@@ -1051,9 +1051,9 @@ def _kept_per_lists(table: dict, lists: tuple, terms: tuple, compute, derived: t
     order), kept in table under the lists tensors' ids and versions and the hashable terms, so computed again only
     after a list is written in place; the entry goes with lists[0]. Under CUDA graph capture (and while Inductor's
     CUDA graphs warm up: sparsity.compiling_or_capturing) it is computed afresh and not kept: the capture's memory
-    belongs to the graph; so is an inference tensor's, which has no version counter to tell a write in place. On CUDA new lists take the computation's replay (replay.run; not `replayed`:
-    computed directly, as a value that is no tensor must be): a mask made afresh every step then costs little host
-    time."""
+    belongs to the graph; so is an inference tensor's, which has no version counter to tell a write in place. On
+    CUDA new lists take the computation's replay (replay.run; not `replayed`: computed directly, as a value that is
+    no tensor must be): a mask made afresh every step then costs little host time."""
     first, inputs = lists[0], lists + derived
     if any(t.is_inference() for t in lists) or (first.is_cuda and sparsity.compiling_or_capturing(first.device)):
         return compute(*inputs)
