@@ -11,8 +11,8 @@ import pytest
 import torch
 import blockattn
 from blockattn.kernels import backward, backward_ws, forward, replay
-from conftest import (DEVICE, ON_GPU, captured_replay, expand, interpreter_share, no_host_reads, oracle, qkv,
-                      random_keep, sm90_report, stack_bytes)
+from conftest import (DEVICE, ON_GPU, assert_output_and_gradients, captured_replay, expand, interpreter_share,
+                      no_host_reads, oracle, qkv, random_keep, sm90_report, stack_bytes)
 
 
 def _meta(*shape, dtype=torch.bfloat16):
@@ -685,11 +685,7 @@ def _gradients_meet_the_oracle(q, k, v, keep, block, seq, seed, warp_specialized
     grads = torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype))
     on_hopper = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
     assert warp_specialized_calls == ([block] if on_hopper else [])
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    want = torch.autograd.grad(oracle(*leaves, expand(keep, block, seq, seq))[0], leaves, grad_out.double())
-    for name, got, ref in zip("qkv", grads, want):
-        err = ((got.double() - ref).norm() / ref.norm()).item()
-        assert torch.isfinite(got).all() and err < 1e-2, f"d{name} relative error {err:.2e}"
+    assert_output_and_gradients(None, grads, q, k, v, expand(keep, block, seq, seq), grad_out, tolerance=1e-2)
     return grads
 
 
