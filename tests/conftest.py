@@ -145,16 +145,27 @@ def sdpa_error(q, k, v, visible, want, rows):
     return rel_error(got, want, rows)
 
 
-def assert_output_and_gradients(out, grads, q, k, v, visible, grad_out, *, tolerance, is_causal=False, label=""):
+def output_and_lse_loss(out, lse, grad_out):
+    """A loss through both of attention's outputs: <out, grad_out> plus half the sum of the LSE over rows that see a
+    key (the others hold -inf). Its LSE share reaches q and k through the backward's row terms."""
+    return (out * grad_out).sum() + 0.5 * torch.where(torch.isinf(lse), 0, lse).sum()
+
+
+def assert_output_and_gradients(out, grads, q, k, v, visible, grad_out, *, tolerance, is_causal=False, label="",
+                                through_lse=False):
     """out and grads (dq, dk, dv for the output gradient grad_out) each within `tolerance` relative error of the
-    fp64 oracle's for inputs q, k, v over the token mask visible, and finite (out None: the gradients only)."""
+    fp64 oracle's for inputs q, k, v over the token mask visible, and finite (out None: the gradients only).
+    through_lse: grads are those of output_and_lse_loss(out, lse, grad_out) instead."""
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    want_out = oracle(*leaves, visible, is_causal=is_causal)[0]
-    want = torch.autograd.grad(want_out, leaves, grad_out.double())
+    want_out, want_lse = oracle(*leaves, visible, is_causal=is_causal)
+    if through_lse:
+        want = torch.autograd.grad(output_and_lse_loss(want_out, want_lse, grad_out.double()), leaves)
+    else:
+        want = torch.autograd.grad(want_out, leaves, grad_out.double())
     for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (want_out, *want)):
         if got is None:
             continue
-        err = ((got.double() - ref).norm() / ref.norm()).item()
+        err = rel_error(got, ref)
         assert torch.isfinite(got).all() and err < tolerance, f"{label}{name} relative error {err:.2e}"
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 import blockattn
 from blockattn.kernels import forward, forward_ws
-from conftest import (DEVICE, ON_GPU, check_against_oracle, expand, interpreter_share, oracle, qkv, random_keep,
-                      sm90_report, stack_bytes)
+from conftest import (DEVICE, ON_GPU, assert_output_and_gradients, check_against_oracle, expand, interpreter_share,
+                      output_and_lse_loss, qkv, random_keep, sm90_report, stack_bytes)
 
 
 def _meta(*shape, dtype=torch.bfloat16):
@@ -266,18 +266,10 @@ def test_backward_through_its_output_and_lse(is_causal, warp_specialized_calls):
     assert len(warp_specialized_calls) == int(ON_GPU and torch.cuda.get_device_capability() == (9, 0))
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     grad_out = torch.randn(out.shape, generator=gen, device=DEVICE).to(out.dtype)
-
-    def loss(out, lse, grad_out):  # the LSE enters the loss too: its gradient flows back through the saved LSE
-        return (out * grad_out).sum() + 0.5 * torch.where(torch.isinf(lse), 0, lse).sum()
-
-    grads = torch.autograd.grad(loss(out.float(), lse, grad_out.float()), (q, k, v))
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    want_grads = torch.autograd.grad(
-        loss(*oracle(*leaves, expand(keep, block, seq, seq), is_causal=is_causal), grad_out.double()), leaves)
-    for name, got, ref in zip("qkv", grads, want_grads):
-        assert torch.isfinite(got).all(), f"d{name} not finite"
-        err = ((got.double() - ref).norm() / ref.norm()).item()
-        assert err < 1e-2, f"d{name} relative error {err:.2e}"
+    # the LSE enters the loss too: its gradient flows back through the saved LSE
+    grads = torch.autograd.grad(output_and_lse_loss(out.float(), lse, grad_out.float()), (q, k, v))
+    assert_output_and_gradients(None, grads, q, k, v, expand(keep, block, seq, seq), grad_out, tolerance=1e-2,
+                                is_causal=is_causal, through_lse=True)
 
 
 HEAD_DIM_64_CASES = {
