@@ -9,6 +9,7 @@ same block mask, in one process: ms and effective TFLOP/s per case, and each rat
     python benchmarks/ws_forward.py --cases d64 --stages 3 4 5   # and its ring depth (forward_ws.STAGES[64])
     python benchmarks/ws_forward.py --cases d64 design --emulate-exp2   # also with one exponential in four emulated
     python benchmarks/ws_forward.py --cases design --o-through-tma  # also with out's rows stored the other way
+    python benchmarks/ws_forward.py --cases d64 --tiles 128,1,4   # also with 128-key tiles, overlapped, 4 stages
 """
 
 import argparse
@@ -47,8 +48,13 @@ def main():
     parser.add_argument("--o-through-tma", action="store_true",
                         help="also time the warp-specialized forward with out's rows stored the other way "
                         "(forward_ws.O_THROUGH_TMA: through the TMA unit, or by pointer stores)")
+    parser.add_argument("--tiles", nargs="+", default=None, metavar="KEYS,OVERLAP,STAGES",
+                        help="also time the warp-specialized forward with these tilings for the cases' head dim "
+                        "(forward_ws.TILE_KEYS, OVERLAPPED and STAGES): keys a tile, 1 to overlap a tile's products "
+                        "with the softmax, ring stages")
     args = parser.parse_args()
     default_dims, default_stages = forward_ws.HEAD_DIMS, dict(forward_ws.STAGES)
+    default_tiles, default_overlapped = dict(forward_ws.TILE_KEYS), dict(forward_ws.OVERLAPPED)
     default_emulated = forward_ws.EMULATED_EXP2_DIMS
     default_o_through_tma = forward_ws.O_THROUGH_TMA
     device = torch.device("cuda")
@@ -81,6 +87,14 @@ def main():
             forward_ws.STAGES[case.dim] = stages
             variant(f"{stages} stages")
         forward_ws.STAGES.update(default_stages)
+        for tiling in args.tiles or ():
+            keys, overlap, stages = (int(x) for x in tiling.split(","))
+            forward_ws.TILE_KEYS[case.dim], forward_ws.OVERLAPPED[case.dim] = keys, bool(overlap)
+            forward_ws.STAGES[case.dim] = stages
+            variant(f"{keys}-key tiles, overlap {overlap}, {stages} stages")
+        forward_ws.STAGES.update(default_stages)
+        forward_ws.TILE_KEYS.update(default_tiles)
+        forward_ws.OVERLAPPED.update(default_overlapped)
         if args.emulate_exp2:  # the case's head dim with the other setting than the default
             emulated = case.dim not in default_emulated
             forward_ws.EMULATED_EXP2_DIMS = (case.dim, ) if emulated else ()

@@ -65,8 +65,10 @@ def test_head_dims_it_takes(monkeypatch):
     left out of HEAD_DIMS or one without a ring depth in STAGES."""
     def dims(d, dv):
         return dict(q=_meta(2, 4, 1000, d), k=_meta(2, 2, 1024, d), v=_meta(2, 2, 1024, dv))
-    assert _qualifies(**dims(64, 64)) == forward_ws.Plan(128)
-    assert _qualifies(**dims(64, 64), block_kv=64, is_causal=True) == forward_ws.Plan(64, causal=True)
+    # at D=64 256-key tiles without the overlap, in 128-key boxes (or 64, or one 256-key box)
+    assert _qualifies(**dims(64, 64)) == forward_ws.Plan(128, tile_n=256, overlap=False)
+    assert _qualifies(**dims(64, 64), block_kv=64, is_causal=True) == forward_ws.Plan(64, True, 256, False)
+    assert _qualifies(**dims(64, 64), block_q=256, block_kv=256) == forward_ws.Plan(256, tile_n=256, overlap=False)
     assert _qualifies(**dims(64, 128)) is None
     assert _qualifies(**dims(128, 64)) is None
     assert _qualifies(**dims(96, 96)) is None
@@ -275,22 +277,34 @@ def test_backward_through_its_output_and_lse(is_causal, warp_specialized_calls):
 HEAD_DIM_64_CASES = {
     "128x128 bf16": (2, 4, 4, 1000, 1024, (128, 128), torch.bfloat16, False),
     "128x64 fp16 causal gqa": (1, 4, 2, 1024, 1024, (128, 64), torch.float16, True),
+    "128x64 bf16": (1, 4, 4, 1000, 1024, (128, 64), torch.bfloat16, False),
+    "256x256 bf16 causal": (1, 2, 2, 1024, 1024, (256, 256), torch.bfloat16, True),
+    # three 64-key sub tiles a block, four a tile: tiles take sub tiles of two blocks crossing the diagonal apart
+    "128x192 bf16 causal": (1, 2, 2, 1152, 1152, (128, 192), torch.bfloat16, True),
 }
+# D=64 tilings: (keys a tile, overlapped, ring stages); the first is the default (TILE_KEYS, OVERLAPPED, STAGES)
+HEAD_DIM_64_TILINGS = {"256 keys": (256, False, 3), "128 keys, overlapped": (128, True, 4)}
 
 
+@pytest.mark.parametrize("tiling", list(HEAD_DIM_64_TILINGS))
 @pytest.mark.parametrize("emulate", [False, True])
 @pytest.mark.parametrize("case", list(HEAD_DIM_64_CASES))
-def test_head_dim_64_against_the_oracle(case, emulate, monkeypatch, poisoned, warp_specialized_calls):
+def test_head_dim_64_against_the_oracle(case, emulate, tiling, monkeypatch, poisoned, warp_specialized_calls):
     """D=64, its exponentials from the special function unit or one in four from the polynomial
-    (EMULATED_EXP2_DIMS): a query tail, a query block that keeps nothing, and under is_causal a last query block
+    (EMULATED_EXP2_DIMS), with 256-key tiles (last tiles of 1 to 3 sub tiles in 4 at 128x64) and with the 128-key
+    tiles it took before: a query tail, a query block that keeps nothing, and under is_causal a last query block
     whose one kept key block starts halfway down it."""
     monkeypatch.setattr(forward_ws, "EMULATED_EXP2_DIMS", (64, ) if emulate else ())
+    tile_n, overlap, stages = HEAD_DIM_64_TILINGS[tiling]
+    for table, value in ((forward_ws.TILE_KEYS, tile_n), (forward_ws.OVERLAPPED, overlap), (forward_ws.STAGES, stages)):
+        monkeypatch.setitem(table, 64, value)
     batch, heads, kv_heads, seq_q, seq_kv, block, dtype, causal = HEAD_DIM_64_CASES[case]
     heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
     q, k, v = qkv(batch, heads, seq_q, 64, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
     keep = _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, 0.4, halfway_last=causal)
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=causal, backend="triton")
-    assert warp_specialized_calls == _expected_calls(forward_ws.Plan(128 if block[1] % 128 == 0 else 64, causal))
+    sub_n = next(n for n in (tile_n, 128, 64) if block[1] % n == 0)
+    assert warp_specialized_calls == _expected_calls(forward_ws.Plan(sub_n, causal, tile_n, overlap))
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=causal)
 
 

@@ -54,14 +54,23 @@ HEAD_DIM = 128
 # Head dims (D = Dv) calls may take the kernel with. At 64 (148 KiB of shared memory with 4 stages) it beats the
 # Triton forward by 1-8% (B1 H24 S32k, d=0.5 .. 0.1, 128x128 and 128x64; BENCHMARKS.md, nineteenth session).
 HEAD_DIMS = (64, HEAD_DIM)
-# Keys per tile of the walk. A key block of 128 keys or a multiple fills it with 128-key boxes; any other multiple
-# of 64 (128x64 blocks) with two 64-key sub tiles, of consecutive list entries or of one block: the 128x64 design
-# case (d=0.25) ran 5.48 ms so against 5.89 ms with 64-key tiles (and 4 stages), in one process.
-TILE_N = 128
-# Ring stages per head dim: at D=128 as many as Hopper's 227 KiB of shared memory per program allows (Q takes
-# 32 KiB, a stage 64 KiB; 3 stages measured 5.22 ms against 5.88 with 2). At D=64 a stage is 32 KiB and a tile's
-# products take half as long, so the ring runs deeper (4 measured 1-8% faster than 3 and 1-3% faster than 5).
-STAGES = {128: 3, 64: 4}
+# Keys per tile of the walk, per head dim. The loader fills a tile with boxes of the largest of (the tile, 128, 64)
+# keys that divides the key block (sub tiles), from consecutive list entries or from one block. At D=128: 128 keys;
+# the 128x64 design case (d=0.25) ran 5.48 ms with two 64-key sub tiles a tile against 5.89 ms with 64-key tiles
+# (and 4 stages), in one process. At D=64: 256 keys, which halves the walk's steps for the same exponentials
+# (see OVERLAPPED).
+TILE_KEYS = {128: 128, 64: 256}
+# Whether a consumer issues each key tile's Q K^T together with the previous tile's P V, per head dim
+# (FlashAttention-3's overlap inside a warpgroup: the softmax of one tile runs under the other's products). At D=64 with 256-key tiles
+# it would hold two tiles' P in registers and spill; without it each consumer runs its products, then its softmax,
+# and the two consumers' turns interleave by themselves: on a 128x256 mask (`benchmarks/exp_gluon_fwd.py`, d=0.25)
+# 256 keys without the overlap ran 3.415 ms against 3.614 for 128 keys with it (4.02 for 256 keys with it), the
+# forty-second session (BENCHMARKS.md).
+OVERLAPPED = {128: True, 64: False}
+# Ring stages per head dim: as many as Hopper's 227 KiB of shared memory per program allows. At D=128 Q takes 32 KiB
+# and a stage 64 KiB (3 stages measured 5.22 ms against 5.88 with 2). At D=64 a 256-key stage is 64 KiB too (with
+# 128-key tiles, 4 stages of 32 KiB had measured 1-8% faster than 3 and 1-3% faster than 5).
+STAGES = {128: 3, 64: 3}
 # Registers per thread for a consumer warpgroup and for the loader (setmaxnreg; the default partition, the first
 # consumer, gets what the 168-register launch bound leaves: 168 * 12 warps = 240 + 240 + 24 per warpgroup).
 CONSUMER_REGS = 240
@@ -108,7 +117,6 @@ setp.lt.ftz.f32 tiny, $7, 0fC2FC0000;
 selp.b32 $3, 0, p, tiny;
 }""")
 
-_TILE_N = gl.constexpr(TILE_N)
 _LOG2E = gl.constexpr(1.4426950408889634)
 
 
@@ -137,7 +145,8 @@ def _program(shared, BLOCK_Q: gl.constexpr, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _first_tested_tile(index_row, count, start_m, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr):
+def _first_tested_tile(index_row, count, start_m, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
+                       TILE_N: gl.constexpr):
     """The first key tile of the walk that needs the causal test: the one holding the list's first block that
     reaches past the program's first query row (key block start_m // BLOCK_KV or later). Earlier blocks lie wholly
     below the diagonal, and the list is ascending, so the scan goes back from its end over the few crossing ones."""
@@ -148,22 +157,25 @@ def _first_tested_tile(index_row, count, start_m, BLOCK_KV: gl.constexpr, SUB_N:
         later = gl.load(index_row + gl.maximum(entry - 1, 0)) >= crossing
         entry = entry - later.to(gl.int32)
         scanning = later & (entry > 0)
-    return entry * (BLOCK_KV // SUB_N) // (_TILE_N // SUB_N)
+    return entry * (BLOCK_KV // SUB_N) // (TILE_N // SUB_N)
 
 
 @gluon.jit
-def _scores_masked(qk, j, tiles, sub_tiles, odd, first_tested, index_row, rows, BLOCK_KV: gl.constexpr,
+def _scores_masked(qk, j, tiles, sub_tiles, first_tested, index_row, rows, BLOCK_KV: gl.constexpr,
                    SUB_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """Key tile j's scores qk fp32 [64, 128] with -inf where no key is: the repeated half of an odd count's last
-    tile, and under CAUSAL (from first_tested on) the keys past each query row (rows int32 [64])."""
-    cols = gl.arange(0, _TILE_N, gl.SliceLayout(0, qk.type.layout))
-    if odd and j == tiles - 1:
-        qk = gl.where(cols[None, :] >= SUB_N, float("-inf"), qk)
+    """Key tile j's scores qk fp32 [64, TILE_N] with -inf where no key is: the repeated sub tiles that fill out the
+    last tile when the sub tiles do not fill it, and under CAUSAL (from first_tested on) the keys past each query row
+    (rows int32 [64])."""
+    TILE_N: gl.constexpr = qk.shape[1]
+    cols = gl.arange(0, TILE_N, gl.SliceLayout(0, qk.type.layout))
+    filled = sub_tiles % (TILE_N // SUB_N)  # sub tiles of the last tile that hold keys of their own (0: all)
+    if filled != 0 and j == tiles - 1:
+        qk = gl.where(cols[None, :] >= filled * SUB_N, float("-inf"), qk)
     if CAUSAL:
         if j >= first_tested:
             # each column's key, from its sub tile's list entry (as the loader placed it)
             SUBS_PER_BLOCK: gl.constexpr = BLOCK_KV // SUB_N
-            sub = gl.minimum((_TILE_N // SUB_N) * j + cols // SUB_N, sub_tiles - 1)
+            sub = gl.minimum((TILE_N // SUB_N) * j + cols // SUB_N, sub_tiles - 1)
             keys = (gl.load(index_row + sub // SUBS_PER_BLOCK) * BLOCK_KV + (sub % SUBS_PER_BLOCK) * SUB_N
                     + cols % SUB_N)
             qk = gl.where(keys[None, :] <= rows[:, None], qk, float("-inf"))
@@ -199,25 +211,26 @@ def _exp2(x, EMULATE: gl.constexpr):
 
 @gluon.jit
 def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr):
+              TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
+              EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr):
     """Query rows HALF*64 .. HALF*64+63 of the program's tile: the online softmax over the kv list (CAUSAL: keys
     up to each row's own position only), then Out [B, H, Sq, D] and Lse fp32 [B, H, Sq] (natural log; -inf and
     zeros for a row with no key). shared: the kernel's arguments and buffers, as attention_fwd_ws_kernel packs
-    them."""
+    them. OVERLAP: each key tile's Q K^T issued with the previous tile's P V (see OVERLAPPED)."""
     (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
      KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
      stride_ob, stride_oh, stride_os, stride_lb, stride_lh) = shared
     off_b, off_h, off_hkv, start_m, index_row, count = _program(shared, BLOCK_Q, CAUSAL)
-    PARTS: gl.constexpr = _TILE_N // SUB_N
+    PARTS: gl.constexpr = TILE_N // SUB_N
     sub_tiles = count * (BLOCK_KV // SUB_N)
-    # key tiles of 128 keys, PARTS sub tiles each; with two parts the last holds one when sub_tiles is odd
+    # key tiles of TILE_N keys, PARTS sub tiles each; the last holds fewer when PARTS does not divide sub_tiles
     total = (sub_tiles + PARTS - 1) // PARTS
     first_tested = total
     if CAUSAL:
-        first_tested = _first_tested_tile(index_row, count, start_m, BLOCK_KV, SUB_N)
+        first_tested = _first_tested_tile(index_row, count, start_m, BLOCK_KV, SUB_N, TILE_N)
     dtype: gl.constexpr = Q_DESC.dtype
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
-    BLOCK_N: gl.constexpr = _TILE_N
+    BLOCK_N: gl.constexpr = TILE_N
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -231,17 +244,35 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
     l_i = gl.zeros([_ROWS], gl.float32, row_s)
     acc = gl.zeros([_ROWS, HEAD_DIM], gl.float32, o_layout)
     s_zero = gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout)
-    # a last key tile that holds one sub tile: its second half repeats the first (finite data), masked
-    odd = (sub_tiles % PARTS) != 0
     first_row = start_m + HALF * _ROWS
     rows_s = first_row + gl.arange(0, _ROWS, row_s)
     q = q_smem.index(HALF).reshape([_ROWS, HEAD_DIM])
     mbarrier.wait(q_ready, 0)
-    if total > 0:
+    if not OVERLAP:
+        # products, then softmax, tile by tile (the other consumer's turns fill the gaps)
+        for j in range(total):
+            stage = j % STAGES
+            mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+            qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            qk = warpgroup_mma_wait(0, deps=(qk, ))
+            qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N, CAUSAL)
+            m_new = gl.maximum(m_i, gl.max(qk, 1) * scale_log2)
+            offset = _exp_offset(m_new, CAUSAL)
+            p = _exp2(qk * scale_log2 - offset[:, None], EMULATE_EXP2)
+            alpha = gl.exp2(m_i - offset)  # 0 on the first tile (m_i = -inf, offset finite)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            mbarrier.wait(v_ready.index(stage), (j // STAGES) & 1)
+            acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            mbarrier.arrive(kv_empty.index(stage), count=1)
+            m_i = m_new
+    elif total > 0:
         mbarrier.wait(k_ready.index(0), 0)
         qk = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
-        qk = _scores_masked(qk, 0, total, sub_tiles, odd, first_tested, index_row, rows_s, BLOCK_KV, SUB_N, CAUSAL)
+        qk = _scores_masked(qk, 0, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N, CAUSAL)
         m_i = gl.max(qk, 1) * scale_log2
         p = _exp2(qk * scale_log2 - _exp_offset(m_i, CAUSAL)[:, None], EMULATE_EXP2)
         l_i = gl.sum(p, 1)
@@ -254,7 +285,7 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
             qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
             qk = warpgroup_mma_wait(1, deps=(qk, ))  # this tile's scores; the previous tile's P V may still run
-            qk = _scores_masked(qk, j, total, sub_tiles, odd, first_tested, index_row, rows_s, BLOCK_KV, SUB_N,
+            qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N,
                                 CAUSAL)
             m_new = gl.maximum(m_i, gl.max(qk, 1) * scale_log2)
             offset = _exp_offset(m_new, CAUSAL)
@@ -297,7 +328,7 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
 
 @gluon.jit
 def _loader(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
-            STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+            TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """One warp: the tile's two halves of Q, then each kept key tile's K and V into the ring, a stage once both
     consumers have released it. (Same parameters as _consumer: Gluon's worker partitions share one signature.)"""
     (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
@@ -305,7 +336,7 @@ def _loader(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.cons
      stride_ob, stride_oh, stride_os, stride_lb, stride_lh) = shared
     off_b, off_h, off_hkv, start_m, index_row, count = _program(shared, BLOCK_Q, CAUSAL)
     SUBS_PER_BLOCK: gl.constexpr = BLOCK_KV // SUB_N
-    PARTS: gl.constexpr = _TILE_N // SUB_N
+    PARTS: gl.constexpr = TILE_N // SUB_N
     sub_tiles = count * SUBS_PER_BLOCK
     mbarrier.expect(q_ready, 2 * Q_DESC.block_type.nbytes)
     tma_load(Q_DESC, [off_b, off_h, start_m, 0], q_ready, q_smem.index(0))
@@ -317,7 +348,7 @@ def _loader(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.cons
         mbarrier.expect(k_ready.index(stage), PARTS * K_DESC.block_type.nbytes)
         mbarrier.expect(v_ready.index(stage), PARTS * V_DESC.block_type.nbytes)
         for part in gl.static_range(PARTS):
-            sub = gl.minimum(PARTS * j + part, sub_tiles - 1)  # an odd count's last tile repeats its sub tile
+            sub = gl.minimum(PARTS * j + part, sub_tiles - 1)  # a last tile not filled repeats its last sub tile
             row = gl.load(index_row + sub // SUBS_PER_BLOCK) * BLOCK_KV + (sub % SUBS_PER_BLOCK) * SUB_N
             tma_load(K_DESC, [off_b, off_hkv, row, 0], k_ready.index(stage),
                      _sub_tile(k_smem, stage, part, SUB_N))
@@ -330,21 +361,22 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
                             group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
                             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                             BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
-                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            LOADER_REGS: gl.constexpr, EMULATE_EXP2: gl.constexpr = False,
-                            O_THROUGH_TMA: gl.constexpr = False):
+                            TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr = True,
+                            EMULATE_EXP2: gl.constexpr = False, O_THROUGH_TMA: gl.constexpr = False):
     """Grid (cdiv(Sq, 128), launch.batch_head_axes(B, H)). Q_DESC / K_DESC / V_DESC: Gluon host descriptors of
     q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with boxes [1, 1, 64, D] / [1, 1, SUB_N, D]; KV_COUNT int32
     [Bm, Hm, nq], KV_INDEX int32 [Bm, Hm, nq, L] (size-1 mask dims with stride 0), every listed block's keys below
     Sk (CAUSAL: the lists of BlockSparsity.causal(), ascending); Out [B, H, Sq, D] (last dim contiguous), Lse
     fp32 [B, H, Sq] (last dim contiguous); O_DESC: when O_THROUGH_TMA, a descriptor of Out with Q_DESC's boxes,
-    through which the rows go (else None, and Out's pointer takes them). EMULATE_EXP2: see _exp2."""
+    through which the rows go (else None, and Out's pointer takes them). TILE_N: keys a tile (TILE_KEYS), a
+    multiple of SUB_N; OVERLAP: see OVERLAPPED; EMULATE_EXP2: see _exp2."""
     q_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2] + Q_DESC.block_type.shape, Q_DESC.layout)
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
-    # a stage: one [128, D] key tile, which the loader fills with 128 // SUB_N boxes of SUB_N keys (_sub_tile)
-    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_TILE_N, HEAD_DIM], K_DESC.dtype)
-    k_smem = gl.allocate_shared_memory(K_DESC.dtype, [STAGES, _TILE_N, HEAD_DIM], tile_layout)
-    v_smem = gl.allocate_shared_memory(V_DESC.dtype, [STAGES, _TILE_N, HEAD_DIM], tile_layout)
+    # a stage: one [TILE_N, D] key tile, which the loader fills with TILE_N // SUB_N boxes of SUB_N keys (_sub_tile)
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, HEAD_DIM], K_DESC.dtype)
+    k_smem = gl.allocate_shared_memory(K_DESC.dtype, [STAGES, TILE_N, HEAD_DIM], tile_layout)
+    v_smem = gl.allocate_shared_memory(V_DESC.dtype, [STAGES, TILE_N, HEAD_DIM], tile_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -361,18 +393,23 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
               KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
               stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh)
     gl.warp_specialize([
-        (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2, O_THROUGH_TMA)),
-        (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2, O_THROUGH_TMA)),
-        (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, STAGES, CAUSAL)),
+        (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
+                     O_THROUGH_TMA)),
+        (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
+                     O_THROUGH_TMA)),
+        (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 
 class Plan(NamedTuple):
-    """The kernel's sub tile height (keys per TMA box: 128, or 64 when 128 does not divide the key block), and
-    whether it tests the causal diagonal."""
+    """The kernel's sub tile height (keys per TMA box: the largest of the tile, 128 and 64 that divides the key
+    block), whether it tests the causal diagonal, its keys a tile (TILE_KEYS) and whether its consumers overlap a
+    tile's products with the softmax (OVERLAPPED)."""
     sub_n: int
     causal: bool = False
+    tile_n: int = 128
+    overlap: bool = True
 
 
 def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_kv: int, *, is_causal: bool,
@@ -395,7 +432,7 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, b
     of HEAD_DIMS (with a ring depth in STAGES); block_q a multiple of 128 and block_kv of 64; at least min_work of
     dense work (B * H * Sq * Sk * D: below it a call is host-bound, and the Triton forward's launch plans cost
     less host time); every tensor's last dim contiguous, its other strides and its start 16-byte aligned (TMA's
-    rule). The plan: 128-key tiles when they nest in block_kv, else 64."""
+    rule). The plan: TILE_KEYS[D] keys a tile, in boxes of the largest of those, 128 and 64 that divides block_kv."""
     if any(x is not None for x in (token_mask, block_mask, kv_valid, varlen, quant)):
         return None
     if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype):
@@ -411,7 +448,14 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, b
     for t in (q, k, v):
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
             return None
-    return Plan(TILE_N if block_kv % TILE_N == 0 else 64, is_causal)
+    return _plan(block_kv, dim, is_causal)
+
+
+def _plan(block_kv: int, dim: int, causal: bool) -> Plan:
+    """The tiling of a call that qualifies: key tiles of TILE_KEYS[dim] keys, sub tiles as Plan says."""
+    tile_n = TILE_KEYS.get(dim, 128)
+    sub_n = next(n for n in (tile_n, 128, 64) if block_kv % n == 0)
+    return Plan(sub_n, causal, tile_n, OVERLAPPED.get(dim, True))
 
 
 _GL_DTYPES = {torch.bfloat16: ("bf16", gl.bfloat16), torch.float16: ("fp16", gl.float16),
@@ -454,7 +498,8 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
             # the lists' size-1 batch and head dims broadcast: stride 0
             **stride_args("c", kv_count, "bh"), **stride_args("i", kv_index, "bhq"), **stride_args("o", out, "bhs"),
             **stride_args("l", lse, "bh"), BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=chosen.sub_n,
-            STAGES=STAGES[dim], EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, CAUSAL=chosen.causal,
+            TILE_N=chosen.tile_n, OVERLAP=chosen.overlap, STAGES=STAGES[dim], EMULATE_EXP2=dim in EMULATED_EXP2_DIMS,
+            CAUSAL=chosen.causal,
             CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, O_THROUGH_TMA=O_THROUGH_TMA)
         # O_DESC only when out goes through the TMA unit; else None: no descriptor to build or encode on relaunches
         if O_THROUGH_TMA:
@@ -496,9 +541,11 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     O_THROUGH_TMA)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    sub_n = TILE_N if block_kv % TILE_N == 0 else 64
+    chosen = _plan(block_kv, dim, causal)
+    sub_n = chosen.sub_n
     name = _GL_DTYPES[dtype][0]
-    constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, STAGES=STAGES[dim], CAUSAL=causal,
+    constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap,
+                     STAGES=STAGES[dim], CAUSAL=causal,
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
                      EMULATE_EXP2=dim in EMULATED_EXP2_DIMS if emulate_exp2 is None else emulate_exp2,
                      O_THROUGH_TMA=O_THROUGH_TMA if o_through_tma is None else o_through_tma)
