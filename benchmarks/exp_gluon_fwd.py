@@ -47,10 +47,10 @@ def _list_start(KV_COUNT, heads, stride_ch, BLOCK_KV: gl.constexpr, BLOCK_N: gl.
 @gluon.jit
 def _consumer(shared, HALF: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
               STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
-              Q_IN_REGS: gl.constexpr):
+              Q_IN_REGS: gl.constexpr, P_SMEM: gl.constexpr):
     """Rows HALF*64 .. HALF*64+63 of the program's 128-row query block: the online softmax over its kv list."""
-    (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out, Lse, KV_COUNT,
-     KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq) = shared
+    (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, p_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out, Lse,
+     KV_COUNT, KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq) = shared
     pid_m, bh, h, total = _list_start(KV_COUNT, heads, stride_ch, BLOCK_KV, BLOCK_N, CAUSAL)
     TILES: gl.constexpr = BLOCK_KV // BLOCK_N
 
@@ -87,7 +87,12 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.co
             m_i = gl.max(qk, 1) * scale_log2
             p = gl.exp2(qk * scale_log2 - m_i[:, None])
             l_i = gl.sum(p, 1)
-            p_prev = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+            if P_SMEM:  # P goes to the product through shared memory: no tile's P held in registers across it
+                p_smem.index(HALF).store(p.to(gl.bfloat16))
+                fence_async_shared()  # each warp's product reads only the rows it stored (FA3's note)
+                p_prev = p_smem.index(HALF)
+            else:
+                p_prev = gl.convert_layout(p.to(gl.bfloat16), p_layout)
             for j in range(1, total):
                 stage = j % STAGES
                 prev = (j - 1) % STAGES
@@ -107,16 +112,25 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.co
                 p = gl.exp2(qk * scale_log2 - m_new[:, None])
                 alpha = gl.exp2(m_i - m_new)
                 l_i = l_i * alpha + gl.sum(p, 1)
-                p_next = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-                acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
-                mbarrier.arrive(kv_empty.index(prev), count=1)
+                if P_SMEM:
+                    acc = warpgroup_mma_wait(0, deps=(acc, ))  # the previous P V has read the shared P
+                    mbarrier.arrive(kv_empty.index(prev), count=1)
+                    p_smem.index(HALF).store(p.to(gl.bfloat16))
+                    fence_async_shared()
+                else:
+                    p_next = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+                    acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+                    mbarrier.arrive(kv_empty.index(prev), count=1)
+                    p_prev = p_next
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                p_prev = p_next
                 m_i = m_new
             last = (total - 1) % STAGES
             mbarrier.wait(v_ready.index(last), ((total - 1) // STAGES) & 1)
             acc = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
-            acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+            if P_SMEM:
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+            else:
+                acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
             mbarrier.arrive(kv_empty.index(last), count=1)
     else:
         for j in range(total):
@@ -155,10 +169,10 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.co
 @gluon.jit
 def _loader(shared, HALF: gl.constexpr, BLOCK_KV: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
             STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
-            Q_IN_REGS: gl.constexpr):
+            Q_IN_REGS: gl.constexpr, P_SMEM: gl.constexpr):
     """One warp: the query block's two halves, then each kept K and V tile into the ring (waits for a free stage)."""
-    (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out, Lse, KV_COUNT,
-     KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq) = shared
+    (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, p_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out, Lse,
+     KV_COUNT, KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq) = shared
     pid_m, bh, h, total = _list_start(KV_COUNT, heads, stride_ch, BLOCK_KV, BLOCK_N, CAUSAL)
     TILES: gl.constexpr = BLOCK_KV // BLOCK_N
     index_row = KV_INDEX + h * stride_ih + pid_m * stride_iq
@@ -182,11 +196,15 @@ def gluon_fwd_kernel(Q_DESC, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX, scale
                      stride_ch, stride_ih, stride_iq,
                      BLOCK_KV: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                      OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     LOADER_REGS: gl.constexpr, Q_IN_REGS: gl.constexpr = False):
+                     LOADER_REGS: gl.constexpr, Q_IN_REGS: gl.constexpr = False, P_SMEM: gl.constexpr = False):
     """Grid (S / 128, H): one 128-row query block of one head. Out bf16 [H*S, D], Lse fp32 [H*S]."""
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, HALF_M, HEAD_DIM], Q_DESC.layout)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], K_DESC.layout)
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], V_DESC.layout)
+    # each consumer's P [64, BLOCK_N] when it goes to P V through shared memory (else a token allocation)
+    P_COLS: gl.constexpr = BLOCK_N if P_SMEM else 16
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, HALF_M, P_COLS],
+                                       gl.NVMMASharedLayout.get_default_for([HALF_M, P_COLS], gl.bfloat16))
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -203,12 +221,15 @@ def gluon_fwd_kernel(Q_DESC, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX, scale
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
     # the partitions' shared arguments as one tuple (Gluon's worker partitions share one signature)
-    shared = (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out, Lse,
-              KV_COUNT, KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq)
+    shared = (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, p_smem, q_ready, k_ready, v_ready, kv_empty, turn, Out,
+              Lse, KV_COUNT, KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq)
     gl.warp_specialize([
-        (_consumer, (shared, FIRST, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, Q_IN_REGS)),
-        (_consumer, (shared, SECOND, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, Q_IN_REGS)),
-        (_loader, (shared, FIRST, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, Q_IN_REGS)),
+        (_consumer, (shared, FIRST, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, Q_IN_REGS,
+                     P_SMEM)),
+        (_consumer, (shared, SECOND, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, Q_IN_REGS,
+                     P_SMEM)),
+        (_loader, (shared, FIRST, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, Q_IN_REGS,
+                     P_SMEM)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -218,7 +239,7 @@ def _layouts(block_n, dim):
 
 
 def gluon_forward(q, k, v, blocks, block_n=128, stages=2, overlap=True, pingpong=False, maxnreg=168, consumer_regs=240,
-                  loader_regs=24, causal=False, q_in_regs=False):
+                  loader_regs=24, causal=False, q_in_regs=False, p_smem=False):
     """q, k, v bf16 [1, H, S, D] contiguous; blocks: a BlockSparsity with 128-row query blocks (causal: square
     blocks, each list ending at its diagonal block)."""
     assert not causal or overlap, "causal: overlap path only"
@@ -239,13 +260,14 @@ def gluon_forward(q, k, v, blocks, block_n=128, stages=2, overlap=True, pingpong
         qd, kd, vd, out, lse, count, index, dim ** -0.5 * LOG2E.value, seq, heads,
         count.stride(1), index.stride(1), index.stride(2),
         BLOCK_KV=block_kv, BLOCK_N=block_n, HEAD_DIM=dim, STAGES=stages, OVERLAP=overlap, PINGPONG=pingpong,
-        CAUSAL=causal, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, Q_IN_REGS=q_in_regs, num_warps=4,
+        CAUSAL=causal, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, Q_IN_REGS=q_in_regs, P_SMEM=p_smem,
+        num_warps=4,
         maxnreg=maxnreg)
     return out, lse
 
 
 def compile_only(dim, block_n, stages, overlap, pingpong=False, maxnreg=168, consumer_regs=240, loader_regs=24,
-                 block_kv=128, causal=False, q_in_regs=False):
+                 block_kv=128, causal=False, q_in_regs=False, p_smem=False):
     """Compile for sm_90 without a GPU; returns the compiled kernel (n_regs, n_spills, asm)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -257,7 +279,7 @@ def compile_only(dim, block_n, stages, overlap, pingpong=False, maxnreg=168, con
                      heads="i32", stride_ch="i32", stride_ih="i32", stride_iq="i32")
     constants = dict(BLOCK_KV=block_kv, BLOCK_N=block_n, HEAD_DIM=dim, STAGES=stages, OVERLAP=overlap,
                      PINGPONG=pingpong, CAUSAL=causal,
-                     CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, Q_IN_REGS=q_in_regs)
+                     CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, Q_IN_REGS=q_in_regs, P_SMEM=p_smem)
     signature.update(dict.fromkeys(constants, "constexpr"))
     src = GluonASTSource(gluon_fwd_kernel, signature, constants)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
@@ -287,7 +309,8 @@ def main():
     parser.add_argument("--heads", type=int, default=24)
     parser.add_argument("--blocks", nargs="+", default=["128x128"])
     parser.add_argument("--variants", nargs="+", default=["128,3,1,0", "128,3,1,1", "128,3,0,1", "64,4,1,0"],
-                        help="BLOCK_N,stages,overlap,pingpong[,maxnreg,consumer_regs[,q_in_regs]] (a BLOCK_N wider "
+                        help="BLOCK_N,stages,overlap,pingpong[,maxnreg,consumer_regs[,q_in_regs[,p_smem]]] (a BLOCK_N "
+                        "wider "
                         "than the key block is skipped; maxnreg 80 with consumer_regs 104 fits two programs a "
                         "multiprocessor, at BLOCK_N 64 and D=64)")
     parser.add_argument("--compile-only", action="store_true")
@@ -303,17 +326,17 @@ def main():
     variants = []
     for v in args.variants:
         given = tuple(int(x) for x in v.split(","))
-        variants.append(given + (168, 240, 0)[len(given) - 4:])
+        variants.append(given + (168, 240, 0, 0)[len(given) - 4:])
     if args.compile_only:
         for dim in args.dim:
-            for block_n, stages, overlap, pingpong, maxnreg, consumer_regs, q_in_regs in variants:
+            for block_n, stages, overlap, pingpong, maxnreg, consumer_regs, q_in_regs, p_smem in variants:
                 label = (f"D={dim} BN={block_n} stages={stages} overlap={overlap} pingpong={pingpong} "
-                         f"regs={maxnreg}/{consumer_regs} q_in_regs={q_in_regs}")
+                         f"regs={maxnreg}/{consumer_regs} q_in_regs={q_in_regs} p_smem={p_smem}")
                 try:
                     kernel = compile_only(dim, block_n, stages, bool(overlap), bool(pingpong), maxnreg=maxnreg,
                                           consumer_regs=consumer_regs, causal=args.causal,
                                           block_kv=128 if 128 % block_n == 0 else block_n,
-                                          q_in_regs=bool(q_in_regs))
+                                          q_in_regs=bool(q_in_regs), p_smem=bool(p_smem))
                     print(f"{label}: {resource_usage(kernel)}", flush=True)
                 except Exception as error:
                     print(f"{label}: failed {type(error).__name__}: {str(error)[:2000]}", flush=True)
@@ -362,16 +385,16 @@ def main():
                         ms = _time_ms(fn)
                         print(f"{label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s, "
                               f"{times['flex'] / ms:.2f}x flex) max err {err:.1e}", flush=True)
-                for block_n, stages, overlap, pingpong, maxnreg, consumer_regs, q_in_regs in variants:
+                for block_n, stages, overlap, pingpong, maxnreg, consumer_regs, q_in_regs, p_smem in variants:
                     if block[1] % block_n:
                         continue
                     label = (f"gluon BN={block_n} stages={stages} overlap={overlap} pingpong={pingpong} "
-                             f"regs={maxnreg}/{consumer_regs} q_in_regs={q_in_regs}")
+                             f"regs={maxnreg}/{consumer_regs} q_in_regs={q_in_regs} p_smem={p_smem}")
                     if args.causal and not overlap:
                         continue
                     run = (lambda: gluon_forward(q, k, v, blocks, block_n, stages, bool(overlap), bool(pingpong),
                                                  maxnreg=maxnreg, consumer_regs=consumer_regs, causal=args.causal,
-                                                 q_in_regs=bool(q_in_regs)))
+                                                 q_in_regs=bool(q_in_regs), p_smem=bool(p_smem)))
                     try:
                         out, lse = run()
                         err = (out.float() - expected.float()).abs().max().item()

@@ -6,6 +6,7 @@ same block mask, in one process: ms and effective TFLOP/s per case, and each rat
     python benchmarks/ws_forward.py --cases causal        # is_causal over the block-causal mask, and SDPA causal
     python benchmarks/ws_forward.py --cases skewed        # target 6 on the warp-specialized forward
     python benchmarks/ws_forward.py --cases d64           # D=64 (target 1.3x FlexAttention)
+    python benchmarks/ws_forward.py --cases d64more       # D=64: B8 S1024-4096, GQA 32/8, causal 128x64
     python benchmarks/ws_forward.py --cases d64 --stages 3 4 5   # and its ring depth (forward_ws.STAGES[64])
     python benchmarks/ws_forward.py --cases d64 design --emulate-exp2   # also with one exponential in four emulated
     python benchmarks/ws_forward.py --cases design --o-through-tma  # also with out's rows stored the other way
@@ -33,6 +34,10 @@ SUITES = {
     # target 1 at D=64: >= 1.3x FlexAttention
     "d64": [Case(dim=64, block=block, density=d) for block in ((128, 128), (128, 64)) for d in (0.5, 0.25, 0.1)]
     + [Case(dim=64, pattern="causal", density=0.5)],
+    # D=64 beside target 1's shape: short calls, GQA 32/8, the causal default block
+    "d64more": [Case(batch=8, heads=16, kv_heads=16, seq=s, dim=64, density=0.5) for s in (1024, 2048, 4096)]
+    + [Case(heads=32, kv_heads=8, seq=16384, dim=64, density=d) for d in (0.5, 0.1)]
+    + [Case(dim=64, pattern="causal", block=(128, 64), density=0.5)],
 }
 
 
