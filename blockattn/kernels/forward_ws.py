@@ -5,9 +5,11 @@ and then each kept key tile's K and V into a ring of shared-memory stages throug
 own one half, with their scores and accumulator in registers (wgmma). Each consumer issues a key tile's Q K^T
 together with the previous tile's P V and computes the softmax of the new scores before it waits for that P V (in
 source order: ptxas moves that wait above the exponentials, which measured no slower than keeping it below them;
-kernels/README.md, "The warp-specialized forward"). Measured on the H200 at B1 H24 S32768 D128, density 0.25, 128x128
-blocks: 5.33 ms against about 6.1 ms for the Triton forward and 7.82 ms for FlexAttention (BENCHMARKS.md, fifteenth
-session; the figures move by up to 7% with what ran just before, through the GPU's power limit).
+kernels/README.md, "The warp-specialized forward"). That is the D=128 loop; at D=64 each consumer walks 256-key
+tiles and runs its products and softmax in turn (TILE_KEYS, OVERLAPPED). Measured on the H200 at B1 H24 S32768
+D128, density 0.25, 128x128 blocks: 5.33 ms against about 6.1 ms for the Triton forward and 7.82 ms for
+FlexAttention (BENCHMARKS.md, fifteenth session; the figures move by up to 7% with what ran just before, through the
+GPU's power limit).
 
 It covers the plain walk and the causal one: no other element tests (no token mask, kv_valid, gathered block
 mask, sequence end inside a key tile), bf16 or fp16, head dim 128 or 64 (HEAD_DIMS), blocks whose
@@ -51,8 +53,9 @@ O_THROUGH_TMA = False
 CONSUMER_ROWS = 64
 TILE_Q = 2 * CONSUMER_ROWS
 HEAD_DIM = 128
-# Head dims (D = Dv) calls may take the kernel with. At 64 (148 KiB of shared memory with 4 stages) it beats the
-# Triton forward by 1-8% (B1 H24 S32k, d=0.5 .. 0.1, 128x128 and 128x64; BENCHMARKS.md, nineteenth session).
+# Head dims (D = Dv) calls may take the kernel with. At 64 (208 KiB of shared memory: 3 stages of 256-key tiles) it
+# beats the Triton forward by 7-13% at B1 H24 S32k d=0.5 and 0.25 and by 0-8% at d=0.1, but trails it by 8-14% at
+# B8 H16 S2048 and GQA 32/8 S16k d=0.1 (BENCHMARKS.md, forty-second session).
 HEAD_DIMS = (64, HEAD_DIM)
 # Keys per tile of the walk, per head dim. The loader fills a tile with boxes of the largest of (the tile, 128, 64)
 # keys that divides the key block (sub tiles), from consecutive list entries or from one block. At D=128: 128 keys;
@@ -61,15 +64,16 @@ HEAD_DIMS = (64, HEAD_DIM)
 # (see OVERLAPPED).
 TILE_KEYS = {128: 128, 64: 256}
 # Whether a consumer issues each key tile's Q K^T together with the previous tile's P V, per head dim
-# (FlashAttention-3's overlap inside a warpgroup: the softmax of one tile runs under the other's products). At D=64 with 256-key tiles
-# it would hold two tiles' P in registers and spill; without it each consumer runs its products, then its softmax,
-# and the two consumers' turns interleave by themselves: on a 128x256 mask (`benchmarks/exp_gluon_fwd.py`, d=0.25)
-# 256 keys without the overlap ran 3.415 ms against 3.614 for 128 keys with it (4.02 for 256 keys with it), the
-# forty-second session (BENCHMARKS.md).
+# (FlashAttention-3's overlap inside a warpgroup: the softmax of one tile runs under the other's products). At D=64
+# with 256-key tiles it would hold two tiles' P in registers and spill; without it each consumer runs its products,
+# then its softmax, and the two consumers' turns interleave by themselves. B1 H24 S32k D=64 against 128-key tiles
+# overlapped (4 stages): 1.01-1.09x as fast at d=0.5 and 0.25, at par at d=0.1 (forty-second session, BENCHMARKS.md;
+# `benchmarks/ws_forward.py --cases d64 --tiles 128,1,4`).
 OVERLAPPED = {128: True, 64: False}
 # Ring stages per head dim: as many as Hopper's 227 KiB of shared memory per program allows. At D=128 Q takes 32 KiB
-# and a stage 64 KiB (3 stages measured 5.22 ms against 5.88 with 2). At D=64 a 256-key stage is 64 KiB too (with
-# 128-key tiles, 4 stages of 32 KiB had measured 1-8% faster than 3 and 1-3% faster than 5).
+# and a stage 64 KiB (3 stages measured 5.22 ms against 5.88 with 2). At D=64 a 256-key stage is 64 KiB too (2
+# stages measured the same in benchmarks/exp_gluon_fwd.py; with 128-key tiles, 4 stages of 32 KiB had run 1-8%
+# faster than 3).
 STAGES = {128: 3, 64: 3}
 # Registers per thread for a consumer warpgroup and for the loader (setmaxnreg; the default partition, the first
 # consumer, gets what the 168-register launch bound leaves: 168 * 12 warps = 240 + 240 + 24 per warpgroup).
