@@ -7,6 +7,8 @@ same block mask, in one process: ms and effective TFLOP/s per case, and each rat
     python benchmarks/ws_forward.py --cases skewed        # target 6 on the warp-specialized forward
     python benchmarks/ws_forward.py --cases d64           # D=64 (target 1.3x FlexAttention)
     python benchmarks/ws_forward.py --cases d64more       # D=64: B8 S1024-4096, GQA 32/8, causal 128x64
+    python benchmarks/ws_forward.py --cases d64sizes --no-flex   # D=64 from B8 S2048 up: where the kernel pays
+    python benchmarks/ws_forward.py --cases sizes --no-flex      # the same sizes at D=128
     python benchmarks/ws_forward.py --cases d64 --stages 3 4 5   # and its ring depth (forward_ws.STAGES[64])
     python benchmarks/ws_forward.py --cases d64 design --emulate-exp2   # also with one exponential in four emulated
     python benchmarks/ws_forward.py --cases design --o-through-tma  # also with out's rows stored the other way
@@ -38,6 +40,15 @@ SUITES = {
     "d64more": [Case(batch=8, heads=16, kv_heads=16, seq=s, dim=64, density=0.5) for s in (1024, 2048, 4096)]
     + [Case(heads=32, kv_heads=8, seq=16384, dim=64, density=d) for d in (0.5, 0.1)]
     + [Case(dim=64, pattern="causal", block=(128, 64), density=0.5)],
+    # D=64 from short calls up, for the kernel's minimum work (forward_ws.MIN_WORK); the first case warms the GPU
+    "d64sizes": [Case(dim=64, density=0.5)]
+    + [Case(batch=8, heads=16, kv_heads=16, seq=s, dim=64, density=d) for s in (2048, 4096, 8192) for d in (0.5, 0.1)]
+    + [Case(heads=h, kv_heads=kv, seq=s, dim=64, density=d) for h, kv, s in ((24, 24, 8192), (24, 24, 16384),
+                                                                              (32, 8, 16384)) for d in (0.5, 0.1)],
+    # the same sizes at D=128
+    "sizes": [Case(density=0.5)]
+    + [Case(batch=8, heads=16, kv_heads=16, seq=s, density=d) for s in (2048, 4096, 8192) for d in (0.5, 0.1)]
+    + [Case(heads=24, kv_heads=24, seq=s, density=d) for s in (8192, 16384) for d in (0.5, 0.1)],
 }
 
 
@@ -57,6 +68,7 @@ def main():
                         help="also time the warp-specialized forward with these tilings for the cases' head dim "
                         "(forward_ws.TILE_KEYS, OVERLAPPED and STAGES): keys a tile, 1 to overlap a tile's products "
                         "with the softmax, ring stages")
+    parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out (its ratio columns read nan)")
     args = parser.parse_args()
     default_dims, default_stages = forward_ws.HEAD_DIMS, dict(forward_ws.STAGES)
     default_tiles, default_overlapped = dict(forward_ws.TILE_KEYS), dict(forward_ws.OVERLAPPED)
@@ -111,7 +123,7 @@ def main():
             forward_ws.O_THROUGH_TMA = default_o_through_tma
         forward_ws.ENABLED, forward_ws.HEAD_DIMS = True, default_dims
         runners = _runners(case, keep, device)
-        times["flex"] = _time_ms(lambda: runners["flex"][0](q, k, v))
+        times["flex"] = float("nan") if args.no_flex else _time_ms(lambda: runners["flex"][0](q, k, v))
         gap = (outs[True].float() - outs[False].float()).abs().max().item()
         if causal:  # cuDNN's causal forward: the dense baseline a language model would otherwise run
             sdpa = torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)

@@ -65,6 +65,7 @@ def test_head_dims_it_takes(monkeypatch):
     left out of HEAD_DIMS or one without a ring depth in STAGES."""
     def dims(d, dv):
         return dict(q=_meta(2, 4, 1000, d), k=_meta(2, 2, 1024, d), v=_meta(2, 2, 1024, dv))
+    monkeypatch.setattr(forward_ws, "MIN_KEYS", {})  # (1024 keys: short of D=64's minimum, tested below)
     # at D=64 256-key tiles without the overlap, in 128-key boxes (or 64, or one 256-key box)
     assert _qualifies(**dims(64, 64)) == forward_ws.Plan(128, tile_n=256, overlap=False)
     assert _qualifies(**dims(64, 64), block_kv=64, is_causal=True) == forward_ws.Plan(64, True, 256, False)
@@ -77,6 +78,18 @@ def test_head_dims_it_takes(monkeypatch):
     assert _qualifies(**dims(128, 128)) == forward_ws.Plan(128)
     monkeypatch.setattr(forward_ws, "HEAD_DIMS", (96, 128))  # a head dim with no ring depth set never launches
     assert _qualifies(**dims(96, 96)) is None
+
+
+def test_at_head_dim_64_short_key_sequences_go_to_the_triton_forward():
+    """At D=64 a call takes the kernel from MIN_KEYS[64] keys on (8192), any query length; D=128 at any length."""
+    def dims(d, seq_kv):
+        return dict(q=_meta(2, 4, 1000, d), k=_meta(2, 2, seq_kv, d))
+    assert forward_ws.MIN_KEYS == {64: 8192}
+    assert _qualifies(**dims(64, 8192)) == forward_ws.Plan(128, tile_n=256, overlap=False)
+    assert _qualifies(**dims(64, 8192), block_kv=64) == forward_ws.Plan(64, tile_n=256, overlap=False)
+    assert _qualifies(**dims(64, 8064)) is None
+    assert _qualifies(**dims(64, 4096), block_kv=64, is_causal=True) is None
+    assert _qualifies(**dims(128, 128)) == forward_ws.Plan(128)
 
 
 @pytest.mark.parametrize("change", [
@@ -295,6 +308,7 @@ def test_head_dim_64_against_the_oracle(case, emulate, tiling, monkeypatch, pois
     tiles it took before: a query tail, a query block that keeps nothing, and under is_causal a last query block
     whose one kept key block starts halfway down it."""
     monkeypatch.setattr(forward_ws, "EMULATED_EXP2_DIMS", (64, ) if emulate else ())
+    monkeypatch.setattr(forward_ws, "MIN_KEYS", {})  # these sequences are short: the kernel at any length
     tile_n, overlap, stages = HEAD_DIM_64_TILINGS[tiling]
     for table, value in ((forward_ws.TILE_KEYS, tile_n), (forward_ws.OVERLAPPED, overlap), (forward_ws.STAGES, stages)):
         monkeypatch.setitem(table, 64, value)

@@ -70,6 +70,12 @@ TILE_KEYS = {128: 128, 64: 256}
 # overlapped (4 stages): 1.01-1.09x as fast at d=0.5 and 0.25, at par at d=0.1 (forty-second session, BENCHMARKS.md;
 # `benchmarks/ws_forward.py --cases d64 --tiles 128,1,4`).
 OVERLAPPED = {128: True, 64: False}
+# Keys (Sk) a call needs, per head dim, to take this kernel; below it the Triton forward runs. At D=64 (forty-second
+# session, BENCHMARKS.md; `benchmarks/ws_forward.py --cases d64sizes --no-flex`) the Triton forward ran 14-16% faster
+# at B8 S2048 and 0-68% at B8 S4096 (d=0.5 / 0.1), where each query tile walks few key tiles and this kernel's
+# fixed cost a program weighs more; from S8192 on this kernel ran 6-8% faster at d=0.5 and the Triton forward 5-22%
+# at d=0.1 (even at S32k). The density is not known on the host without reading the lists, so Sk decides.
+MIN_KEYS = {64: 8192}
 # Ring stages per head dim: as many as Hopper's 227 KiB of shared memory per program allows. At D=128 Q takes 32 KiB
 # and a stage 64 KiB (3 stages measured 5.22 ms against 5.88 with 2). At D=64 a 256-key stage is 64 KiB too (2
 # stages measured the same in benchmarks/exp_gluon_fwd.py; with 128-key tiles, 4 stages of 32 KiB had run 1-8%
@@ -435,8 +441,9 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, b
     block_mask, kv_valid or varlen, Sk a multiple of block_kv); no quant; bf16 or fp16 for all three; D = Dv, one
     of HEAD_DIMS (with a ring depth in STAGES); block_q a multiple of 128 and block_kv of 64; at least min_work of
     dense work (B * H * Sq * Sk * D: below it a call is host-bound, and the Triton forward's launch plans cost
-    less host time); every tensor's last dim contiguous, its other strides and its start 16-byte aligned (TMA's
-    rule). The plan: TILE_KEYS[D] keys a tile, in boxes of the largest of those, 128 and 64 that divides block_kv."""
+    less host time) and at least MIN_KEYS[D] keys; every tensor's last dim contiguous, its other strides and its
+    start 16-byte aligned (TMA's rule). The plan: TILE_KEYS[D] keys a tile, in boxes of the largest of those, 128
+    and 64 that divides block_kv."""
     if any(x is not None for x in (token_mask, block_mask, kv_valid, varlen, quant)):
         return None
     if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype):
@@ -447,7 +454,7 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, b
         return None
     if block_q % TILE_Q or block_kv % 64 or seq_kv % block_kv:
         return None
-    if batch * heads * seq_q * seq_kv * dim < min_work:
+    if batch * heads * seq_q * seq_kv * dim < min_work or seq_kv < MIN_KEYS.get(dim, 0):
         return None
     for t in (q, k, v):
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
