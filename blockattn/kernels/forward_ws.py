@@ -71,9 +71,9 @@ TILE_KEYS = {128: 128, 64: 256}
 # `benchmarks/ws_forward.py --cases d64 --tiles 128,1,4`).
 OVERLAPPED = {128: True, 64: False}
 # Keys (Sk) a call needs, per head dim, to take this kernel; below it the Triton forward runs. At D=64 (forty-second
-# session, BENCHMARKS.md; `benchmarks/ws_forward.py --cases d64sizes --no-flex`) the Triton forward ran 14-16% faster
+# session, BENCHMARKS.md; `benchmarks/ws_forward.py --cases d64sizes --no-flex`) the Triton forward ran 16-52% faster
 # at B8 S2048 and 0-68% at B8 S4096 (d=0.5 / 0.1), where each query tile walks few key tiles and this kernel's
-# fixed cost a program weighs more; from S8192 on this kernel ran 6-8% faster at d=0.5 and the Triton forward 5-22%
+# fixed cost a program weighs more; from S8192 on this kernel ran 6-11% faster at d=0.5 and the Triton forward 5-23%
 # at d=0.1 (even at S32k). The density is not known on the host without reading the lists, so Sk decides.
 MIN_KEYS = {64: 8192}
 # Ring stages per head dim: as many as Hopper's 227 KiB of shared memory per program allows. At D=128 Q takes 32 KiB
