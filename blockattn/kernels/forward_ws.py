@@ -54,8 +54,8 @@ CONSUMER_ROWS = 64
 TILE_Q = 2 * CONSUMER_ROWS
 HEAD_DIM = 128
 # Head dims (D = Dv) calls may take the kernel with. At 64 (208 KiB of shared memory: 3 stages of 256-key tiles) it
-# beats the Triton forward by 7-13% at B1 H24 S32k d=0.5 and 0.25 and by 0-8% at d=0.1, but trails it by 8-14% at
-# B8 H16 S2048 and GQA 32/8 S16k d=0.1 (BENCHMARKS.md, forty-second session).
+# beats the Triton forward by 7-13% at B1 H24 S32k d=0.5 and 0.25 and by 0-8% at d=0.1; shorter, see MIN_KEYS
+# (BENCHMARKS.md, forty-second session).
 HEAD_DIMS = (64, HEAD_DIM)
 # Keys per tile of the walk, per head dim. The loader fills a tile with boxes of the largest of (the tile, 128, 64)
 # keys that divides the key block (sub tiles), from consecutive list entries or from one block. At D=128: 128 keys;
