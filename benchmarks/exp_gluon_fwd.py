@@ -12,6 +12,13 @@ session). Contiguous bf16 [1, H, S, D] inputs, S a multiple of 128, no element t
     python benchmarks/exp_gluon_fwd.py --causal --density 0.5 --variants 128,3,1,0 64,4,1,0   # causal (untimed yet)
     python benchmarks/exp_gluon_fwd.py --dim 64 --variants 128,4,1,0 64,4,0,0,80,104   # two programs a multiprocessor
     python benchmarks/exp_gluon_fwd.py --dim 64 --variants 128,4,1,0,168,240,1        # Q K^T's Q from registers
+    python benchmarks/exp_gluon_fwd.py --dim 64 --blocks 128x256 --no-flex --variants 256,3,0,0 256,2,1,0,168,240,0,1
+                                               # 256-key tiles; with the overlap, P through shared memory
+
+P_SMEM: each consumer stores P into its own shared-memory tile, which P V reads, instead of keeping it in registers
+as the product's first operand: with the overlap, no tile's P is then held in registers across the next tile's
+softmax (FlashAttention-3's choice at D=64). Each warp's product reads only the rows it stored, so a fence suffices.
+At D=64 with 256-key tiles it ran 0.96x the same tiles without the overlap (forty-second session; outputs exact).
 
 Q_IN_REGS: each consumer loads its Q rows into registers once, as Q K^T's first operand, so the products read only
 K from shared memory. At BLOCK_N 64 with 104 registers (and a spill) it gave wrong outputs on the H200 (thirty-seventh
