@@ -202,6 +202,18 @@ def _exp_offset(m, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
+def _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr):
+    """One key tile's step of the online softmax: (p, alpha, m_new, l_new) for scores qk fp32 [64, TILE_N], the
+    running max m_i and sum l_i [64] (log2 units): p = 2^(scaled scores - m_new), alpha = 2^(m_i - m_new), which
+    rescales what came before (0 on a row's first tile, m_i = -inf), and l_new = l_i * alpha + the row sums of p."""
+    m_new = gl.maximum(m_i, gl.max(qk, 1) * scale_log2)
+    offset = _exp_offset(m_new, CAUSAL)
+    p = _exp2(qk * scale_log2 - offset[:, None], EMULATE_EXP2)
+    alpha = gl.exp2(m_i - offset)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
 def _sub_tile(ring, stage, part, SUB_N: gl.constexpr):
     """Rows part*SUB_N .. of stage `stage` of a ring [STAGES, 128, D], as the [1, 1, SUB_N, D] box a TMA fills."""
     tile = ring.index(stage)
@@ -266,11 +278,7 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
             qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             qk = warpgroup_mma_wait(0, deps=(qk, ))
             qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N, CAUSAL)
-            m_new = gl.maximum(m_i, gl.max(qk, 1) * scale_log2)
-            offset = _exp_offset(m_new, CAUSAL)
-            p = _exp2(qk * scale_log2 - offset[:, None], EMULATE_EXP2)
-            alpha = gl.exp2(m_i - offset)  # 0 on the first tile (m_i = -inf, offset finite)
-            l_i = l_i * alpha + gl.sum(p, 1)
+            p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             mbarrier.wait(v_ready.index(stage), (j // STAGES) & 1)
@@ -297,11 +305,7 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
             qk = warpgroup_mma_wait(1, deps=(qk, ))  # this tile's scores; the previous tile's P V may still run
             qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N,
                                 CAUSAL)
-            m_new = gl.maximum(m_i, gl.max(qk, 1) * scale_log2)
-            offset = _exp_offset(m_new, CAUSAL)
-            p = _exp2(qk * scale_log2 - offset[:, None], EMULATE_EXP2)
-            alpha = gl.exp2(m_i - offset)
-            l_i = l_i * alpha + gl.sum(p, 1)
+            p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2)
             p_next = gl.convert_layout(p.to(dtype), p_layout)
             # p_prev rides through the wait so its registers stay untouched until the product reading them is done
             acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
