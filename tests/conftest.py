@@ -330,6 +330,13 @@ def interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block):
     return min(heads, 2 * kv_heads, 4), min(kv_heads, 2), 2 * block[0] + seq_q % block[0], 2 * block[1]
 
 
+def overwrite(inputs: tuple, new_inputs: tuple) -> None:
+    """Each of inputs overwritten in place with its new_inputs counterpart (leaves that require grad too)."""
+    with torch.no_grad():
+        for tensor, new in zip(inputs, new_inputs):
+            tensor.copy_(new)
+
+
 def captured_replay(fn, inputs: tuple, new_inputs: tuple, warm_up=None):
     """GPU only: fn() captured in a CUDA graph (after one eager call of warm_up, fn by default, on a side stream, for
     libraries' lazy initialization, which a capture refuses), inputs then overwritten in place with new_inputs, the
@@ -342,9 +349,7 @@ def captured_replay(fn, inputs: tuple, new_inputs: tuple, warm_up=None):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = fn()
-    with torch.no_grad():  # (leaves that require grad take the copies too)
-        for tensor, new in zip(inputs, new_inputs):
-            tensor.copy_(new)
+    overwrite(inputs, new_inputs)
     graph.replay()
     return captured
 
