@@ -88,7 +88,7 @@ WAYS = {"same mask": (True, True, 2), "new mask": (False, True, 2), "new, matche
 
 
 def run_calls(call, calls: int) -> tuple:
-    """(wall ms, host ms) per call of `calls` forward+backward calls (one_call's `call`)."""
+    """(wall ms, host ms) per call of `calls` forward+backward calls, each `call()` (a way's function)."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
