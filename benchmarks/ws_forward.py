@@ -13,6 +13,7 @@ same block mask, in one process: ms and effective TFLOP/s per case, and each rat
     python benchmarks/ws_forward.py --cases d64 design --emulate-exp2   # also with one exponential in four emulated
     python benchmarks/ws_forward.py --cases design --o-through-tma  # also with out's rows stored the other way
     python benchmarks/ws_forward.py --cases d64 --tiles 128,1,4   # also with 128-key tiles, overlapped, 4 stages
+    python benchmarks/ws_forward.py --cases d64 --fixed-offsets [--query-scale 8]   # and with running maxima only
 """
 
 import argparse
@@ -68,12 +69,18 @@ def main():
                         help="also time the warp-specialized forward with these tilings for the cases' head dim "
                         "(forward_ws.TILE_KEYS, OVERLAPPED and STAGES): keys a tile, 1 to overlap a tile's products "
                         "with the softmax, ring stages")
+    parser.add_argument("--fixed-offsets", action="store_true",
+                        help="also time the warp-specialized forward with fixed offsets the other way "
+                        "(forward_ws.FIXED_OFFSET_DIMS)")
+    parser.add_argument("--query-scale", type=float, default=1.0,
+                        help="multiply the queries by this (8: past the bound that lets D=64 keep its offsets fixed)")
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out (its ratio columns read nan)")
     args = parser.parse_args()
     default_dims, default_stages = forward_ws.HEAD_DIMS, dict(forward_ws.STAGES)
     default_tiles, default_overlapped = dict(forward_ws.TILE_KEYS), dict(forward_ws.OVERLAPPED)
     default_emulated = forward_ws.EMULATED_EXP2_DIMS
     default_o_through_tma = forward_ws.O_THROUGH_TMA
+    default_fixed = forward_ws.FIXED_OFFSET_DIMS
     device = torch.device("cuda")
     print("| case | Triton forward ms | warp-specialized ms | flex ms | Triton vs flex | warp-specialized vs flex |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -81,6 +88,7 @@ def main():
         keep = block_mask(case, device)
         blocks = blockattn.BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
         q, k, v = _inputs(case, device, requires_grad=False)
+        q = q * args.query_scale
         flops = _flops(case, blocks.density())
         causal = case.pattern == "causal"
         times = {}
@@ -117,6 +125,11 @@ def main():
             forward_ws.EMULATED_EXP2_DIMS = (case.dim, ) if emulated else ()
             variant("emulated exponentials" if emulated else "no emulated exponentials")
             forward_ws.EMULATED_EXP2_DIMS = default_emulated
+        if args.fixed_offsets:  # the case's head dim with the other setting than the default
+            fixed = case.dim not in default_fixed
+            forward_ws.FIXED_OFFSET_DIMS = (case.dim, ) if fixed else ()
+            variant("fixed offsets" if fixed else "running maxima only")
+            forward_ws.FIXED_OFFSET_DIMS = default_fixed
         if args.o_through_tma:
             forward_ws.O_THROUGH_TMA = not default_o_through_tma
             variant("out through the TMA unit" if forward_ws.O_THROUGH_TMA else "out by pointer stores")

@@ -4,6 +4,8 @@ through them against the fp64 oracle. On the CPU the same cases must take the Tr
 cannot run Gluon) and meet the same oracle."""
 
 
+import itertools
+import math
 import re
 
 import numpy as np
@@ -67,9 +69,11 @@ def test_head_dims_it_takes(monkeypatch):
         return dict(q=_meta(2, 4, 1000, d), k=_meta(2, 2, 1024, d), v=_meta(2, 2, 1024, dv))
     monkeypatch.setattr(forward_ws, "MIN_KEYS", {})  # (1024 keys: short of D=64's minimum, tested below)
     # at D=64 256-key tiles without the overlap, in 128-key boxes (or 64, or one 256-key box)
-    assert _qualifies(**dims(64, 64)) == forward_ws.Plan(128, tile_n=256, overlap=False)
-    assert _qualifies(**dims(64, 64), block_kv=64, is_causal=True) == forward_ws.Plan(64, True, 256, False)
-    assert _qualifies(**dims(64, 64), block_q=256, block_kv=256) == forward_ws.Plan(256, tile_n=256, overlap=False)
+    assert _qualifies(**dims(64, 64)) == forward_ws.Plan(128, tile_n=256, overlap=False,
+                                                       fixed_offsets=True)
+    assert _qualifies(**dims(64, 64), block_kv=64, is_causal=True) == forward_ws.Plan(64, True, 256, False, True)
+    assert _qualifies(**dims(64, 64), block_q=256, block_kv=256) == forward_ws.Plan(256, tile_n=256, overlap=False,
+                                                                                     fixed_offsets=True)
     assert _qualifies(**dims(64, 128)) is None
     assert _qualifies(**dims(128, 64)) is None
     assert _qualifies(**dims(96, 96)) is None
@@ -85,8 +89,9 @@ def test_at_head_dim_64_short_key_sequences_go_to_the_triton_forward():
     def dims(d, seq_kv):
         return dict(q=_meta(2, 4, 1000, d), k=_meta(2, 2, seq_kv, d))
     assert forward_ws.MIN_KEYS == {64: 8192}
-    assert _qualifies(**dims(64, 8192)) == forward_ws.Plan(128, tile_n=256, overlap=False)
-    assert _qualifies(**dims(64, 8192), block_kv=64) == forward_ws.Plan(64, tile_n=256, overlap=False)
+    assert _qualifies(**dims(64, 8192)) == forward_ws.Plan(128, tile_n=256, overlap=False, fixed_offsets=True)
+    assert _qualifies(**dims(64, 8192), block_kv=64) == forward_ws.Plan(64, tile_n=256, overlap=False,
+                                                                        fixed_offsets=True)
     assert _qualifies(**dims(64, 8064)) is None
     assert _qualifies(**dims(64, 4096), block_kv=64, is_causal=True) is None
     assert _qualifies(**dims(128, 128)) == forward_ws.Plan(128)
@@ -318,7 +323,90 @@ def test_head_dim_64_against_the_oracle(case, emulate, tiling, monkeypatch, pois
     keep = _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, 0.4, halfway_last=causal)
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=causal, backend="triton")
     sub_n = next(n for n in (tile_n, 128, 64) if block[1] % n == 0)
-    assert warp_specialized_calls == _expected_calls(forward_ws.Plan(sub_n, causal, tile_n, overlap))
+    assert warp_specialized_calls == _expected_calls(forward_ws.Plan(sub_n, causal, tile_n, overlap, not overlap))
+    check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=causal)
+
+
+@pytest.mark.parametrize("seq_kv, layout", [(1000, "bhsd"), (1000, "bshd"), (20, "bhsd")])
+def test_key_norm_parts_bound_each_part(seq_kv, layout):
+    """key_norm_parts: the largest key norm of each of KEY_NORM_PARTS consecutive parts of each kv head (the last
+    part shorter; with fewer keys than parts, parts past them hold 0), from bhsd or bshd strides."""
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    k = torch.randn(2, 3, seq_kv, 64, generator=gen, device=DEVICE)
+    k = (k * torch.rand(2, 3, seq_kv, 1, generator=gen, device=DEVICE) * 4).to(torch.bfloat16)
+    if layout == "bshd":
+        k = k.transpose(1, 2).contiguous().transpose(1, 2)
+    parts = forward_ws.key_norm_parts(k)
+    norms = k.float().norm(dim=-1)
+    per_part = -(-seq_kv // forward_ws.KEY_NORM_PARTS)
+    expected = torch.zeros(2, 3, forward_ws.KEY_NORM_PARTS, device=DEVICE)
+    for part in range(forward_ws.KEY_NORM_PARTS):
+        chunk = norms[..., part * per_part:(part + 1) * per_part]
+        if chunk.shape[-1]:
+            expected[..., part] = chunk.amax(-1)
+    assert (expected[..., -1] == 0).all() == (seq_kv < forward_ws.KEY_NORM_PARTS)
+    torch.testing.assert_close(parts, expected, rtol=1e-5, atol=0)
+
+
+def _fixed_offset_walks(q, k, keep, block, causal: bool, tile_n: int = 256):
+    """What the kernel's fixed offsets meet on these inputs (FIXED_OFFSET_DIMS): (the share of consumer tiles, 64
+    query rows with a kv list, whose walk keeps them fixed, the most by which a later score of such a tile rises
+    above its row's offset, in log2 units). A tile keeps them when for each of its rows the bound scale * log2(e) *
+    |q_row| * (the kv head's largest |k|) exceeds the row's largest scaled score in the walk's first key tile (its
+    first tile_n listed keys, the offset) by at most FIXED_HEADROOM."""
+    batch, heads, seq_q, dim = q.shape
+    group = heads // k.shape[1]
+    c = dim ** -0.5 * math.log2(math.e)
+    qf, kf = q.float(), k.float()
+    key_norms = kf.norm(dim=-1).amax(-1)
+    keep = keep.expand(batch, heads, *keep.shape[-2:])
+    fixed, tiles, rise = 0, 0, float("-inf")
+    for b, h, q_block in itertools.product(range(batch), range(heads), range(keep.shape[2])):
+        blocks = keep[b, h, q_block].nonzero().flatten().tolist()
+        if not blocks:
+            continue
+        keys = torch.cat([torch.arange(n * block[1], (n + 1) * block[1], device=q.device) for n in blocks])
+        for start in range(q_block * block[0], min((q_block + 1) * block[0], seq_q), 64):
+            rows = torch.arange(start, min(start + 64, seq_q), device=q.device)
+            scores = qf[b, h, rows] @ kf[b, h // group, keys].T * c
+            if causal:
+                scores = scores.masked_fill(keys[None, :] > rows[:, None], float("-inf"))
+            offsets = scores[:, :tile_n].amax(-1)
+            bound = c * qf[b, h, rows].norm(dim=-1) * key_norms[b, h // group]
+            tiles += 1
+            if (bound - offsets).max().item() <= forward_ws.FIXED_HEADROOM:
+                fixed += 1
+                rise = max(rise, (scores.amax(-1) - offsets).max().item())
+    return fixed / tiles, rise
+
+
+@pytest.mark.parametrize("inputs", ["scores rising past the first tile", "large norms"])
+@pytest.mark.parametrize("case", ["128x64 bf16", "256x256 bf16 causal"])
+def test_head_dim_64_fixed_offsets_against_the_oracle(case, inputs, monkeypatch, poisoned, warp_specialized_calls):
+    """The walk with fixed offsets (FIXED_OFFSET_DIMS) where every row's later scores rise above its first key
+    tile's (keys 0-255, which every list starts with, shrunk a hundredfold; P then reaches 2^4 and more), and the
+    walk with running maxima where the bound cannot keep them (queries 8 times longer): both against the oracle, and
+    the share of tiles taking each walk computed on the host."""
+    monkeypatch.setattr(forward_ws, "MIN_KEYS", {})
+    batch, heads, kv_heads, seq_q, seq_kv, block, dtype, causal = HEAD_DIM_64_CASES[case]
+    heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
+    seq_kv = max(seq_kv, 512)  # (under the interpreter too: keys past the first tile)
+    q, k, v = qkv(batch, heads, seq_q, 64, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
+    keep = random_keep(batch, heads, seq_q, seq_kv, block, density=0.4)
+    keep[..., :max(1, 256 // block[1])] = True
+    if inputs == "large norms":
+        q = q * 8
+    else:
+        k[:, :, :256] *= 0.01
+        q = q * 1.5
+    out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=causal, backend="triton")
+    sub_n = next(n for n in (256, 128, 64) if block[1] % n == 0)
+    assert warp_specialized_calls == _expected_calls(forward_ws.Plan(sub_n, causal, 256, False, True))
+    share, rise = _fixed_offset_walks(q, k, keep, block, causal)
+    if inputs == "large norms":
+        assert share == 0
+    else:
+        assert share == 1 and rise > 4, (share, rise)
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=causal)
 
 

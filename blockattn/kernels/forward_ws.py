@@ -27,6 +27,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -76,6 +77,15 @@ OVERLAPPED = {128: True, 64: False}
 # fixed cost a program weighs more; from S8192 on this kernel ran 6-11% faster at d=0.5 and the Triton forward 5-23%
 # at d=0.1 (even at S32k). The density is not known on the host without reading the lists, so Sk decides.
 MIN_KEYS = {64: 8192}
+# Head dims whose walk keeps each row's exponent offset fixed after its first key tile, where a bound shows that no
+# later score exceeds it by more than 2^FIXED_HEADROOM: then the later tiles take no row maxima and no rescale of the
+# accumulator (_walk_in_turn; kernels/README.md, "Fixed offsets"). Only the loop without the overlap has it.
+FIXED_OFFSET_DIMS: tuple = (64, )
+# log2 units: P stays below 2^32, far from fp32's and bf16's 2^128, and a row's sum below 2^32 * keys
+FIXED_HEADROOM = 32.0
+# Parts a kv head's keys split into for key_norm_parts_kernel: its programs (B x Hkv x parts) fill the GPU, and each
+# consumer takes the maximum of its head's parts once.
+KEY_NORM_PARTS = 32
 # Ring stages per head dim: as many as Hopper's 227 KiB of shared memory per program allows. At D=128 Q takes 32 KiB
 # and a stage 64 KiB (3 stages measured 5.22 ms against 5.88 with 2). At D=64 a 256-key stage is 64 KiB too (2
 # stages measured the same in benchmarks/exp_gluon_fwd.py; with 128-key tiles, 4 stages of 32 KiB had run 1-8%
@@ -128,6 +138,8 @@ selp.b32 $3, 0, p, tiny;
 }""")
 
 _LOG2E = gl.constexpr(1.4426950408889634)
+_HEADROOM = gl.constexpr(FIXED_HEADROOM)
+_PARTS = gl.constexpr(KEY_NORM_PARTS)
 
 
 @gluon.jit
@@ -137,8 +149,8 @@ def _program(shared, BLOCK_Q: gl.constexpr, CAUSAL: gl.constexpr):
     to its first entry, and its count of key blocks). CAUSAL: the last query tiles, whose lists are the longest,
     run first, so that the short ones fill the grid's tail."""
     (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
-     KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
-     stride_ob, stride_oh, stride_os, stride_lb, stride_lh) = shared
+     KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
+     stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh) = shared
     pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)
     off_b = pid_bh // heads
     kv_heads = heads // group_size
@@ -232,16 +244,56 @@ def _exp2(x, EMULATE: gl.constexpr):
 
 
 @gluon.jit
+def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr):
+    """Key tiles start .. end-1 of a consumer's walk, each one's products and softmax in turn: (acc, m_i, l_i) after
+    them, from the accumulator fp32 [64, D] and the rows' offsets and sums [64] before. walk: the consumer's Q tile,
+    rings, barriers, zeroed scores and list (as _consumer packs them). FIXED: the offsets m_i stay (finite, and no
+    score above m_i + headroom: FIXED_OFFSET_DIMS), so a tile takes no row maxima and the accumulator no rescale."""
+    (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
+     scale_log2) = walk
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+    row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    for j in range(start, end):
+        stage = j % STAGES
+        mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+        qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(0, deps=(qk, ))
+        qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N, CAUSAL)
+        if FIXED:
+            p = _exp2(qk * scale_log2 - m_i[:, None], EMULATE_EXP2)
+            l_i = l_i + gl.sum(p, 1)
+        else:
+            p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            m_i = m_new
+        p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+        mbarrier.wait(v_ready.index(stage), (j // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        mbarrier.arrive(kv_empty.index(stage), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _row_norms(q, layout: gl.constexpr, row_layout: gl.constexpr):
+    """The Euclidean norm of each row of the Q tile q (shared memory, [64, D]), fp32 [64] in row_layout."""
+    rows = q.load(layout).to(gl.float32)
+    return gl.convert_layout(gl.sqrt(gl.sum(rows * rows, 1)), row_layout)
+
+
+@gluon.jit
 def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
               TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
-              EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr):
+              EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr, FIXED_OFFSETS: gl.constexpr):
     """Query rows HALF*64 .. HALF*64+63 of the program's tile: the online softmax over the kv list (CAUSAL: keys
     up to each row's own position only), then Out [B, H, Sq, D] and Lse fp32 [B, H, Sq] (natural log; -inf and
     zeros for a row with no key). shared: the kernel's arguments and buffers, as attention_fwd_ws_kernel packs
-    them. OVERLAP: each key tile's Q K^T issued with the previous tile's P V (see OVERLAPPED)."""
+    them. OVERLAP: each key tile's Q K^T issued with the previous tile's P V (see OVERLAPPED). FIXED_OFFSETS: see
+    FIXED_OFFSET_DIMS."""
     (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
-     KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
-     stride_ob, stride_oh, stride_os, stride_lb, stride_lh) = shared
+     KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
+     stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh) = shared
     off_b, off_h, off_hkv, start_m, index_row, count = _program(shared, BLOCK_Q, CAUSAL)
     PARTS: gl.constexpr = TILE_N // SUB_N
     sub_tiles = count * (BLOCK_KV // SUB_N)
@@ -272,20 +324,26 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
     mbarrier.wait(q_ready, 0)
     if not OVERLAP:
         # products, then softmax, tile by tile (the other consumer's turns fill the gaps)
-        for j in range(total):
-            stage = j % STAGES
-            mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
-            qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            qk = warpgroup_mma_wait(0, deps=(qk, ))
-            qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N, CAUSAL)
-            p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            mbarrier.wait(v_ready.index(stage), (j // STAGES) & 1)
-            acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-            mbarrier.arrive(kv_empty.index(stage), count=1)
-            m_i = m_new
+        walk = (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row,
+                rows_s, scale_log2)
+        if FIXED_OFFSETS:
+            # each row's bound on its scores (log2 units), before the first tile, whose work hides the loads
+            parts = gl.arange(0, _PARTS, gl.BlockedLayout([1], [32], [4], [0]))
+            key_norm = gl.max(gl.load(KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh + parts), 0)
+            bound = scale_log2 * _row_norms(q, o_layout, row_s) * key_norm
+            acc, m_i, l_i = _walk_in_turn(walk, 0, gl.minimum(total, 1), acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES,
+                                          CAUSAL, EMULATE_EXP2, False)
+            # no later score exceeds a row's offset by more than the headroom if the bound does not (a row with no
+            # key yet has m_i = -inf and fails it); the decision covers the warpgroup, whose products are shared
+            if gl.max(bound - m_i, 0) <= _HEADROOM:
+                acc, m_i, l_i = _walk_in_turn(walk, 1, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
+                                              EMULATE_EXP2, True)
+            else:
+                acc, m_i, l_i = _walk_in_turn(walk, 1, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
+                                              EMULATE_EXP2, False)
+        else:
+            acc, m_i, l_i = _walk_in_turn(walk, 0, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
+                                          EMULATE_EXP2, False)
     elif total > 0:
         mbarrier.wait(k_ready.index(0), 0)
         qk = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -346,8 +404,8 @@ def _loader(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.cons
     """One warp: the tile's two halves of Q, then each kept key tile's K and V into the ring, a stage once both
     consumers have released it. (Same parameters as _consumer: Gluon's worker partitions share one signature.)"""
     (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
-     KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
-     stride_ob, stride_oh, stride_os, stride_lb, stride_lh) = shared
+     KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
+     stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh) = shared
     off_b, off_h, off_hkv, start_m, index_row, count = _program(shared, BLOCK_Q, CAUSAL)
     SUBS_PER_BLOCK: gl.constexpr = BLOCK_KV // SUB_N
     PARTS: gl.constexpr = TILE_N // SUB_N
@@ -371,20 +429,23 @@ def _loader(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.cons
 
 
 @gluon.jit
-def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, KV_INDEX, scale_log2, seq_q, heads,
-                            group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
-                            stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2,
+                            seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+                            stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh,
                             BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
                             TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr = True,
-                            EMULATE_EXP2: gl.constexpr = False, O_THROUGH_TMA: gl.constexpr = False):
+                            EMULATE_EXP2: gl.constexpr = False, O_THROUGH_TMA: gl.constexpr = False,
+                            FIXED_OFFSETS: gl.constexpr = False):
     """Grid (cdiv(Sq, 128), launch.batch_head_axes(B, H)). Q_DESC / K_DESC / V_DESC: Gluon host descriptors of
     q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with boxes [1, 1, 64, D] / [1, 1, SUB_N, D]; KV_COUNT int32
     [Bm, Hm, nq], KV_INDEX int32 [Bm, Hm, nq, L] (size-1 mask dims with stride 0), every listed block's keys below
     Sk (CAUSAL: the lists of BlockSparsity.causal(), ascending); Out [B, H, Sq, D] (last dim contiguous), Lse
     fp32 [B, H, Sq] (last dim contiguous); O_DESC: when O_THROUGH_TMA, a descriptor of Out with Q_DESC's boxes,
     through which the rows go (else None, and Out's pointer takes them). TILE_N: keys a tile (TILE_KEYS), a
-    multiple of SUB_N; OVERLAP: see OVERLAPPED; EMULATE_EXP2: see _exp2."""
+    multiple of SUB_N; OVERLAP: see OVERLAPPED; EMULATE_EXP2: see _exp2. FIXED_OFFSETS (without OVERLAP only):
+    KEY_NORMS fp32 [B, Hkv, KEY_NORM_PARTS] (last dim contiguous, key_norm_parts), whose maximum over the parts bounds
+    a kv head's key norms (see FIXED_OFFSET_DIMS); else None."""
     q_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2] + Q_DESC.block_type.shape, Q_DESC.layout)
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
     # a stage: one [TILE_N, D] key tile, which the loader fills with TILE_N // SUB_N boxes of SUB_N keys (_sub_tile)
@@ -404,26 +465,65 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
     shared = (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
-              KV_COUNT, KV_INDEX, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
-              stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh)
+              KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib,
+              stride_ih, stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh)
     gl.warp_specialize([
         (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                     O_THROUGH_TMA)),
+                     O_THROUGH_TMA, FIXED_OFFSETS)),
         (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                     O_THROUGH_TMA)),
+                     O_THROUGH_TMA, FIXED_OFFSETS)),
         (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 
+@triton.jit
+def key_norm_parts_kernel(K, Out, seq_kv, kv_heads, stride_kb, stride_kh, stride_ks, stride_ob, stride_oh,
+                          HEAD_DIM: tl.constexpr, KEYS: tl.constexpr, PARTS: tl.constexpr):
+    """Grid (B * Hkv, PARTS): Out fp32 [B, Hkv, PARTS] (last dim contiguous), the largest Euclidean norm (fp32) among
+    each part's keys of k [B, Hkv, Sk, HEAD_DIM] (last dim contiguous); 0 for a part with no key."""
+    part = tl.program_id(1)
+    b = tl.program_id(0) // kv_heads
+    h = tl.program_id(0) % kv_heads
+    per_part = tl.cdiv(seq_kv, PARTS)
+    start = part * per_part
+    end = tl.minimum(start + per_part, seq_kv)
+    base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    cols = tl.arange(0, HEAD_DIM)
+    largest = tl.zeros([KEYS], tl.float32)
+    for first in range(start, end, KEYS):
+        keys = first + tl.arange(0, KEYS)
+        x = tl.load(base + keys.to(tl.int64)[:, None] * stride_ks + cols[None, :], mask=(keys < end)[:, None],
+                    other=0.0).to(tl.float32)
+        largest = tl.maximum(largest, tl.sum(x * x, 1))
+    tl.store(Out + b * stride_ob + h * stride_oh + part, tl.sqrt(tl.max(largest, 0)))
+
+
+def key_norm_parts(k: torch.Tensor) -> torch.Tensor:
+    """fp32 [B, Hkv, KEY_NORM_PARTS]: the largest key norm of each part of each kv head of k [B, Hkv, Sk, D] (last
+    dim contiguous), one pass over k; their maximum bounds the head's keys (FIXED_OFFSET_DIMS)."""
+    from .forward import stride_args
+    batch, kv_heads, seq_kv, dim = k.shape
+    out = torch.empty(batch, kv_heads, KEY_NORM_PARTS, device=k.device, dtype=torch.float32)
+
+    def spec() -> launch.LaunchSpec:
+        static = dict(seq_kv=seq_kv, kv_heads=kv_heads, **stride_args("k", k, "bhs"), **stride_args("o", out, "bh"),
+                      HEAD_DIM=dim, KEYS=64, PARTS=KEY_NORM_PARTS)
+        return launch.LaunchSpec(grid=lambda meta: (batch * kv_heads, KEY_NORM_PARTS),
+                                 configs=[triton.Config({}, num_warps=4)], tuning_key=(), static=static)
+    launch.run(key_norm_parts_kernel, (), dict(K=k, Out=out), spec, fresh=("Out", ))
+    return out
+
+
 class Plan(NamedTuple):
     """The kernel's sub tile height (keys per TMA box: the largest of the tile, 128 and 64 that divides the key
     block), whether it tests the causal diagonal, its keys a tile (TILE_KEYS) and whether its consumers overlap a
-    tile's products with the softmax (OVERLAPPED)."""
+    tile's products with the softmax (OVERLAPPED), and whether its rows' offsets may stay fixed (FIXED_OFFSET_DIMS)."""
     sub_n: int
     causal: bool = False
     tile_n: int = 128
     overlap: bool = True
+    fixed_offsets: bool = False
 
 
 def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_kv: int, *, is_causal: bool,
@@ -470,7 +570,8 @@ def _plan(block_kv: int, dim: int, causal: bool) -> Plan:
     """The tiling of a call that qualifies: key tiles of TILE_KEYS[dim] keys, sub tiles as Plan says."""
     tile_n = TILE_KEYS.get(dim, 128)
     sub_n = next(n for n in (tile_n, 128, 64) if block_kv % n == 0)
-    return Plan(sub_n, causal, tile_n, OVERLAPPED.get(dim, True))
+    overlap = OVERLAPPED.get(dim, True)
+    return Plan(sub_n, causal, tile_n, overlap, not overlap and dim in FIXED_OFFSET_DIMS)
 
 
 _GL_DTYPES = {torch.bfloat16: ("bf16", gl.bfloat16), torch.float16: ("fp16", gl.float16),
@@ -512,10 +613,12 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
             scale_log2=scale_log2, seq_q=seq_q, heads=heads, group_size=heads // k.shape[1],
             # the lists' size-1 batch and head dims broadcast: stride 0
             **stride_args("c", kv_count, "bh"), **stride_args("i", kv_index, "bhq"), **stride_args("o", out, "bhs"),
-            **stride_args("l", lse, "bh"), BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=chosen.sub_n,
-            TILE_N=chosen.tile_n, OVERLAP=chosen.overlap, STAGES=STAGES[dim], EMULATE_EXP2=dim in EMULATED_EXP2_DIMS,
-            CAUSAL=chosen.causal,
+            **stride_args("l", lse, "bh"), **stride_args("n", key_norms, "bh"), BLOCK_Q=block_q, BLOCK_KV=block_kv,
+            SUB_N=chosen.sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap, STAGES=STAGES[dim],
+            EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, CAUSAL=chosen.causal, FIXED_OFFSETS=chosen.fixed_offsets,
             CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, O_THROUGH_TMA=O_THROUGH_TMA)
+        if key_norms is None:
+            static["KEY_NORMS"] = None
         # O_DESC only when out goes through the TMA unit; else None: no descriptor to build or encode on relaunches
         if O_THROUGH_TMA:
             descriptors["O_DESC"] = host_descriptor(out, CONSUMER_ROWS)
@@ -523,6 +626,10 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
             static["O_DESC"] = None
         return (triton.cdiv(seq_q, TILE_Q), *launch.batch_head_axes(batch, heads)), descriptors, static
     tensors = dict(Q_DESC=q, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index)
+    # the largest key norms of each kv head's parts, which bound its scores (FIXED_OFFSET_DIMS): one pass over k
+    key_norms = key_norm_parts(k) if chosen.fixed_offsets else None
+    if key_norms is not None:
+        tensors["KEY_NORMS"] = key_norms
     if O_THROUGH_TMA:
         tensors["O_DESC"] = out
     launch_warp_specialized(attention_fwd_ws_kernel,
@@ -561,11 +668,13 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     name = _GL_DTYPES[dtype][0]
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap,
                      STAGES=STAGES[dim], CAUSAL=causal,
-                     CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
+                     CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, FIXED_OFFSETS=chosen.fixed_offsets,
                      EMULATE_EXP2=dim in EMULATED_EXP2_DIMS if emulate_exp2 is None else emulate_exp2,
                      O_THROUGH_TMA=O_THROUGH_TMA if o_through_tma is None else o_through_tma)
     if not constants["O_THROUGH_TMA"]:
         constants["O_DESC"] = None  # as a launch passes it
+    if not chosen.fixed_offsets:
+        constants["KEY_NORMS"] = None
     signature = {}
     for param in attention_fwd_ws_kernel.params:
         if param.name in constants:
@@ -575,6 +684,6 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
                                                          else sub_n, dim)
         else:
             signature[param.name] = {"Out": f"*{name}", "Lse": "*fp32", "KV_COUNT": "*i32", "KV_INDEX": "*i32",
-                                     "scale_log2": "fp32"}.get(param.name, "i32")
+                                     "KEY_NORMS": "*fp32", "scale_log2": "fp32"}.get(param.name, "i32")
     source = GluonASTSource(attention_fwd_ws_kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH_OPTIONS))
