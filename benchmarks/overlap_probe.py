@@ -13,7 +13,10 @@ t_exponentials): 1 when the shorter hides wholly under the longer, 0 when they t
 them to overlap to pass about 500 TFLOP/s (kernels/README.md, the warp-specialized forward).
 
 Last, both warpgroups run the D=64 forward's consumer loop itself on one tile (no loads, no barriers), whose rate
-bounds what the forward's loop can reach.
+bounds what the forward's loop can reach, in four variants (LOOP_VARIANTS): as the forward, the row sums from the
+tensor cores, and without the row sums or the row maxima (wrong results: what each costs). Measured on the H200
+(forty-third session, BENCHMARKS.md): exp2 alone overlaps the products by 0.87, the softmax step by 0.62; the
+loop 503-507 TFLOP/s, 458-469 with the tensor cores' row sums, 555-559 without row sums, 585-589 without maxima.
 
     python benchmarks/overlap_probe.py [--rounds 2000]
 """
@@ -54,9 +57,6 @@ def _consumer_loop(q_smem, k_smem, ones_smem, ROUNDS, VARIANT: gl.constexpr):
     if VARIANT == 3:
         m_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-    if VARIANT == 4:
-        rows = gl.arange(0, ROWS, gl.SliceLayout(1, s_layout))
-        ROUNDS = ROUNDS + (gl.max(rows * gl.program_id(0), 0) > 1000000).to(gl.int32)
     for _ in range(ROUNDS):
         qk = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))

@@ -353,7 +353,7 @@ def _fixed_offset_walks(q, k, keep, block, causal: bool, tile_n: int = 256):
     query rows with a kv list, whose walk keeps them fixed, the most by which a later score of such a tile rises
     above its row's offset, in log2 units). A tile keeps them when for each of its rows the bound scale * log2(e) *
     |q_row| * (the kv head's largest |k|) exceeds the row's largest scaled score in the walk's first key tile (its
-    first tile_n listed keys, the offset) by at most FIXED_HEADROOM."""
+    first tile_n listed keys, the offset) by at most FIXED_HEADROOM[dtype]."""
     batch, heads, seq_q, dim = q.shape
     group = heads // k.shape[1]
     c = dim ** -0.5 * math.log2(math.e)
@@ -374,39 +374,60 @@ def _fixed_offset_walks(q, k, keep, block, causal: bool, tile_n: int = 256):
             offsets = scores[:, :tile_n].amax(-1)
             bound = c * qf[b, h, rows].norm(dim=-1) * key_norms[b, h // group]
             tiles += 1
-            if (bound - offsets).max().item() <= forward_ws.FIXED_HEADROOM:
+            if (bound - offsets).max().item() <= forward_ws.FIXED_HEADROOM[q.dtype]:
                 fixed += 1
                 rise = max(rise, (scores.amax(-1) - offsets).max().item())
     return fixed / tiles, rise
 
 
-@pytest.mark.parametrize("inputs", ["scores rising past the first tile", "large norms"])
-@pytest.mark.parametrize("case", ["128x64 bf16", "256x256 bf16 causal"])
+def _aligned(q, k, largest_bound: float):
+    """q and k whose scores rise past each list's first key tile by nearly their bound: within each kv head's group
+    the queries and keys lie near one random direction, keys 0-255 (the first tile of every list that keeps them)
+    shortened a hundredfold, the queries scaled so that the largest of the rows' bounds (FIXED_OFFSET_DIMS) is
+    largest_bound."""
+    batch, kv_heads, seq_kv, dim = k.shape
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    direction = torch.randn(batch, kv_heads, 1, dim, generator=gen, device=DEVICE)
+    direction = direction / direction.norm(dim=-1, keepdim=True)
+    group = q.shape[1] // kv_heads
+    k = 8 * direction + 0.3 * torch.randn(k.shape, generator=gen, device=DEVICE)
+    k[:, :, :256] *= 0.01
+    q = 8 * direction.repeat_interleave(group, 1) + 0.3 * torch.randn(q.shape, generator=gen, device=DEVICE)
+    c = dim ** -0.5 * math.log2(math.e)
+    key_norms = k.norm(dim=-1).amax(-1).repeat_interleave(group, 1)[..., None]
+    q = q * (largest_bound / (c * q.norm(dim=-1) * key_norms).max())
+    return q, k
+
+
+@pytest.mark.parametrize("inputs", ["bound 13.5", "bound 28.8", "large norms"])
+@pytest.mark.parametrize("case", ["128x64 bf16", "256x256 bf16 causal", "128x64 fp16 causal gqa"])
 def test_head_dim_64_fixed_offsets_against_the_oracle(case, inputs, monkeypatch, poisoned, warp_specialized_calls):
-    """The walk with fixed offsets (FIXED_OFFSET_DIMS) where every row's later scores rise above its first key
-    tile's (keys 0-255, which every list starts with, shrunk a hundredfold; P then reaches 2^4 and more), and the
-    walk with running maxima where the bound cannot keep them (queries 8 times longer): both against the oracle, and
-    the share of tiles taking each walk computed on the host."""
+    """The walk with fixed offsets (FIXED_OFFSET_DIMS) on scores that rise past each list's first key tile by nearly
+    the rows' bounds (_aligned: 13.5 or 28.8 log2 units, so P reaches 2^12 or 2^25), kept where that is within the
+    headroom of P's dtype (bf16 32, fp16 15: fp16 P past 2^16 would overflow), and the walk with running maxima
+    where the bound cannot keep them (longer queries): against the oracle, with the share of tiles taking each walk
+    and the scores' rise computed on the host."""
     monkeypatch.setattr(forward_ws, "MIN_KEYS", {})
     batch, heads, kv_heads, seq_q, seq_kv, block, dtype, causal = HEAD_DIM_64_CASES[case]
     heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
-    seq_kv = max(seq_kv, 512)  # (under the interpreter too: keys past the first tile)
+    # (under the interpreter too: keys past the first tile, and under is_causal rows that see them)
+    seq_q, seq_kv = max(seq_q, 512), max(seq_kv, 512)
     q, k, v = qkv(batch, heads, seq_q, 64, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
     keep = random_keep(batch, heads, seq_q, seq_kv, block, density=0.4)
-    keep[..., :max(1, 256 // block[1])] = True
+    keep[..., :max(1, 256 // block[1])] = True  # every list starts with keys 0-255
     if inputs == "large norms":
         q = q * 8
     else:
-        k[:, :, :256] *= 0.01
-        q = q * 1.5
+        largest_bound = float(inputs.split()[1])
+        q, k = (t.to(dtype) for t in _aligned(q, k, largest_bound))
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=causal, backend="triton")
     sub_n = next(n for n in (256, 128, 64) if block[1] % n == 0)
     assert warp_specialized_calls == _expected_calls(forward_ws.Plan(sub_n, causal, 256, False, True))
     share, rise = _fixed_offset_walks(q, k, keep, block, causal)
-    if inputs == "large norms":
-        assert share == 0
+    if inputs == "large norms" or largest_bound > forward_ws.FIXED_HEADROOM[dtype]:
+        assert share == 0, share
     else:
-        assert share == 1 and rise > 4, (share, rise)
+        assert share == 1 and rise > 0.8 * largest_bound, (share, rise)
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=causal)
 
 

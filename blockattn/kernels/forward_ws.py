@@ -6,7 +6,8 @@ own one half, with their scores and accumulator in registers (wgmma). Each consu
 together with the previous tile's P V and computes the softmax of the new scores before it waits for that P V (in
 source order: ptxas moves that wait above the exponentials, which measured no slower than keeping it below them;
 kernels/README.md, "The warp-specialized forward"). That is the D=128 loop; at D=64 each consumer walks 256-key
-tiles and runs its products and softmax in turn (TILE_KEYS, OVERLAPPED). Measured on the H200 at B1 H24 S32768
+tiles and runs its products and softmax in turn (TILE_KEYS, OVERLAPPED), and after the first tile keeps each row's
+exponent offset where a bound on its scores allows (FIXED_OFFSET_DIMS). Measured on the H200 at B1 H24 S32768
 D128, density 0.25, 128x128 blocks: 5.33 ms against about 6.1 ms for the Triton forward and 7.82 ms for
 FlexAttention (BENCHMARKS.md, fifteenth session; the figures move by up to 7% with what ran just before, through the
 GPU's power limit).
@@ -55,8 +56,8 @@ CONSUMER_ROWS = 64
 TILE_Q = 2 * CONSUMER_ROWS
 HEAD_DIM = 128
 # Head dims (D = Dv) calls may take the kernel with. At 64 (208 KiB of shared memory: 3 stages of 256-key tiles) it
-# beats the Triton forward by 7-13% at B1 H24 S32k d=0.5 and 0.25 and by 0-8% at d=0.1; shorter, see MIN_KEYS
-# (BENCHMARKS.md, forty-second session).
+# beats the Triton forward by 14-17% / 11-14% / 1-3% at B1 H24 S32k d=0.5 / 0.25 / 0.1 (BENCHMARKS.md, forty-third
+# session); shorter, see MIN_KEYS.
 HEAD_DIMS = (64, HEAD_DIM)
 # Keys per tile of the walk, per head dim. The loader fills a tile with boxes of the largest of (the tile, 128, 64)
 # keys that divides the key block (sub tiles), from consecutive list entries or from one block. At D=128: 128 keys;
@@ -78,11 +79,13 @@ OVERLAPPED = {128: True, 64: False}
 # at d=0.1 (even at S32k). The density is not known on the host without reading the lists, so Sk decides.
 MIN_KEYS = {64: 8192}
 # Head dims whose walk keeps each row's exponent offset fixed after its first key tile, where a bound shows that no
-# later score exceeds it by more than 2^FIXED_HEADROOM: then the later tiles take no row maxima and no rescale of the
-# accumulator (_walk_in_turn; kernels/README.md, "Fixed offsets"). Only the loop without the overlap has it.
+# later score exceeds it by more than FIXED_HEADROOM (log2 units): then the later tiles take no row maxima and no
+# rescale of the accumulator (_walk_in_turn; kernels/README.md, "Fixed offsets"). Only the loop without the overlap
+# has it.
 FIXED_OFFSET_DIMS: tuple = (64, )
-# log2 units: P stays below 2^32, far from fp32's and bf16's 2^128, and a row's sum below 2^32 * keys
-FIXED_HEADROOM = 32.0
+# per dtype of P (the inputs'): bf16 P stays below 2^32, far from its (and fp32's) 2^128, and a row's sum below
+# 2^32 * keys; fp16 P below 2^15, within its largest finite value, 65504
+FIXED_HEADROOM = {torch.bfloat16: 32.0, torch.float16: 15.0}
 # Parts a kv head's keys split into for key_norm_parts_kernel: its programs (B x Hkv x parts) fill the GPU, and each
 # consumer takes the maximum of its head's parts once.
 KEY_NORM_PARTS = 32
@@ -138,7 +141,8 @@ selp.b32 $3, 0, p, tiny;
 }""")
 
 _LOG2E = gl.constexpr(1.4426950408889634)
-_HEADROOM = gl.constexpr(FIXED_HEADROOM)
+_HEADROOM_BF16 = gl.constexpr(FIXED_HEADROOM[torch.bfloat16])
+_HEADROOM_FP16 = gl.constexpr(FIXED_HEADROOM[torch.float16])
 _PARTS = gl.constexpr(KEY_NORM_PARTS)
 
 
@@ -335,7 +339,8 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
                                           CAUSAL, EMULATE_EXP2, False)
             # no later score exceeds a row's offset by more than the headroom if the bound does not (a row with no
             # key yet has m_i = -inf and fails it); the decision covers the warpgroup, whose products are shared
-            if gl.max(bound - m_i, 0) <= _HEADROOM:
+            headroom: gl.constexpr = _HEADROOM_FP16 if dtype == gl.float16 else _HEADROOM_BF16
+            if gl.max(bound - m_i, 0) <= headroom:
                 acc, m_i, l_i = _walk_in_turn(walk, 1, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
                                               EMULATE_EXP2, True)
             else:
