@@ -146,16 +146,18 @@ def test_switched_off_or_off_hopper_it_declines(monkeypatch):
     assert forward.warp_specialized_plan(*dispatch) is None
 
 
-@pytest.mark.parametrize("blocks, dtype, causal, dim, emulate, o_through_tma", [
-    ((128, 128), "bfloat16", False, 128, False, None), ((128, 64), "float16", False, 128, False, None),
-    ((128, 64), "bfloat16", True, 128, False, None), ((128, 128), "bfloat16", False, 64, False, None),
-    ((128, 64), "float16", True, 64, True, None), ((128, 128), "bfloat16", False, 128, True, None),
-    ((128, 64), "bfloat16", True, 128, False, True), ((128, 128), "float16", False, 64, False, True)])
-def test_compiles_for_sm90_with_its_register_split(blocks, dtype, causal, dim, emulate, o_through_tma):
-    """The launch's settings, and out through the TMA unit either way (O_THROUGH_TMA): the register split, wgmma
-    and TMA in the PTX, shared memory within Hopper's, and no stack (ptxas spills nothing)."""
+@pytest.mark.parametrize("blocks, dtype, causal, dim, emulate, o_through_tma, fixed", [
+    ((128, 128), "bfloat16", False, 128, False, None, None), ((128, 64), "float16", False, 128, False, None, None),
+    ((128, 64), "bfloat16", True, 128, False, None, None), ((128, 128), "bfloat16", False, 64, False, None, None),
+    ((128, 64), "float16", True, 64, True, None, None), ((128, 128), "bfloat16", False, 128, True, None, None),
+    ((128, 64), "bfloat16", True, 128, False, True, None), ((128, 128), "float16", False, 64, False, True, None),
+    ((128, 64), "bfloat16", True, 128, False, None, True), ((128, 128), "float16", False, 64, False, None, False)])
+def test_compiles_for_sm90_with_its_register_split(blocks, dtype, causal, dim, emulate, o_through_tma, fixed):
+    """The launch's settings, and out through the TMA unit and fixed offsets either way (O_THROUGH_TMA,
+    FIXED_OFFSET_DIMS): the register split, wgmma and TMA in the PTX, shared memory within Hopper's, and no stack
+    (ptxas spills nothing)."""
     report = sm90_report(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.{dtype}, causal={causal}, "
-                         f"dim={dim}, emulate_exp2={emulate}, o_through_tma={o_through_tma})")
+                         f"dim={dim}, emulate_exp2={emulate}, o_through_tma={o_through_tma}, fixed_offsets={fixed})")
     assert {forward_ws.CONSUMER_REGS, forward_ws.LOADER_REGS} <= set(report["registers"]), report
     assert report["wgmma"] and report["tma"], report
     assert report["shared"] <= 227 * 1024, report
@@ -348,7 +350,7 @@ def test_key_norm_parts_bound_each_part(seq_kv, layout):
     torch.testing.assert_close(parts, expected, rtol=1e-5, atol=0)
 
 
-def _fixed_offset_walks(q, k, keep, block, causal: bool, tile_n: int = 256):
+def _fixed_offset_walks(q, k, keep, block, causal: bool, tile_n: int):
     """What the kernel's fixed offsets meet on these inputs (FIXED_OFFSET_DIMS): (the share of consumer tiles, 64
     query rows with a kv list, whose walk keeps them fixed, the most by which a later score of such a tile rises
     above its row's offset, in log2 units). A tile keeps them when for each of its rows the bound scale * log2(e) *
@@ -399,20 +401,30 @@ def _aligned(q, k, largest_bound: float):
     return q, k
 
 
+FIXED_OFFSET_CASES = {
+    **{f"D=64 {name}": (*HEAD_DIM_64_CASES[name], 64) for name in ("128x64 bf16", "256x256 bf16 causal",
+                                                                   "128x64 fp16 causal gqa")},
+    # D=128's loop, with the overlap inside a warpgroup (FIXED_OFFSET_DIMS leaves it out by default)
+    "D=128 128x128 bf16": (1, 4, 4, 1000, 1024, (128, 128), torch.bfloat16, False, 128),
+    "D=128 128x64 fp16 causal gqa": (1, 4, 2, 1024, 1024, (128, 64), torch.float16, True, 128),
+}
+
+
 @pytest.mark.parametrize("inputs", ["bound 13.5", "bound 28.8", "large norms"])
-@pytest.mark.parametrize("case", ["128x64 bf16", "256x256 bf16 causal", "128x64 fp16 causal gqa"])
-def test_head_dim_64_fixed_offsets_against_the_oracle(case, inputs, monkeypatch, poisoned, warp_specialized_calls):
-    """The walk with fixed offsets (FIXED_OFFSET_DIMS) on scores that rise past each list's first key tile by nearly
-    the rows' bounds (_aligned: 13.5 or 28.8 log2 units, so P reaches 2^12 or 2^25), kept where that is within the
-    headroom of P's dtype (bf16 32, fp16 15: fp16 P past 2^16 would overflow), and the walk with running maxima
-    where the bound cannot keep them (longer queries): against the oracle, with the share of tiles taking each walk
-    and the scores' rise computed on the host."""
+@pytest.mark.parametrize("case", list(FIXED_OFFSET_CASES))
+def test_fixed_offsets_against_the_oracle(case, inputs, monkeypatch, poisoned, warp_specialized_calls):
+    """The walk with fixed offsets (FIXED_OFFSET_DIMS, here at D=64 and 128) on scores that rise past each list's
+    first key tile by nearly the rows' bounds (_aligned: 13.5 or 28.8 log2 units, so P reaches 2^12 or 2^25), kept
+    where that is within the headroom of P's dtype (bf16 32, fp16 15: fp16 P past 2^16 would overflow), and the walk
+    with running maxima where the bound cannot keep them (longer queries): against the oracle, with the share of
+    tiles taking each walk and the scores' rise computed on the host."""
     monkeypatch.setattr(forward_ws, "MIN_KEYS", {})
-    batch, heads, kv_heads, seq_q, seq_kv, block, dtype, causal = HEAD_DIM_64_CASES[case]
+    monkeypatch.setattr(forward_ws, "FIXED_OFFSET_DIMS", (64, 128))
+    batch, heads, kv_heads, seq_q, seq_kv, block, dtype, causal, dim = FIXED_OFFSET_CASES[case]
     heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
     # (under the interpreter too: keys past the first tile, and under is_causal rows that see them)
     seq_q, seq_kv = max(seq_q, 512), max(seq_kv, 512)
-    q, k, v = qkv(batch, heads, seq_q, 64, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
+    q, k, v = qkv(batch, heads, seq_q, dim, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
     keep = random_keep(batch, heads, seq_q, seq_kv, block, density=0.4)
     keep[..., :max(1, 256 // block[1])] = True  # every list starts with keys 0-255
     if inputs == "large norms":
@@ -421,9 +433,11 @@ def test_head_dim_64_fixed_offsets_against_the_oracle(case, inputs, monkeypatch,
         largest_bound = float(inputs.split()[1])
         q, k = (t.to(dtype) for t in _aligned(q, k, largest_bound))
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=causal, backend="triton")
-    sub_n = next(n for n in (256, 128, 64) if block[1] % n == 0)
-    assert warp_specialized_calls == _expected_calls(forward_ws.Plan(sub_n, causal, 256, False, True))
-    share, rise = _fixed_offset_walks(q, k, keep, block, causal)
+    tile_n = forward_ws.TILE_KEYS[dim]
+    sub_n = next(n for n in (tile_n, 128, 64) if block[1] % n == 0)
+    plan = forward_ws.Plan(sub_n, causal, tile_n, forward_ws.OVERLAPPED[dim], True)
+    assert warp_specialized_calls == _expected_calls(plan)
+    share, rise = _fixed_offset_walks(q, k, keep, block, causal, tile_n)
     if inputs == "large norms" or largest_bound > forward_ws.FIXED_HEADROOM[dtype]:
         assert share == 0, share
     else:

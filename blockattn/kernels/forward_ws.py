@@ -80,8 +80,8 @@ OVERLAPPED = {128: True, 64: False}
 MIN_KEYS = {64: 8192}
 # Head dims whose walk keeps each row's exponent offset fixed after its first key tile, where a bound shows that no
 # later score exceeds it by more than FIXED_HEADROOM (log2 units): then the later tiles take no row maxima and no
-# rescale of the accumulator (_walk_in_turn; kernels/README.md, "Fixed offsets"). Only the loop without the overlap
-# has it.
+# rescale of the accumulator (_walk_in_turn, _walk_overlapped; kernels/README.md, "Fixed offsets"). D=64: 1.04-1.09x
+# as fast at d=0.5 and 0.25, 1.00-1.03x at d=0.1 (BENCHMARKS.md, forty-third session); D=128 not yet measured.
 FIXED_OFFSET_DIMS: tuple = (64, )
 # per dtype of P (the inputs'): bf16 P stays below 2^32, far from its (and fp32's) 2^128, and a row's sum below
 # 2^32 * keys; fp16 P below 2^15, within its largest finite value, 65504
@@ -280,6 +280,42 @@ def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N
 
 
 @gluon.jit
+def _walk_overlapped(walk, acc, m_i, l_i, p_prev, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
+                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr):
+    """Key tiles 1 .. total-1 of a consumer's walk with the overlap inside the warpgroup: each tile's Q K^T issued
+    with the previous tile's P V, whose P (p_prev, the dot operand) comes in from tile 0 and goes out for the last
+    tile's P V. (acc, m_i, l_i, p_prev) after them; FIXED: as _walk_in_turn's."""
+    (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
+     scale_log2) = walk
+    row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    for j in range(1, total):
+        stage = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
+        qk = warpgroup_mma_wait(1, deps=(qk, ))  # this tile's scores; the previous tile's P V may still run
+        qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N, CAUSAL)
+        if FIXED:
+            p = _exp2(qk * scale_log2 - m_i[:, None], EMULATE_EXP2)
+            l_i = l_i + gl.sum(p, 1)
+            p_next = gl.convert_layout(p.to(q.dtype), p_prev.type.layout)
+            acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+            mbarrier.arrive(kv_empty.index(prev), count=1)
+        else:
+            p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2)
+            p_next = gl.convert_layout(p.to(q.dtype), p_prev.type.layout)
+            # p_prev rides through the wait so its registers stay untouched until the product reading them is done
+            acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+            mbarrier.arrive(kv_empty.index(prev), count=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            m_i = m_new
+        p_prev = p_next
+    return acc, m_i, l_i, p_prev
+
+
+@gluon.jit
 def _row_norms(q, layout: gl.constexpr, row_layout: gl.constexpr):
     """The Euclidean norm of each row of the Q tile q (shared memory, [64, D]), fp32 [64] in row_layout."""
     rows = q.load(layout).to(gl.float32)
@@ -350,6 +386,12 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
             acc, m_i, l_i = _walk_in_turn(walk, 0, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
                                           EMULATE_EXP2, False)
     elif total > 0:
+        walk = (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row,
+                rows_s, scale_log2)
+        if FIXED_OFFSETS:  # (as in the loop without the overlap, above)
+            parts = gl.arange(0, _PARTS, gl.BlockedLayout([1], [32], [4], [0]))
+            key_norm = gl.max(gl.load(KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh + parts), 0)
+            bound = scale_log2 * _row_norms(q, o_layout, row_s) * key_norm
         mbarrier.wait(k_ready.index(0), 0)
         qk = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
@@ -358,24 +400,17 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
         p = _exp2(qk * scale_log2 - _exp_offset(m_i, CAUSAL)[:, None], EMULATE_EXP2)
         l_i = gl.sum(p, 1)
         p_prev = gl.convert_layout(p.to(dtype), p_layout)
-        for j in range(1, total):
-            stage = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-            qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
-            qk = warpgroup_mma_wait(1, deps=(qk, ))  # this tile's scores; the previous tile's P V may still run
-            qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N,
-                                CAUSAL)
-            p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2)
-            p_next = gl.convert_layout(p.to(dtype), p_layout)
-            # p_prev rides through the wait so its registers stay untouched until the product reading them is done
-            acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
-            mbarrier.arrive(kv_empty.index(prev), count=1)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            p_prev = p_next
-            m_i = m_new
+        if FIXED_OFFSETS:
+            headroom: gl.constexpr = _HEADROOM_FP16 if dtype == gl.float16 else _HEADROOM_BF16
+            if gl.max(bound - m_i, 0) <= headroom:
+                acc, m_i, l_i, p_prev = _walk_overlapped(walk, acc, m_i, l_i, p_prev, BLOCK_KV, SUB_N, STAGES,
+                                                         CAUSAL, EMULATE_EXP2, True)
+            else:
+                acc, m_i, l_i, p_prev = _walk_overlapped(walk, acc, m_i, l_i, p_prev, BLOCK_KV, SUB_N, STAGES,
+                                                         CAUSAL, EMULATE_EXP2, False)
+        else:
+            acc, m_i, l_i, p_prev = _walk_overlapped(walk, acc, m_i, l_i, p_prev, BLOCK_KV, SUB_N, STAGES, CAUSAL,
+                                                     EMULATE_EXP2, False)
         last = (total - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((total - 1) // STAGES) & 1)
         acc = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
@@ -448,7 +483,7 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     Sk (CAUSAL: the lists of BlockSparsity.causal(), ascending); Out [B, H, Sq, D] (last dim contiguous), Lse
     fp32 [B, H, Sq] (last dim contiguous); O_DESC: when O_THROUGH_TMA, a descriptor of Out with Q_DESC's boxes,
     through which the rows go (else None, and Out's pointer takes them). TILE_N: keys a tile (TILE_KEYS), a
-    multiple of SUB_N; OVERLAP: see OVERLAPPED; EMULATE_EXP2: see _exp2. FIXED_OFFSETS (without OVERLAP only):
+    multiple of SUB_N; OVERLAP: see OVERLAPPED; EMULATE_EXP2: see _exp2. FIXED_OFFSETS:
     KEY_NORMS fp32 [B, Hkv, KEY_NORM_PARTS] (last dim contiguous, key_norm_parts), whose maximum over the parts bounds
     a kv head's key norms (see FIXED_OFFSET_DIMS); else None."""
     q_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2] + Q_DESC.block_type.shape, Q_DESC.layout)
@@ -575,8 +610,7 @@ def _plan(block_kv: int, dim: int, causal: bool) -> Plan:
     """The tiling of a call that qualifies: key tiles of TILE_KEYS[dim] keys, sub tiles as Plan says."""
     tile_n = TILE_KEYS.get(dim, 128)
     sub_n = next(n for n in (tile_n, 128, 64) if block_kv % n == 0)
-    overlap = OVERLAPPED.get(dim, True)
-    return Plan(sub_n, causal, tile_n, overlap, not overlap and dim in FIXED_OFFSET_DIMS)
+    return Plan(sub_n, causal, tile_n, OVERLAPPED.get(dim, True), dim in FIXED_OFFSET_DIMS)
 
 
 _GL_DTYPES = {torch.bfloat16: ("bf16", gl.bfloat16), torch.float16: ("fp16", gl.float16),
@@ -661,14 +695,17 @@ def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
 
 
 def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
-                 dim: int = HEAD_DIM, emulate_exp2: Optional[bool] = None, o_through_tma: Optional[bool] = None):
+                 dim: int = HEAD_DIM, emulate_exp2: Optional[bool] = None, o_through_tma: Optional[bool] = None,
+                 fixed_offsets: Optional[bool] = None):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for lists at (block_q, block_kv) and head dim `dim`, with the launch's tile choice (plan()), stages and
-    register settings; emulate_exp2 and o_through_tma None: as a launch at `dim` would (EMULATED_EXP2_DIMS,
-    O_THROUGH_TMA)."""
+    register settings; emulate_exp2, o_through_tma and fixed_offsets None: as a launch at `dim` would
+    (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     chosen = _plan(block_kv, dim, causal)
+    if fixed_offsets is not None:
+        chosen = chosen._replace(fixed_offsets=fixed_offsets)
     sub_n = chosen.sub_n
     name = _GL_DTYPES[dtype][0]
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap,
