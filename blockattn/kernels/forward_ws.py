@@ -442,7 +442,7 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
 def _loader(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
             TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """One warp: the tile's two halves of Q, then each kept key tile's K and V into the ring, a stage once both
-    consumers have released it. (Same parameters as _consumer: Gluon's worker partitions share one signature.)"""
+    consumers have released it. (Parameters as _consumer's, those the loader needs.)"""
     (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
      KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
      stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh) = shared
