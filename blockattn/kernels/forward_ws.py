@@ -316,10 +316,23 @@ def _walk_overlapped(walk, acc, m_i, l_i, p_prev, BLOCK_KV: gl.constexpr, SUB_N:
 
 
 @gluon.jit
-def _row_norms(q, layout: gl.constexpr, row_layout: gl.constexpr):
-    """The Euclidean norm of each row of the Q tile q (shared memory, [64, D]), fp32 [64] in row_layout."""
+def _score_bounds(q, key_norms, scale_log2, layout: gl.constexpr, row_layout: gl.constexpr):
+    """Each row's bound on its scaled scores (log2 units; FIXED_OFFSET_DIMS), fp32 [64] in row_layout: scale_log2
+    times the row's norm in the Q tile q (shared memory, [64, D], read in layout) times the kv head's largest key
+    norm, the maximum of its KEY_NORM_PARTS parts (key_norms: a pointer to them)."""
+    parts = gl.arange(0, _PARTS, gl.BlockedLayout([1], [32], [4], [0]))
+    key_norm = gl.max(gl.load(key_norms + parts), 0)
     rows = q.load(layout).to(gl.float32)
-    return gl.convert_layout(gl.sqrt(gl.sum(rows * rows, 1)), row_layout)
+    return scale_log2 * gl.convert_layout(gl.sqrt(gl.sum(rows * rows, 1)), row_layout) * key_norm
+
+
+@gluon.jit
+def _keeps_offsets(bound, m_i, dtype: gl.constexpr):
+    """Whether a warpgroup's rows keep their offsets m_i [64] for the rest of the walk (FIXED_OFFSET_DIMS): no row's
+    bound [64] exceeds its offset by more than FIXED_HEADROOM[dtype] (a row with no key yet has m_i = -inf and fails
+    it, as NaN does). A scalar: the decision covers the warpgroup, whose products are shared."""
+    headroom: gl.constexpr = _HEADROOM_FP16 if dtype == gl.float16 else _HEADROOM_BF16
+    return gl.max(bound - m_i, 0) <= headroom
 
 
 @gluon.jit
@@ -367,16 +380,11 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
         walk = (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row,
                 rows_s, scale_log2)
         if FIXED_OFFSETS:
-            # each row's bound on its scores (log2 units), before the first tile, whose work hides the loads
-            parts = gl.arange(0, _PARTS, gl.BlockedLayout([1], [32], [4], [0]))
-            key_norm = gl.max(gl.load(KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh + parts), 0)
-            bound = scale_log2 * _row_norms(q, o_layout, row_s) * key_norm
+            # the rows' bounds before the first tile, whose work hides their loads; after it, the offsets it leaves
+            bound = _score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2, o_layout, row_s)
             acc, m_i, l_i = _walk_in_turn(walk, 0, gl.minimum(total, 1), acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES,
                                           CAUSAL, EMULATE_EXP2, False)
-            # no later score exceeds a row's offset by more than the headroom if the bound does not (a row with no
-            # key yet has m_i = -inf and fails it); the decision covers the warpgroup, whose products are shared
-            headroom: gl.constexpr = _HEADROOM_FP16 if dtype == gl.float16 else _HEADROOM_BF16
-            if gl.max(bound - m_i, 0) <= headroom:
+            if _keeps_offsets(bound, m_i, dtype):
                 acc, m_i, l_i = _walk_in_turn(walk, 1, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
                                               EMULATE_EXP2, True)
             else:
@@ -389,9 +397,7 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
         walk = (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row,
                 rows_s, scale_log2)
         if FIXED_OFFSETS:  # (as in the loop without the overlap, above)
-            parts = gl.arange(0, _PARTS, gl.BlockedLayout([1], [32], [4], [0]))
-            key_norm = gl.max(gl.load(KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh + parts), 0)
-            bound = scale_log2 * _row_norms(q, o_layout, row_s) * key_norm
+            bound = _score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2, o_layout, row_s)
         mbarrier.wait(k_ready.index(0), 0)
         qk = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
@@ -401,8 +407,7 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
         l_i = gl.sum(p, 1)
         p_prev = gl.convert_layout(p.to(dtype), p_layout)
         if FIXED_OFFSETS:
-            headroom: gl.constexpr = _HEADROOM_FP16 if dtype == gl.float16 else _HEADROOM_BF16
-            if gl.max(bound - m_i, 0) <= headroom:
+            if _keeps_offsets(bound, m_i, dtype):
                 acc, m_i, l_i, p_prev = _walk_overlapped(walk, acc, m_i, l_i, p_prev, BLOCK_KV, SUB_N, STAGES,
                                                          CAUSAL, EMULATE_EXP2, True)
             else:
