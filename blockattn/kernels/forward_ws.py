@@ -300,15 +300,13 @@ def _walk_overlapped(walk, acc, m_i, l_i, p_prev, BLOCK_KV: gl.constexpr, SUB_N:
         if FIXED:
             p = _exp2(qk * scale_log2 - m_i[:, None], EMULATE_EXP2)
             l_i = l_i + gl.sum(p, 1)
-            p_next = gl.convert_layout(p.to(q.dtype), p_prev.type.layout)
-            acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
-            mbarrier.arrive(kv_empty.index(prev), count=1)
         else:
             p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2)
-            p_next = gl.convert_layout(p.to(q.dtype), p_prev.type.layout)
-            # p_prev rides through the wait so its registers stay untouched until the product reading them is done
-            acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
-            mbarrier.arrive(kv_empty.index(prev), count=1)
+        p_next = gl.convert_layout(p.to(q.dtype), p_prev.type.layout)
+        # p_prev rides through the wait so its registers stay untouched until the product reading them is done
+        acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+        mbarrier.arrive(kv_empty.index(prev), count=1)
+        if not FIXED:
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             m_i = m_new
         p_prev = p_next
@@ -357,10 +355,9 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
         first_tested = _first_tested_tile(index_row, count, start_m, BLOCK_KV, SUB_N, TILE_N)
     dtype: gl.constexpr = Q_DESC.dtype
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
-    BLOCK_N: gl.constexpr = TILE_N
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, TILE_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -370,15 +367,15 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
     m_i = gl.full([_ROWS], float("-inf"), gl.float32, row_s)  # running max of scaled scores, log2 units
     l_i = gl.zeros([_ROWS], gl.float32, row_s)
     acc = gl.zeros([_ROWS, HEAD_DIM], gl.float32, o_layout)
-    s_zero = gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout)
+    s_zero = gl.zeros([_ROWS, TILE_N], gl.float32, s_layout)
     first_row = start_m + HALF * _ROWS
     rows_s = first_row + gl.arange(0, _ROWS, row_s)
     q = q_smem.index(HALF).reshape([_ROWS, HEAD_DIM])
     mbarrier.wait(q_ready, 0)
+    walk = (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
+            scale_log2)
     if not OVERLAP:
         # products, then softmax, tile by tile (the other consumer's turns fill the gaps)
-        walk = (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row,
-                rows_s, scale_log2)
         if FIXED_OFFSETS:
             # the rows' bounds before the first tile, whose work hides their loads; after it, the offsets it leaves
             bound = _score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2, o_layout, row_s)
@@ -394,8 +391,6 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
             acc, m_i, l_i = _walk_in_turn(walk, 0, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
                                           EMULATE_EXP2, False)
     elif total > 0:
-        walk = (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row,
-                rows_s, scale_log2)
         if FIXED_OFFSETS:  # (as in the loop without the overlap, above)
             bound = _score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2, o_layout, row_s)
         mbarrier.wait(k_ready.index(0), 0)
