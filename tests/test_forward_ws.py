@@ -351,6 +351,14 @@ def test_key_norm_parts_bound_each_part(seq_kv, layout):
     torch.testing.assert_close(parts, expected, rtol=1e-5, atol=0)
 
 
+def _row_bounds(q, k) -> torch.Tensor:
+    """fp32 [B, H, Sq]: each query row's bound on its scaled scores (log2 units), as the kernel takes it
+    (FIXED_OFFSET_DIMS): scale * log2(e) * |q_row| * the largest |k| of its kv head."""
+    group = q.shape[1] // k.shape[1]
+    key_norms = k.float().norm(dim=-1).amax(-1).repeat_interleave(group, 1)
+    return q.shape[-1] ** -0.5 * math.log2(math.e) * q.float().norm(dim=-1) * key_norms[..., None]
+
+
 def _fixed_offset_walks(q, k, keep, block, causal: bool, tile_n: int):
     """What the kernel's fixed offsets meet on these inputs (FIXED_OFFSET_DIMS): (the share of consumer tiles, 64
     query rows with a kv list, whose walk keeps them fixed, the most by which a later score of such a tile rises
@@ -361,7 +369,7 @@ def _fixed_offset_walks(q, k, keep, block, causal: bool, tile_n: int):
     group = heads // k.shape[1]
     c = dim ** -0.5 * math.log2(math.e)
     qf, kf = q.float(), k.float()
-    key_norms = kf.norm(dim=-1).amax(-1)
+    bounds = _row_bounds(q, k)
     keep = keep.expand(batch, heads, *keep.shape[-2:])
     fixed, tiles, rise = 0, 0, float("-inf")
     for b, h, q_block in itertools.product(range(batch), range(heads), range(keep.shape[2])):
@@ -375,9 +383,8 @@ def _fixed_offset_walks(q, k, keep, block, causal: bool, tile_n: int):
             if causal:
                 scores = scores.masked_fill(keys[None, :] > rows[:, None], float("-inf"))
             offsets = scores[:, :tile_n].amax(-1)
-            bound = c * qf[b, h, rows].norm(dim=-1) * key_norms[b, h // group]
             tiles += 1
-            if (bound - offsets).max().item() <= forward_ws.FIXED_HEADROOM[q.dtype]:
+            if (bounds[b, h, rows] - offsets).max().item() <= forward_ws.FIXED_HEADROOM[q.dtype]:
                 fixed += 1
                 rise = max(rise, (scores.amax(-1) - offsets).max().item())
     return fixed / tiles, rise
@@ -396,10 +403,7 @@ def _aligned(q, k, largest_bound: float):
     k = 8 * direction + 0.3 * torch.randn(k.shape, generator=gen, device=DEVICE)
     k[:, :, :256] *= 0.01
     q = 8 * direction.repeat_interleave(group, 1) + 0.3 * torch.randn(q.shape, generator=gen, device=DEVICE)
-    c = dim ** -0.5 * math.log2(math.e)
-    key_norms = k.norm(dim=-1).amax(-1).repeat_interleave(group, 1)[..., None]
-    q = q * (largest_bound / (c * q.norm(dim=-1) * key_norms).max())
-    return q, k
+    return q * (largest_bound / _row_bounds(q, k).max()), k
 
 
 FIXED_OFFSET_CASES = {
