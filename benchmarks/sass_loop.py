@@ -50,7 +50,7 @@ from blockattn.kernels import backward, forward  # noqa: E402
 KERNELS = {"fwd": forward.attention_fwd_kernel, "dq": backward.attention_bwd_dq_kernel,
            "dkdv": backward.attention_bwd_dkdv_kernel}
 FLOAT_POINTERS = {"Q", "K", "V", "DO", "DK", "DV", "DQ", "Out"}
-FP32_POINTERS = {"Lse", "Lse2", "Delta", "DQ_ACC", "Q_SCALE", "Q_ROW_DOT", "K_SCALE", "V_SCALE"}
+FP32_POINTERS = {"Lse", "Lse2", "Delta", "DQ_ACC", "Q_SCALE", "Q_ROW_DOT", "K_SCALE", "V_SCALE", "KEY_NORMS"}
 UNHINTED = {"num_heads", "kv_heads", "mask_block_q", "mask_block_kv", "stride_vvb", "seq_bucket"}
 SHOWN = ("HGMMA", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "F2FP", "IMAD", "IADD3", "LDGSTS", "UTMALDG", "REDG",
          "LDS", "STS", "BAR", "SHFL", "LDL", "STL")
@@ -58,13 +58,14 @@ SHOWN = ("HGMMA", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "F2FP", "IMAD", "IADD
 
 def compile_kernel(kernel, tile, dim, tma, dq_mode, quant=None, flags=None):
     """triton.compile of kernel for sm_90 on a contiguous bf16 [B, H, S, dim] case with whole 128x128 blocks;
-    flags: constexpr values to set instead (e.g. {"GATHER_BLOCK_MASK": 4, "FULL_TILES_FIRST": True})."""
+    flags: constexpr values to set instead (e.g. {"GATHER_BLOCK_MASK": 4, "FULL_TILES_FIRST": True, "FIXED_OFFSETS":
+    True})."""
     block_m, block_n, warps, stages = tile
     values = dict(BLOCK_Q=128, BLOCK_KV=128, HEAD_DIM=dim, HEAD_DIM_V=dim, BLOCK_D=dim, BLOCK_DV=dim, EVEN_Q=True,
                   EVEN_KV=True, IS_CAUSAL=False, HAS_TOKEN_MASK=False, GATHER_BLOCK_MASK=False, HAS_KV_VALID=False,
                   FP32_PRECISION=None, IS_VARLEN=False, DQ_MODE=dq_mode, TMA_LOADS=tma, BLOCK_M=block_m,
                   BLOCK_N=block_n, group_size=1, SPLIT_WALK=False, FULL_TILES_FIRST=False, QUANT_QK=quant is not None,
-                  QUANT_PV=forward.PV_FORMATS.get(quant))
+                  QUANT_PV=forward.PV_FORMATS.get(quant), FIXED_OFFSETS=False)
     values.update(flags or {})
     pointer_types = dict.fromkeys(FLOAT_POINTERS, "*bf16")
     if quant is not None:  # the forward's q and k in int8, V in the scheme's P @ V format

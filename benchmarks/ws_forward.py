@@ -14,6 +14,8 @@ same block mask, in one process: ms and effective TFLOP/s per case, and each rat
     python benchmarks/ws_forward.py --cases design --o-through-tma  # also with out's rows stored the other way
     python benchmarks/ws_forward.py --cases d64 --tiles 128,1,4   # also with 128-key tiles, overlapped, 4 stages
     python benchmarks/ws_forward.py --cases d64 --fixed-offsets [--query-scale 8]   # and with running maxima only
+    python benchmarks/ws_forward.py --cases d64 design --triton-fixed-offsets   # the Triton forward's, the other way
+    python benchmarks/ws_forward.py --cases d64causal --fixed-offsets   # causal's row counts, at random positions
 """
 
 import argparse
@@ -22,7 +24,7 @@ import torch
 
 import blockattn
 from blockattn.bench import Case, _flops, _inputs, _runners, _time_ms, block_mask
-from blockattn.kernels import forward_ws
+from blockattn.kernels import forward, forward_ws
 
 SUITES = {
     "design": [Case(block=block, density=d) for block in ((128, 128), (128, 64)) for d in (1.0, 0.5, 0.25, 0.1)],
@@ -37,6 +39,10 @@ SUITES = {
     # target 1 at D=64: >= 1.3x FlexAttention
     "d64": [Case(dim=64, block=block, density=d) for block in ((128, 128), (128, 64)) for d in (0.5, 0.25, 0.1)]
     + [Case(dim=64, pattern="causal", density=0.5)],
+    # causal at D=64 against a mask with its counts (query block i keeps i + 1 key blocks, the diagonal one among
+    # them) at random positions, run without the causal test: whether causal's walks, which read key blocks 0, 1, ...
+    # in step across the programs, cost the fixed offsets their gain (forty-third session: none causal, 4-9% random)
+    "d64causal": [Case(dim=64, pattern="causal", density=0.5), Case(dim=64, pattern="staircase", density=0.5)],
     # D=64 beside target 1's shape: short calls, GQA 32/8, the causal default block
     "d64more": [Case(batch=8, heads=16, kv_heads=16, seq=s, dim=64, density=0.5) for s in (1024, 2048, 4096)]
     + [Case(heads=32, kv_heads=8, seq=16384, dim=64, density=d) for d in (0.5, 0.1)]
@@ -51,6 +57,18 @@ SUITES = {
     + [Case(batch=8, heads=16, kv_heads=16, seq=s, density=d) for s in (2048, 4096, 8192) for d in (0.5, 0.1)]
     + [Case(heads=24, kv_heads=24, seq=s, density=d) for s in (8192, 16384) for d in (0.5, 0.1)],
 }
+
+
+def staircase_mask(case: Case, device) -> torch.Tensor:
+    """bool [1, H, nq, nk]: query block i keeps i + 1 key blocks (as the block-causal mask of square blocks does),
+    its diagonal block and i others at random."""
+    nq, nk = case.seq // case.block[0], case.seq // case.block[1]
+    gen = torch.Generator(device=device).manual_seed(0)
+    scores = torch.rand(1, case.heads, nq, nk, generator=gen, device=device)
+    rows = torch.arange(nq, device=device)
+    scores[:, :, rows, rows * case.block[0] // case.block[1]] = 2.0
+    rank = scores.argsort(-1, descending=True).argsort(-1)
+    return rank <= (rows * case.block[0] // case.block[1])[None, None, :, None]
 
 
 def main():
@@ -72,6 +90,9 @@ def main():
     parser.add_argument("--fixed-offsets", action="store_true",
                         help="also time the warp-specialized forward with fixed offsets the other way "
                         "(forward_ws.FIXED_OFFSET_DIMS)")
+    parser.add_argument("--triton-fixed-offsets", action="store_true",
+                        help="also time the Triton forward with fixed offsets the other way "
+                        "(forward.FIXED_OFFSET_DIMS)")
     parser.add_argument("--query-scale", type=float, default=1.0,
                         help="multiply the queries by this (8: past the bound that lets D=64 keep its offsets fixed)")
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out (its ratio columns read nan)")
@@ -81,11 +102,12 @@ def main():
     default_emulated = forward_ws.EMULATED_EXP2_DIMS
     default_o_through_tma = forward_ws.O_THROUGH_TMA
     default_fixed = forward_ws.FIXED_OFFSET_DIMS
+    default_triton_fixed = forward.FIXED_OFFSET_DIMS
     device = torch.device("cuda")
     print("| case | Triton forward ms | warp-specialized ms | flex ms | Triton vs flex | warp-specialized vs flex |")
     print("| --- | --- | --- | --- | --- | --- |")
     for case in [c for name in args.cases for c in SUITES[name]]:
-        keep = block_mask(case, device)
+        keep = staircase_mask(case, device) if case.pattern == "staircase" else block_mask(case, device)
         blocks = blockattn.BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
         q, k, v = _inputs(case, device, requires_grad=False)
         q = q * args.query_scale
@@ -98,6 +120,18 @@ def main():
             forward_ws.ENABLED = enabled
             outs[enabled] = blockattn.attention(q, k, v, blocks, is_causal=causal)
             times[enabled] = _time_ms(lambda: blockattn.attention(q, k, v, blocks, is_causal=causal))
+        if args.triton_fixed_offsets:  # the Triton forward with the other setting than its default
+            forward_ws.ENABLED = False
+            fixed = case.dim not in default_triton_fixed
+            forward.FIXED_OFFSET_DIMS = (case.dim, ) if fixed else ()
+            out = blockattn.attention(q, k, v, blocks, is_causal=causal)
+            gap = (out.float() - outs[False].float()).abs().max()
+            ms = _time_ms(lambda: blockattn.attention(q, k, v, blocks, is_causal=causal))
+            print(f"{case.label}: Triton forward with {'fixed offsets' if fixed else 'running maxima only'} "
+                  f"{ms:.3f} ms ({flops / ms / 1e9:.0f}, {times[False] / ms:.3f}x the default), max gap "
+                  f"{gap.item():.1e}", flush=True)
+            forward.FIXED_OFFSET_DIMS = default_triton_fixed
+            forward_ws.ENABLED = True
         def variant(what):
             """Time the warp-specialized forward as forward_ws is set now: against its default, its largest gap to
             the Triton forward's output, and whether it equals the default's bit for bit."""

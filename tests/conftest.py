@@ -370,3 +370,28 @@ def no_host_reads(monkeypatch):
         for name in ("item", "tolist"):
             patch.setattr(torch.Tensor, name, lambda self, name=name: pytest.fail(f"Tensor.{name} read a value"))
         yield
+
+
+def row_bounds(q, k) -> torch.Tensor:
+    """fp32 [B, H, Sq]: each query row's bound on its scaled scores (log2 units), as the forwards with fixed offsets
+    take it (forward.FIXED_OFFSET_DIMS, forward_ws.FIXED_OFFSET_DIMS): scale * log2(e) * |q_row| * the largest |k|
+    of its kv head."""
+    group = q.shape[1] // k.shape[1]
+    key_norms = k.float().norm(dim=-1).amax(-1).repeat_interleave(group, 1)
+    return q.shape[-1] ** -0.5 * math.log2(math.e) * q.float().norm(dim=-1) * key_norms[..., None]
+
+
+def aligned_scores(q, k, largest_bound: float):
+    """q and k (fp32, shaped like the given ones) whose scores rise past each list's first key tile by nearly their
+    bound: within each kv head's group the queries and keys lie near one random direction, keys 0-255 (the first
+    tile of every list that keeps them) shortened a hundredfold, the queries scaled so that the largest of the rows'
+    bounds (row_bounds) is largest_bound."""
+    batch, kv_heads, seq_kv, dim = k.shape
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    direction = torch.randn(batch, kv_heads, 1, dim, generator=gen, device=DEVICE)
+    direction = direction / direction.norm(dim=-1, keepdim=True)
+    group = q.shape[1] // kv_heads
+    k = 8 * direction + 0.3 * torch.randn(k.shape, generator=gen, device=DEVICE)
+    k[:, :, :256] *= 0.01
+    q = 8 * direction.repeat_interleave(group, 1) + 0.3 * torch.randn(q.shape, generator=gen, device=DEVICE)
+    return q * (largest_bound / row_bounds(q, k).max()), k

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 import blockattn
-from blockattn.kernels import forward, forward_ws
-from conftest import (DEVICE, ON_GPU, assert_output_and_gradients, check_against_oracle, expand, interpreter_share,
-                      output_and_lse_loss, qkv, random_keep, sm90_report, stack_bytes)
+from blockattn.kernels import bounds, forward, forward_ws
+from conftest import (DEVICE, ON_GPU, aligned_scores, assert_output_and_gradients, check_against_oracle, expand,
+                      interpreter_share, output_and_lse_loss, qkv, random_keep, row_bounds, sm90_report, stack_bytes)
 
 
 def _meta(*shape, dtype=torch.bfloat16):
@@ -330,35 +330,6 @@ def test_head_dim_64_against_the_oracle(case, emulate, tiling, monkeypatch, pois
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=causal)
 
 
-@pytest.mark.parametrize("seq_kv, layout", [(1000, "bhsd"), (1000, "bshd"), (20, "bhsd")])
-def test_key_norm_parts_bound_each_part(seq_kv, layout):
-    """key_norm_parts: the largest key norm of each of KEY_NORM_PARTS consecutive parts of each kv head (the last
-    part shorter; with fewer keys than parts, parts past them hold 0), from bhsd or bshd strides."""
-    gen = torch.Generator(device=DEVICE).manual_seed(5)
-    k = torch.randn(2, 3, seq_kv, 64, generator=gen, device=DEVICE)
-    k = (k * torch.rand(2, 3, seq_kv, 1, generator=gen, device=DEVICE) * 4).to(torch.bfloat16)
-    if layout == "bshd":
-        k = k.transpose(1, 2).contiguous().transpose(1, 2)
-    parts = forward_ws.key_norm_parts(k)
-    norms = k.float().norm(dim=-1)
-    per_part = -(-seq_kv // forward_ws.KEY_NORM_PARTS)
-    expected = torch.zeros(2, 3, forward_ws.KEY_NORM_PARTS, device=DEVICE)
-    for part in range(forward_ws.KEY_NORM_PARTS):
-        chunk = norms[..., part * per_part:(part + 1) * per_part]
-        if chunk.shape[-1]:
-            expected[..., part] = chunk.amax(-1)
-    assert (expected[..., -1] == 0).all() == (seq_kv < forward_ws.KEY_NORM_PARTS)
-    torch.testing.assert_close(parts, expected, rtol=1e-5, atol=0)
-
-
-def _row_bounds(q, k) -> torch.Tensor:
-    """fp32 [B, H, Sq]: each query row's bound on its scaled scores (log2 units), as the kernel takes it
-    (FIXED_OFFSET_DIMS): scale * log2(e) * |q_row| * the largest |k| of its kv head."""
-    group = q.shape[1] // k.shape[1]
-    key_norms = k.float().norm(dim=-1).amax(-1).repeat_interleave(group, 1)
-    return q.shape[-1] ** -0.5 * math.log2(math.e) * q.float().norm(dim=-1) * key_norms[..., None]
-
-
 def _fixed_offset_walks(q, k, keep, block, causal: bool, tile_n: int):
     """What the kernel's fixed offsets meet on these inputs (FIXED_OFFSET_DIMS): (the share of consumer tiles, 64
     query rows with a kv list, whose walk keeps them fixed, the most by which a later score of such a tile rises
@@ -369,7 +340,7 @@ def _fixed_offset_walks(q, k, keep, block, causal: bool, tile_n: int):
     group = heads // k.shape[1]
     c = dim ** -0.5 * math.log2(math.e)
     qf, kf = q.float(), k.float()
-    bounds = _row_bounds(q, k)
+    bound = row_bounds(q, k)
     keep = keep.expand(batch, heads, *keep.shape[-2:])
     fixed, tiles, rise = 0, 0, float("-inf")
     for b, h, q_block in itertools.product(range(batch), range(heads), range(keep.shape[2])):
@@ -384,26 +355,10 @@ def _fixed_offset_walks(q, k, keep, block, causal: bool, tile_n: int):
                 scores = scores.masked_fill(keys[None, :] > rows[:, None], float("-inf"))
             offsets = scores[:, :tile_n].amax(-1)
             tiles += 1
-            if (bounds[b, h, rows] - offsets).max().item() <= forward_ws.FIXED_HEADROOM[q.dtype]:
+            if (bound[b, h, rows] - offsets).max().item() <= bounds.FIXED_HEADROOM[q.dtype]:
                 fixed += 1
                 rise = max(rise, (scores.amax(-1) - offsets).max().item())
     return fixed / tiles, rise
-
-
-def _aligned(q, k, largest_bound: float):
-    """q and k whose scores rise past each list's first key tile by nearly their bound: within each kv head's group
-    the queries and keys lie near one random direction, keys 0-255 (the first tile of every list that keeps them)
-    shortened a hundredfold, the queries scaled so that the largest of the rows' bounds (FIXED_OFFSET_DIMS) is
-    largest_bound."""
-    batch, kv_heads, seq_kv, dim = k.shape
-    gen = torch.Generator(device=DEVICE).manual_seed(7)
-    direction = torch.randn(batch, kv_heads, 1, dim, generator=gen, device=DEVICE)
-    direction = direction / direction.norm(dim=-1, keepdim=True)
-    group = q.shape[1] // kv_heads
-    k = 8 * direction + 0.3 * torch.randn(k.shape, generator=gen, device=DEVICE)
-    k[:, :, :256] *= 0.01
-    q = 8 * direction.repeat_interleave(group, 1) + 0.3 * torch.randn(q.shape, generator=gen, device=DEVICE)
-    return q * (largest_bound / _row_bounds(q, k).max()), k
 
 
 FIXED_OFFSET_CASES = {
@@ -419,10 +374,10 @@ FIXED_OFFSET_CASES = {
 @pytest.mark.parametrize("case", list(FIXED_OFFSET_CASES))
 def test_fixed_offsets_against_the_oracle(case, inputs, monkeypatch, poisoned, warp_specialized_calls):
     """The walk with fixed offsets (FIXED_OFFSET_DIMS, here at D=64 and 128) on scores that rise past each list's
-    first key tile by nearly the rows' bounds (_aligned: 13.5 or 28.8 log2 units, so P reaches 2^12 or 2^25), kept
-    where that is within the headroom of P's dtype (bf16 32, fp16 15: fp16 P past 2^16 would overflow), and the walk
-    with running maxima where the bound cannot keep them (longer queries): against the oracle, with the share of
-    tiles taking each walk and the scores' rise computed on the host."""
+    first key tile by nearly the rows' bounds (aligned_scores: 13.5 or 28.8 log2 units, so P reaches 2^12 or
+    2^25), kept where that is within the headroom of P's dtype (bf16 32, fp16 15: fp16 P past 2^16 would
+    overflow), and the walk with running maxima where the bound cannot keep them (longer queries): against the
+    oracle, with the share of tiles taking each walk and the scores' rise computed on the host."""
     monkeypatch.setattr(forward_ws, "MIN_KEYS", {})
     monkeypatch.setattr(forward_ws, "FIXED_OFFSET_DIMS", (64, 128))
     batch, heads, kv_heads, seq_q, seq_kv, block, dtype, causal, dim = FIXED_OFFSET_CASES[case]
@@ -436,14 +391,14 @@ def test_fixed_offsets_against_the_oracle(case, inputs, monkeypatch, poisoned, w
         q = q * 8
     else:
         largest_bound = float(inputs.split()[1])
-        q, k = (t.to(dtype) for t in _aligned(q, k, largest_bound))
+        q, k = (t.to(dtype) for t in aligned_scores(q, k, largest_bound))
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=causal, backend="triton")
     tile_n = forward_ws.TILE_KEYS[dim]
     sub_n = next(n for n in (tile_n, 128, 64) if block[1] % n == 0)
     plan = forward_ws.Plan(sub_n, causal, tile_n, forward_ws.OVERLAPPED[dim], True)
     assert warp_specialized_calls == _expected_calls(plan)
     share, rise = _fixed_offset_walks(q, k, keep, block, causal, tile_n)
-    if inputs == "large norms" or largest_bound > forward_ws.FIXED_HEADROOM[dtype]:
+    if inputs == "large norms" or largest_bound > bounds.FIXED_HEADROOM[dtype]:
         assert share == 0, share
     else:
         assert share == 1 and rise > 0.8 * largest_bound, (share, rise)

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from . import autotune, buffers, launch, tma
+from .bounds import keeps_offsets, key_norm_parts, score_bounds
 from .quant import quantize_columns, quantize_rows
 from .primitives import (dot, element_keep, gather_mode, int32_to_float, kv_list_start, kv_list_tiles, kv_walk_split,
                          needs_element_tests, query_tile_program, round_to_int8, to_float8)
@@ -27,6 +28,12 @@ PV_MIN_TILE_KV = 32
 # tests, when the only tests are the causal diagonal and the sequence's end (SPLIT_WALK; kernels/README.md).
 # Benchmarks and tests set False to run the single tested walk.
 SPLIT_WALKS = True
+# Head dims whose walk keeps each row's exponent offset fixed after its first key tile, where a bound on its scores
+# shows that no later score rises above it by more than bounds.FIXED_HEADROOM (as forward_ws.FIXED_OFFSET_DIMS does
+# for the warp-specialized forward; kernels/README.md, "Fixed offsets"): the later tiles then take no row maxima and
+# no rescale of the accumulator. Not for quant. None yet: written without a GPU (forty-fourth session) and tested
+# through the interpreter only; `benchmarks/ws_forward.py --triton-fixed-offsets` times it against the default.
+FIXED_OFFSET_DIMS: tuple = ()
 
 
 def whole_blocks(seq: int, block: int, packed: bool) -> bool:
@@ -68,19 +75,40 @@ def full_tiles_first(gathered: bool, key_tiles: bool, token_mask, kv_valid, varl
 
 
 @triton.jit
-def _forward_walk(lo, hi, m_i, l_i, acc, q, start_m, offs_m, index_row, block_offset, seq_q, seq_kv, kv_start, off_b,
-                  off_h, off_hkv, K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID,
-                  mask_block_q, mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th,
-                  stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok,
-                  dv_ok, k_scale_base, stride_kss,
+def _running_step(qk, m_i, l_i, acc, score_scale, scale_log2, MASKED: tl.constexpr, QUANT_PV: tl.constexpr):
+    """One step of the online softmax on scores qk [BM, BN] (-inf where masked): (p [BM, BN], the running max m_i,
+    sum l_i [BM] and accumulator acc [BM, BDV] after it, acc rescaled but without this step's P @ V)."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+    if MASKED:
+        # A row that has seen only masked keys keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_shift = m_new
+    if QUANT_PV is not None:  # P times V's format's largest value, folded into the shift: P spans the format
+        p = tl.math.exp2(qk * score_scale - (m_shift - _log2_pv_max(QUANT_PV))[:, None])  # [BM, BN]
+    else:
+        p = tl.math.exp2(qk * score_scale - m_shift[:, None])  # [BM, BN]
+    alpha = tl.math.exp2(m_i - m_shift)
+    return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
+
+
+@triton.jit
+def _forward_walk(lo, hi, m_i, l_i, acc, fixed, bound, q, start_m, offs_m, index_row, block_offset, seq_q, seq_kv,
+                  kv_start, off_b, off_h, off_hkv, K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK,
+                  KV_VALID, mask_block_q, mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb,
+                  stride_th, stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d,
+                  offs_dv, d_ok, dv_ok, k_scale_base, stride_kss,
                   BLOCK_KV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr,
                   HAS_TOKEN_MASK: tl.constexpr, GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr,
                   FP32_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr, QUANT_QK: tl.constexpr,
-                  QUANT_PV: tl.constexpr):
+                  QUANT_PV: tl.constexpr, FIXED_OFFSETS: tl.constexpr):
     """Steps lo..hi of the walk over a kv list (entries: the blocks plus block_offset): the online softmax state
-    (m_i, l_i [BM], acc [BM, BDV]) after them. The flags say which element tests these steps need (none: a plain
-    loop).
+    (m_i, l_i [BM], acc [BM, BDV]) and fixed after them. The flags say which element tests these steps need (none:
+    a plain loop).
+    FIXED_OFFSETS (FIXED_OFFSET_DIMS): once fixed (a scalar bool) is true, a step takes no row maxima and leaves
+    m_i as it is; step 0, the walk's first, decides it from bound [BM], the rows' bounds on their scaled scores
+    (bounds.score_bounds). Otherwise fixed and bound pass through.
     QUANT_QK: q and K are int8, each key's scale at k_scale_base + n * stride_kss, and scale_log2 is a row
     vector [BM] (each query's scale times scale * log2(e)) instead of a scalar. QUANT_PV "fp8": V is float8 e4m3
     and P is too, scaled by FP8_MAX; "int8": V is int8 and P is too, scaled by INT8_MAX and rounded to an integer
@@ -108,19 +136,16 @@ def _forward_walk(lo, hi, m_i, l_i, acc, q, start_m, offs_m, index_row, block_of
                                 KV_VALID, stride_vvb,
                                 EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK, HAS_KV_VALID)
             qk = tl.where(keep, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
-            # A row that has seen only masked keys keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if FIXED_OFFSETS:
+            if fixed:  # the offsets stay: no row maxima, no rescale
+                p = tl.math.exp2(qk * score_scale - m_i[:, None])  # [BM, BN]
+                l_i = l_i + tl.sum(p, 1)
+            else:
+                p, m_i, l_i, acc = _running_step(qk, m_i, l_i, acc, score_scale, scale_log2, MASKED, QUANT_PV)
+                if it == 0:  # the walk's first step: its maxima may stay the offsets from here on
+                    fixed = keeps_offsets(bound, m_i, offs_m < seq_q, q.dtype)
         else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
-            m_shift = m_new
-        if QUANT_PV is not None:  # P times V's format's largest value, folded into the shift: P spans the format
-            p = tl.math.exp2(qk * score_scale - (m_shift - _log2_pv_max(QUANT_PV))[:, None])  # [BM, BN]
-        else:
-            p = tl.math.exp2(qk * score_scale - m_shift[:, None])  # [BM, BN]
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+            p, m_i, l_i, acc = _running_step(qk, m_i, l_i, acc, score_scale, scale_log2, MASKED, QUANT_PV)
         if QUANT_PV == "fp8":
             acc = dot(to_float8(p, FP32_PRECISION == "upcast"), v, acc, FP32_PRECISION)  # [BM, BDV]
         elif QUANT_PV == "int8":
@@ -128,14 +153,13 @@ def _forward_walk(lo, hi, m_i, l_i, acc, q, start_m, offs_m, index_row, block_of
             acc += int32_to_float(tl.dot(round_to_int8(p), v, out_dtype=tl.int32))  # [BM, BDV]
         else:
             acc = dot(p.to(v.dtype), v, acc, FP32_PRECISION)  # [BM, BDV]
-        m_i = m_new
-    return m_i, l_i, acc
+    return m_i, l_i, acc, fixed
 
 
 @triton.jit(do_not_specialize=["seq_bucket"])
 def attention_fwd_kernel(
     Q, K, V, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX, TOKEN_MASK, BLOCK_MASK, KV_VALID, CU_SEQLENS_Q, CU_SEQLENS_KV,
-    Q_SCALE, Q_ROW_DOT, K_SCALE, V_SCALE,
+    Q_SCALE, Q_ROW_DOT, K_SCALE, V_SCALE, KEY_NORMS,
     scale_log2, seq_q, seq_kv, num_heads, group_size, mask_block_q, mask_block_kv, seq_bucket,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -150,12 +174,14 @@ def attention_fwd_kernel(
     stride_qsb, stride_qsh, stride_qss,
     stride_ksb, stride_ksh, stride_kss,
     stride_vqb, stride_vqh,
+    stride_nb, stride_nh,
     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_TOKEN_MASK: tl.constexpr,
     GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr, FP32_PRECISION: tl.constexpr,
     IS_VARLEN: tl.constexpr, TMA_LOADS: tl.constexpr, SPLIT_WALK: tl.constexpr, FULL_TILES_FIRST: tl.constexpr,
-    QUANT_QK: tl.constexpr, QUANT_PV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QUANT_QK: tl.constexpr, QUANT_PV: tl.constexpr, FIXED_OFFSETS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One program: a BLOCK_M query tile of one (batch, head), walking only the key blocks its query block kept.
 
@@ -170,10 +196,14 @@ def attention_fwd_kernel(
     QUANT_QK: Q and K are int8 (kernels/quant.py) with per-token scales Q_SCALE fp32 [B, H, Sq] and K_SCALE fp32
     [B, Hkv, Sk]; the scores are their int32 products times both scales, and the LSE gets Q_ROW_DOT fp32 [B, H, Sq]
     (strides as Q_SCALE's: each query's dot product with the keys' mean) times scale back. QUANT_PV: None, or V's
-    format ("fp8": float8 e4m3, "int8"), each channel's scale in V_SCALE fp32 [B, Hkv, Dv] (strides stride_vq*)."""
+    format ("fp8": float8 e4m3, "int8"), each channel's scale in V_SCALE fp32 [B, Hkv, Dv] (strides stride_vq*).
+    FIXED_OFFSETS (FIXED_OFFSET_DIMS; not with QUANT_QK or QUANT_PV): the rows keep their exponent offsets after the
+    walk's first step where KEY_NORMS fp32 [B|1, Hkv, KEY_NORM_PARTS] (bounds.key_norm_parts, last dim contiguous)
+    bounds their scores."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     tl.static_assert(QUANT_PV != "int8" or BLOCK_N <= 256, "int8 P @ V is exact in int32 up to 256 keys a tile")
+    tl.static_assert(not (FIXED_OFFSETS and (QUANT_QK or QUANT_PV is not None)), "fixed offsets take no quant")
     TILES_PER_BLOCK: tl.constexpr = BLOCK_KV // BLOCK_N
 
     off_b, off_h, off_hkv, start_m, q_block, q_start, seq_q, kv_start, seq_kv = query_tile_program(
@@ -209,6 +239,11 @@ def attention_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max of scaled scores, log2 units
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    fixed = count < 0  # (false) whether the offsets m_i stay fixed: decided after the walk's first step
+    if FIXED_OFFSETS:
+        bound = score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2)  # [BM]
+    else:
+        bound = m_i
     total = count * TILES_PER_BLOCK
     # SPLIT_WALK: the only element tests are the causal diagonal and the sequence's end, so the blocks that need
     # them end the (ascending) list; the walk runs the tiles before them without any test. FULL_TILES_FIRST: the
@@ -216,23 +251,23 @@ def attention_fwd_kernel(
     if SPLIT_WALK or FULL_TILES_FIRST:
         plain, tested_offset = kv_walk_split(index_row, count, start_m, seq_kv, BLOCK_KV, TILES_PER_BLOCK, EVEN_KV,
                                              IS_CAUSAL, FULL_TILES_FIRST)
-        m_i, l_i, acc = _forward_walk(
-            0, plain, m_i, l_i, acc, q, start_m, offs_m, index_row, 0, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv,
-            K_DESC, V_DESC, k_base, v_base, walk_scale, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q, mask_block_kv,
-            stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk, stride_mb,
-            stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, k_scale_base, stride_kss,
-            BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, False, False, 0, False,
-            FP32_PRECISION, TMA_LOADS, QUANT_QK, QUANT_PV)
+        m_i, l_i, acc, fixed = _forward_walk(
+            0, plain, m_i, l_i, acc, fixed, bound, q, start_m, offs_m, index_row, 0, seq_q, seq_kv, kv_start, off_b,
+            off_h, off_hkv, K_DESC, V_DESC, k_base, v_base, walk_scale, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q,
+            mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk,
+            stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, k_scale_base,
+            stride_kss, BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, False, False, 0, False,
+            FP32_PRECISION, TMA_LOADS, QUANT_QK, QUANT_PV, FIXED_OFFSETS)
     else:
         plain = 0
         tested_offset = 0
-    m_i, l_i, acc = _forward_walk(
-        plain, total, m_i, l_i, acc, q, start_m, offs_m, index_row, tested_offset, seq_q, seq_kv, kv_start, off_b,
-        off_h, off_hkv, K_DESC, V_DESC, k_base, v_base, walk_scale, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q,
-        mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk,
-        stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, k_scale_base, stride_kss,
-        BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK,
-        GATHER_BLOCK_MASK, HAS_KV_VALID, FP32_PRECISION, TMA_LOADS, QUANT_QK, QUANT_PV)
+    m_i, l_i, acc, fixed = _forward_walk(
+        plain, total, m_i, l_i, acc, fixed, bound, q, start_m, offs_m, index_row, tested_offset, seq_q, seq_kv,
+        kv_start, off_b, off_h, off_hkv, K_DESC, V_DESC, k_base, v_base, walk_scale, TOKEN_MASK, BLOCK_MASK, KV_VALID,
+        mask_block_q, mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq,
+        stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, k_scale_base,
+        stride_kss, BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK,
+        GATHER_BLOCK_MASK, HAS_KV_VALID, FP32_PRECISION, TMA_LOADS, QUANT_QK, QUANT_PV, FIXED_OFFSETS)
 
     m_ok = offs_m < seq_q
     rows = (q_start + offs_m).to(tl.int64)
@@ -257,7 +292,7 @@ def attention_fwd_kernel(
 
 TUNING_KEY = ("BLOCK_Q", "BLOCK_KV", "HEAD_DIM", "HEAD_DIM_V", "EVEN_Q", "EVEN_KV", "IS_CAUSAL", "HAS_TOKEN_MASK",
               "GATHER_BLOCK_MASK", "HAS_KV_VALID", "IS_VARLEN", "TMA_LOADS", "SPLIT_WALK", "FULL_TILES_FIRST",
-              "QUANT_QK", "QUANT_PV", "seq_bucket")
+              "QUANT_QK", "QUANT_PV", "FIXED_OFFSETS", "seq_bucket")
 
 
 def output_buffers(q: torch.Tensor, head_dim_v: int, packed: bool):
@@ -407,13 +442,16 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
         mean = k.mean(2, dtype=torch.float32)  # [B, Hkv, D]: the keys' smoothing (softmax ignores a shared shift)
         k, k_scale, _ = quantize_rows(k, mean, subtract_mean=True, dot_mean=False)
         q, q_scale, row_dot = quantize_rows(q, mean, subtract_mean=False, dot_mean=True)
+    fixed = quant is None and q.shape[-1] in FIXED_OFFSET_DIMS
+    # the largest key norms of each kv head's parts, which bound its scores: one pass over k
+    key_norms = key_norm_parts(k) if fixed else None
     tensors = dict(Q=q, K=k, V=v, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index,
                    **optional_tensors(kv_count, token_mask, block_mask, kv_valid, varlen),
                    Q_SCALE=kv_count if q_scale is None else q_scale, Q_ROW_DOT=kv_count if row_dot is None else row_dot,
                    K_SCALE=kv_count if k_scale is None else k_scale,
-                   V_SCALE=kv_count if v_scale is None else v_scale)
+                   V_SCALE=kv_count if v_scale is None else v_scale, KEY_NORMS=key_norms if fixed else kv_count)
     site = site_key(block_q, block_kv, scale, is_causal, token_mask, block_mask, mask_block_q, mask_block_kv,
-                    kv_valid, varlen, v.dtype) + (autotune.env_key("FWD"), quant)
+                    kv_valid, varlen, v.dtype) + (autotune.env_key("FWD"), quant, fixed)
 
     def build() -> launch.LaunchSpec:
         heads, kv_heads = q.shape[1], k.shape[1]
@@ -443,6 +481,7 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
             **stride_args("t", token_mask, "bhqk"), **stride_args("m", block_mask, "bhq"),
             stride_vvb=strides(kv_valid, 1)[0],
             **stride_args("qs", q_scale, "bhs"), **stride_args("ks", k_scale, "bhs"), **stride_args("vq", v_scale, "bh"),
+            **stride_args("n", key_norms, "bh"),
             BLOCK_Q=block_q, BLOCK_KV=block_kv, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d,
             BLOCK_DV=block_dv, EVEN_KV=even_kv,
             IS_CAUSAL=bool(is_causal), HAS_TOKEN_MASK=token_mask is not None, GATHER_BLOCK_MASK=gather,
@@ -450,7 +489,7 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
             IS_VARLEN=packed, SPLIT_WALK=split_walk(is_causal, even_kv, token_mask, block_mask, kv_valid),
             FULL_TILES_FIRST=full_tiles_first(block_mask is not None, mask_block_kv > block_kv, token_mask, kv_valid,
                                               varlen),
-            QUANT_QK=quant is not None, QUANT_PV=pv_format)
+            QUANT_QK=quant is not None, QUANT_PV=pv_format, FIXED_OFFSETS=fixed)
         return launch.LaunchSpec(
             grid=lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), *launch.batch_head_axes(batch, heads)),
             configs=configs,

@@ -28,13 +28,13 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
 from . import launch
+from .bounds import FIXED_HEADROOM, KEY_NORM_PARTS, key_norm_parts
 
 # A TMA copy from global into shared memory: async_load from Triton 3.9 on, where the older name raises; Triton 3.6
 # has only async_copy_global_to_shared (same arguments: descriptor, coordinates, barrier, destination).
@@ -79,16 +79,10 @@ OVERLAPPED = {128: True, 64: False}
 # at d=0.1 (even at S32k). The density is not known on the host without reading the lists, so Sk decides.
 MIN_KEYS = {64: 8192}
 # Head dims whose walk keeps each row's exponent offset fixed after its first key tile, where a bound shows that no
-# later score exceeds it by more than FIXED_HEADROOM (log2 units): then the later tiles take no row maxima and no
+# later score exceeds it by more than bounds.FIXED_HEADROOM (log2 units): then the later tiles take no row maxima and no
 # rescale of the accumulator (_walk_in_turn, _walk_overlapped; kernels/README.md, "Fixed offsets"). D=64: 1.04-1.09x
 # as fast at d=0.5 and 0.25, 1.00-1.03x at d=0.1 (BENCHMARKS.md, forty-third session); D=128 not yet measured.
 FIXED_OFFSET_DIMS: tuple = (64, )
-# per dtype of P (the inputs'): bf16 P stays below 2^32, far from its (and fp32's) 2^128, and a row's sum below
-# 2^32 * keys; fp16 P below 2^15, within its largest finite value, 65504
-FIXED_HEADROOM = {torch.bfloat16: 32.0, torch.float16: 15.0}
-# Parts a kv head's keys split into for key_norm_parts_kernel: its programs (B x Hkv x parts) fill the GPU, and each
-# consumer takes the maximum of its head's parts once.
-KEY_NORM_PARTS = 32
 # Ring stages per head dim: as many as Hopper's 227 KiB of shared memory per program allows. At D=128 Q takes 32 KiB
 # and a stage 64 KiB (3 stages measured 5.22 ms against 5.88 with 2). At D=64 a 256-key stage is 64 KiB too (2
 # stages measured the same in benchmarks/exp_gluon_fwd.py; with 128-key tiles, 4 stages of 32 KiB had run 1-8%
@@ -515,44 +509,6 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
         (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
-
-
-@triton.jit
-def key_norm_parts_kernel(K, Out, seq_kv, kv_heads, stride_kb, stride_kh, stride_ks, stride_ob, stride_oh,
-                          HEAD_DIM: tl.constexpr, KEYS: tl.constexpr, PARTS: tl.constexpr):
-    """Grid (B * Hkv, PARTS): Out fp32 [B, Hkv, PARTS] (last dim contiguous), the largest Euclidean norm (fp32) among
-    each part's keys of k [B, Hkv, Sk, HEAD_DIM] (last dim contiguous); 0 for a part with no key."""
-    part = tl.program_id(1)
-    b = tl.program_id(0) // kv_heads
-    h = tl.program_id(0) % kv_heads
-    per_part = tl.cdiv(seq_kv, PARTS)
-    start = part * per_part
-    end = tl.minimum(start + per_part, seq_kv)
-    base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    cols = tl.arange(0, HEAD_DIM)
-    largest = tl.zeros([KEYS], tl.float32)
-    for first in range(start, end, KEYS):
-        keys = first + tl.arange(0, KEYS)
-        x = tl.load(base + keys.to(tl.int64)[:, None] * stride_ks + cols[None, :], mask=(keys < end)[:, None],
-                    other=0.0).to(tl.float32)
-        largest = tl.maximum(largest, tl.sum(x * x, 1))
-    tl.store(Out + b * stride_ob + h * stride_oh + part, tl.sqrt(tl.max(largest, 0)))
-
-
-def key_norm_parts(k: torch.Tensor) -> torch.Tensor:
-    """fp32 [B, Hkv, KEY_NORM_PARTS]: the largest key norm of each part of each kv head of k [B, Hkv, Sk, D] (last
-    dim contiguous), one pass over k; their maximum bounds the head's keys (FIXED_OFFSET_DIMS)."""
-    from .forward import stride_args
-    batch, kv_heads, seq_kv, dim = k.shape
-    out = torch.empty(batch, kv_heads, KEY_NORM_PARTS, device=k.device, dtype=torch.float32)
-
-    def spec() -> launch.LaunchSpec:
-        static = dict(seq_kv=seq_kv, kv_heads=kv_heads, **stride_args("k", k, "bhs"), **stride_args("o", out, "bh"),
-                      HEAD_DIM=dim, KEYS=64, PARTS=KEY_NORM_PARTS)
-        return launch.LaunchSpec(grid=lambda meta: (batch * kv_heads, KEY_NORM_PARTS),
-                                 configs=[triton.Config({}, num_warps=4)], tuning_key=(), static=static)
-    launch.run(key_norm_parts_kernel, (), dict(K=k, Out=out), spec, fresh=("Out", ))
-    return out
 
 
 class Plan(NamedTuple):
