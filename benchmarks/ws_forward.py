@@ -120,28 +120,26 @@ def main():
             forward_ws.ENABLED = enabled
             outs[enabled] = blockattn.attention(q, k, v, blocks, is_causal=causal)
             times[enabled] = _time_ms(lambda: blockattn.attention(q, k, v, blocks, is_causal=causal))
+        def variant(what, triton_forward=False):
+            """Time the warp-specialized forward (triton_forward: the Triton forward) as its module is set now:
+            against its default, its largest gap to the Triton forward's default output, and whether it equals its
+            default's bit for bit."""
+            forward_ws.ENABLED = not triton_forward
+            out = blockattn.attention(q, k, v, blocks, is_causal=causal)
+            gap = (out.float() - outs[False].float()).abs().max()
+            ms = _time_ms(lambda: blockattn.attention(q, k, v, blocks, is_causal=causal))
+            forward_ws.ENABLED = True
+            default = not triton_forward  # (times and outs are keyed by forward_ws.ENABLED)
+            print(f"{case.label}: {'Triton forward' if triton_forward else 'warp-specialized'} with {what} "
+                  f"{ms:.3f} ms ({flops / ms / 1e9:.0f}, {times[default] / ms:.3f}x the default), max gap "
+                  f"{gap.item():.1e}, {'equal to' if torch.equal(out, outs[default]) else 'differs from'} the "
+                  "default", flush=True)
+
         if args.triton_fixed_offsets:  # the Triton forward with the other setting than its default
-            forward_ws.ENABLED = False
             fixed = case.dim not in default_triton_fixed
             forward.FIXED_OFFSET_DIMS = (case.dim, ) if fixed else ()
-            out = blockattn.attention(q, k, v, blocks, is_causal=causal)
-            gap = (out.float() - outs[False].float()).abs().max()
-            ms = _time_ms(lambda: blockattn.attention(q, k, v, blocks, is_causal=causal))
-            print(f"{case.label}: Triton forward with {'fixed offsets' if fixed else 'running maxima only'} "
-                  f"{ms:.3f} ms ({flops / ms / 1e9:.0f}, {times[False] / ms:.3f}x the default), max gap "
-                  f"{gap.item():.1e}", flush=True)
+            variant("fixed offsets" if fixed else "running maxima only", triton_forward=True)
             forward.FIXED_OFFSET_DIMS = default_triton_fixed
-            forward_ws.ENABLED = True
-        def variant(what):
-            """Time the warp-specialized forward as forward_ws is set now: against its default, its largest gap to
-            the Triton forward's output, and whether it equals the default's bit for bit."""
-            out = blockattn.attention(q, k, v, blocks, is_causal=causal)
-            gap = (out.float() - outs[False].float()).abs().max()
-            ms = _time_ms(lambda: blockattn.attention(q, k, v, blocks, is_causal=causal))
-            print(f"{case.label}: warp-specialized with {what} {ms:.3f} ms ({flops / ms / 1e9:.0f}, "
-                  f"{times[True] / ms:.3f}x the default), max gap {gap.item():.1e}, "
-                  f"{'equal to' if torch.equal(out, outs[True]) else 'differs from'} the default", flush=True)
-
         for stages in args.stages or ():
             forward_ws.STAGES[case.dim] = stages
             variant(f"{stages} stages")
