@@ -45,7 +45,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from blockattn.kernels import backward, forward  # noqa: E402
+from blockattn.kernels import autotune, backward, forward  # noqa: E402
 
 KERNELS = {"fwd": forward.attention_fwd_kernel, "dq": backward.attention_bwd_dq_kernel,
            "dkdv": backward.attention_bwd_dkdv_kernel}
@@ -95,7 +95,7 @@ def compile_kernel(kernel, tile, dim, tma, dq_mode, quant=None, flags=None):
              if signature[p.name] not in ("constexpr", "fp32") and not signature[p.name].startswith("tensordesc")
              and p.name not in UNHINTED}
     return triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, num_stages=stages))
+                          options=dict(num_warps=warps, num_stages=stages, **autotune.COMPILE_OPTIONS))
 
 
 def _tool(name, cubin_path, *flags):

@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .. import sparsity
-from . import buffers, launch, replay
+from . import autotune, buffers, launch, replay
 from .forward import stride_args
 # Registers per thread for a consumer warpgroup and for the loader (setmaxnreg) and the launch options (the
 # register bound among them): the forward's. Its host descriptors, their compile signatures and the launch
@@ -1199,4 +1199,6 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
                 "DK": gradients, "DV": gradients, "Q_COUNT": "*i32", "Q_INDEX": "*i32", "TILE_ORDER": "*i32",
                 "scale_log2": "fp32"}.get(param.name, "i32")
     source = GluonASTSource(attention_bwd_ws_kernel, signature, constants)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH_OPTIONS))
+    # with the options every launch passes (autotune.COMPILE_OPTIONS), so that what compiles here is what runs
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(LAUNCH_OPTIONS, **autotune.COMPILE_OPTIONS))

@@ -33,7 +33,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from . import launch
+from . import autotune, launch
 from .bounds import FIXED_HEADROOM, KEY_NORM_PARTS, key_norm_parts
 
 # A TMA copy from global into shared memory: async_load from Triton 3.9 on, where the older name raises; Triton 3.6
@@ -684,4 +684,6 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
             signature[param.name] = {"Out": f"*{name}", "Lse": "*fp32", "KV_COUNT": "*i32", "KV_INDEX": "*i32",
                                      "KEY_NORMS": "*fp32", "scale_log2": "fp32"}.get(param.name, "i32")
     source = GluonASTSource(attention_fwd_ws_kernel, signature, constants)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH_OPTIONS))
+    # with the options every launch passes (autotune.COMPILE_OPTIONS), so that what compiles here is what runs
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(LAUNCH_OPTIONS, **autotune.COMPILE_OPTIONS))
