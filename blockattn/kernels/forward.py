@@ -93,26 +93,25 @@ def _running_step(qk, m_i, l_i, acc, score_scale, scale_log2, MASKED: tl.constex
 
 
 @triton.jit
-def _forward_walk(lo, hi, m_i, l_i, acc, fixed, bound, q, start_m, offs_m, index_row, block_offset, seq_q, seq_kv,
-                  kv_start, off_b, off_h, off_hkv, K_DESC, V_DESC, k_base, v_base, scale_log2, TOKEN_MASK, BLOCK_MASK,
-                  KV_VALID, mask_block_q, mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb,
-                  stride_th, stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d,
-                  offs_dv, d_ok, dv_ok, k_scale_base, stride_kss,
+def _forward_walk(lo, hi, m_i, l_i, acc, walk, block_offset,
                   BLOCK_KV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr,
                   HAS_TOKEN_MASK: tl.constexpr, GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr,
                   FP32_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr, QUANT_QK: tl.constexpr,
-                  QUANT_PV: tl.constexpr, FIXED_OFFSETS: tl.constexpr):
+                  QUANT_PV: tl.constexpr, FIXED: tl.constexpr):
     """Steps lo..hi of the walk over a kv list (entries: the blocks plus block_offset): the online softmax state
-    (m_i, l_i [BM], acc [BM, BDV]) and fixed after them. The flags say which element tests these steps need (none:
-    a plain loop).
-    FIXED_OFFSETS (FIXED_OFFSET_DIMS): once fixed (a scalar bool) is true, a step takes no row maxima and leaves
-    m_i as it is; step 0, the walk's first, decides it from bound [BM], the rows' bounds on their scaled scores
-    (bounds.score_bounds). Otherwise fixed and bound pass through.
+    (m_i, l_i [BM], acc [BM, BDV]) after them. walk: the program's query tile, list and tensors (as the kernel packs
+    them). The flags say which element tests these steps need (none: a plain loop).
+    FIXED: the offsets m_i stay (finite, and no score above m_i + headroom: FIXED_OFFSET_DIMS), so a step takes no
+    row maxima and the accumulator no rescale.
     QUANT_QK: q and K are int8, each key's scale at k_scale_base + n * stride_kss, and scale_log2 is a row
     vector [BM] (each query's scale times scale * log2(e)) instead of a scalar. QUANT_PV "fp8": V is float8 e4m3
     and P is too, scaled by FP8_MAX; "int8": V is int8 and P is too, scaled by INT8_MAX and rounded to an integer
     (l_i and acc carry that factor)."""
+    (q, start_m, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv, K_DESC, V_DESC, k_base, v_base,
+     scale_log2, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q, mask_block_kv, stride_ks, stride_kd, stride_vs,
+     stride_vd, stride_tb, stride_th, stride_tq, stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0,
+     offs_d, offs_dv, d_ok, dv_ok, k_scale_base, stride_kss) = walk
     MASKED: tl.constexpr = needs_element_tests(EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK, HAS_KV_VALID)
     for it in range(lo, hi):
         start_n, offs_n, k, v = kv_list_tiles(
@@ -136,14 +135,9 @@ def _forward_walk(lo, hi, m_i, l_i, acc, fixed, bound, q, start_m, offs_m, index
                                 KV_VALID, stride_vvb,
                                 EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK, HAS_KV_VALID)
             qk = tl.where(keep, qk, float("-inf"))
-        if FIXED_OFFSETS:
-            if fixed:  # the offsets stay: no row maxima, no rescale
-                p = tl.math.exp2(qk * score_scale - m_i[:, None])  # [BM, BN]
-                l_i = l_i + tl.sum(p, 1)
-            else:
-                p, m_i, l_i, acc = _running_step(qk, m_i, l_i, acc, score_scale, scale_log2, MASKED, QUANT_PV)
-                if it == 0:  # the walk's first step: its maxima may stay the offsets from here on
-                    fixed = keeps_offsets(bound, m_i, offs_m < seq_q, q.dtype)
+        if FIXED:
+            p = tl.math.exp2(qk * score_scale - m_i[:, None])  # [BM, BN]
+            l_i = l_i + tl.sum(p, 1)
         else:
             p, m_i, l_i, acc = _running_step(qk, m_i, l_i, acc, score_scale, scale_log2, MASKED, QUANT_PV)
         if QUANT_PV == "fp8":
@@ -153,7 +147,25 @@ def _forward_walk(lo, hi, m_i, l_i, acc, fixed, bound, q, start_m, offs_m, index
             acc += int32_to_float(tl.dot(round_to_int8(p), v, out_dtype=tl.int32))  # [BM, BDV]
         else:
             acc = dot(p.to(v.dtype), v, acc, FP32_PRECISION)  # [BM, BDV]
-    return m_i, l_i, acc, fixed
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _walk_parts(lo_plain, hi_plain, lo_tested, hi_tested, tested_offset, m_i, l_i, acc, walk,
+                BLOCK_KV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_KV: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                HAS_TOKEN_MASK: tl.constexpr, GATHER_BLOCK_MASK: tl.constexpr, HAS_KV_VALID: tl.constexpr,
+                FP32_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr, QUANT_QK: tl.constexpr,
+                QUANT_PV: tl.constexpr, SPLIT: tl.constexpr, FIXED: tl.constexpr):
+    """Steps lo_plain..hi_plain of a split walk's untested part (SPLIT), then lo_tested..hi_tested of its tested
+    part (every step, without SPLIT), entries stored plus tested_offset: the state after them (_forward_walk)."""
+    if SPLIT:
+        m_i, l_i, acc = _forward_walk(lo_plain, hi_plain, m_i, l_i, acc, walk, 0, BLOCK_KV, BLOCK_N, BLOCK_D,
+                                      BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, False, False, 0, False, FP32_PRECISION,
+                                      TMA_LOADS, QUANT_QK, QUANT_PV, FIXED)
+    return _forward_walk(lo_tested, hi_tested, m_i, l_i, acc, walk, tested_offset, BLOCK_KV, BLOCK_N, BLOCK_D,
+                         BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK,
+                         HAS_KV_VALID, FP32_PRECISION, TMA_LOADS, QUANT_QK, QUANT_PV, FIXED)
 
 
 @triton.jit(do_not_specialize=["seq_bucket"])
@@ -239,11 +251,6 @@ def attention_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max of scaled scores, log2 units
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    fixed = count < 0  # (false) whether the offsets m_i stay fixed: decided after the walk's first step
-    if FIXED_OFFSETS:
-        bound = score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2)  # [BM]
-    else:
-        bound = m_i
     total = count * TILES_PER_BLOCK
     # SPLIT_WALK: the only element tests are the causal diagonal and the sequence's end, so the blocks that need
     # them end the (ascending) list; the walk runs the tiles before them without any test. FULL_TILES_FIRST: the
@@ -251,23 +258,40 @@ def attention_fwd_kernel(
     if SPLIT_WALK or FULL_TILES_FIRST:
         plain, tested_offset = kv_walk_split(index_row, count, start_m, seq_kv, BLOCK_KV, TILES_PER_BLOCK, EVEN_KV,
                                              IS_CAUSAL, FULL_TILES_FIRST)
-        m_i, l_i, acc, fixed = _forward_walk(
-            0, plain, m_i, l_i, acc, fixed, bound, q, start_m, offs_m, index_row, 0, seq_q, seq_kv, kv_start, off_b,
-            off_h, off_hkv, K_DESC, V_DESC, k_base, v_base, walk_scale, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q,
-            mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk,
-            stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, k_scale_base,
-            stride_kss, BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, False, False, 0, False,
-            FP32_PRECISION, TMA_LOADS, QUANT_QK, QUANT_PV, FIXED_OFFSETS)
     else:
         plain = 0
         tested_offset = 0
-    m_i, l_i, acc, fixed = _forward_walk(
-        plain, total, m_i, l_i, acc, fixed, bound, q, start_m, offs_m, index_row, tested_offset, seq_q, seq_kv,
-        kv_start, off_b, off_h, off_hkv, K_DESC, V_DESC, k_base, v_base, walk_scale, TOKEN_MASK, BLOCK_MASK, KV_VALID,
-        mask_block_q, mask_block_kv, stride_ks, stride_kd, stride_vs, stride_vd, stride_tb, stride_th, stride_tq,
-        stride_tk, stride_mb, stride_mh, stride_mq, stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, k_scale_base,
-        stride_kss, BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK,
-        GATHER_BLOCK_MASK, HAS_KV_VALID, FP32_PRECISION, TMA_LOADS, QUANT_QK, QUANT_PV, FIXED_OFFSETS)
+    walk = (q, start_m, offs_m, index_row, seq_q, seq_kv, kv_start, off_b, off_h, off_hkv, K_DESC, V_DESC, k_base,
+            v_base, walk_scale, TOKEN_MASK, BLOCK_MASK, KV_VALID, mask_block_q, mask_block_kv, stride_ks, stride_kd,
+            stride_vs, stride_vd, stride_tb, stride_th, stride_tq, stride_tk, stride_mb, stride_mh, stride_mq,
+            stride_vvb, offs_n0, offs_d, offs_dv, d_ok, dv_ok, k_scale_base, stride_kss)
+    SPLIT: tl.constexpr = SPLIT_WALK or FULL_TILES_FIRST
+    if FIXED_OFFSETS:
+        # step 0 with the running maxima, in whichever part holds it; then the rest of the walk in one of two loops
+        # (a branch inside one loop fails Triton 3.6's software pipelining), with the offsets fixed where the rows'
+        # bounds allow
+        bound = score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2)  # [BM]
+        first = tl.minimum(total, 1)
+        rest_plain, rest_tested = tl.minimum(plain, first), tl.maximum(plain, first)
+        m_i, l_i, acc = _walk_parts(
+            0, rest_plain, plain, rest_tested, tested_offset, m_i, l_i, acc, walk, BLOCK_KV, BLOCK_N, BLOCK_D,
+            BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK, HAS_KV_VALID,
+            FP32_PRECISION, TMA_LOADS, QUANT_QK, QUANT_PV, SPLIT, False)
+        if keeps_offsets(bound, m_i, offs_m < seq_q, q.dtype):
+            m_i, l_i, acc = _walk_parts(
+                rest_plain, plain, rest_tested, total, tested_offset, m_i, l_i, acc, walk, BLOCK_KV, BLOCK_N,
+                BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK,
+                HAS_KV_VALID, FP32_PRECISION, TMA_LOADS, QUANT_QK, QUANT_PV, SPLIT, True)
+        else:
+            m_i, l_i, acc = _walk_parts(
+                rest_plain, plain, rest_tested, total, tested_offset, m_i, l_i, acc, walk, BLOCK_KV, BLOCK_N,
+                BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK,
+                HAS_KV_VALID, FP32_PRECISION, TMA_LOADS, QUANT_QK, QUANT_PV, SPLIT, False)
+    else:
+        m_i, l_i, acc = _walk_parts(
+            0, plain, plain, total, tested_offset, m_i, l_i, acc, walk, BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV,
+            HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK, HAS_KV_VALID, FP32_PRECISION,
+            TMA_LOADS, QUANT_QK, QUANT_PV, SPLIT, False)
 
     m_ok = offs_m < seq_q
     rows = (q_start + offs_m).to(tl.int64)

@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from . import autotune, launch
-from .bounds import FIXED_HEADROOM, KEY_NORM_PARTS, key_norm_parts
+from .bounds import BF16_HEADROOM, FP16_HEADROOM, KEY_NORM_PARTS, key_norm_parts
 
 # A TMA copy from global into shared memory: async_load from Triton 3.9 on, where the older name raises; Triton 3.6
 # has only async_copy_global_to_shared (same arguments: descriptor, coordinates, barrier, destination).
@@ -135,8 +135,8 @@ selp.b32 $3, 0, p, tiny;
 }""")
 
 _LOG2E = gl.constexpr(1.4426950408889634)
-_HEADROOM_BF16 = gl.constexpr(FIXED_HEADROOM[torch.bfloat16])
-_HEADROOM_FP16 = gl.constexpr(FIXED_HEADROOM[torch.float16])
+_HEADROOM_BF16 = gl.constexpr(BF16_HEADROOM)
+_HEADROOM_FP16 = gl.constexpr(FP16_HEADROOM)
 _PARTS = gl.constexpr(KEY_NORM_PARTS)
 
 
