@@ -47,6 +47,19 @@ def test_qualifying_calls_and_their_tiles():
     assert _qualifies(q=bshd, k=bshd) == forward_ws.Plan(128)
 
 
+def test_fixed_offsets_in_the_plan(monkeypatch):
+    """FIXED_OFFSET_DIMS picks the head dims whose walks may keep fixed offsets, except the causal walk with the
+    overlap inside a warpgroup (D=128's), whose consumers spill under Triton 3.6 with them."""
+    def dims(d):
+        return dict(q=_meta(2, 4, 1000, d), k=_meta(2, 2, 8192, d), v=_meta(2, 2, 8192, d))
+    monkeypatch.setattr(forward_ws, "FIXED_OFFSET_DIMS", (64, 128))
+    assert _qualifies(**dims(128)).fixed_offsets
+    assert not _qualifies(**dims(128), is_causal=True).fixed_offsets
+    assert _qualifies(**dims(64), is_causal=True).fixed_offsets  # (64: no overlap)
+    monkeypatch.setattr(forward_ws, "FIXED_OFFSET_DIMS", ())
+    assert not _qualifies(**dims(64)).fixed_offsets
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_host_descriptors_take_gluons_layout_for_their_box(dtype):
     """host_descriptor's box and shared-memory layout (cached per box and dtype) are what Gluon picks for that box,
@@ -151,7 +164,7 @@ def test_switched_off_or_off_hopper_it_declines(monkeypatch):
     ((128, 64), "bfloat16", True, 128, False, None, None), ((128, 128), "bfloat16", False, 64, False, None, None),
     ((128, 64), "float16", True, 64, True, None, None), ((128, 128), "bfloat16", False, 128, True, None, None),
     ((128, 64), "bfloat16", True, 128, False, True, None), ((128, 128), "float16", False, 64, False, True, None),
-    ((128, 64), "bfloat16", True, 128, False, None, True), ((128, 128), "float16", False, 64, False, None, False)])
+    ((128, 64), "bfloat16", False, 128, False, None, True), ((128, 128), "float16", False, 64, False, None, False)])
 def test_compiles_for_sm90_with_its_register_split(blocks, dtype, causal, dim, emulate, o_through_tma, fixed):
     """The launch's settings, and out through the TMA unit and fixed offsets either way (O_THROUGH_TMA,
     FIXED_OFFSET_DIMS): the register split, wgmma and TMA in the PTX, shared memory within Hopper's, and no stack
@@ -366,7 +379,7 @@ FIXED_OFFSET_CASES = {
                                                                    "128x64 fp16 causal gqa")},
     # D=128's loop, with the overlap inside a warpgroup (FIXED_OFFSET_DIMS leaves it out by default)
     "D=128 128x128 bf16": (1, 4, 4, 1000, 1024, (128, 128), torch.bfloat16, False, 128),
-    "D=128 128x64 fp16 causal gqa": (1, 4, 2, 1024, 1024, (128, 64), torch.float16, True, 128),
+    "D=128 128x64 fp16 gqa": (1, 4, 2, 1024, 1024, (128, 64), torch.float16, False, 128),
 }
 
 

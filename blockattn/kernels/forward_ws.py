@@ -79,9 +79,11 @@ OVERLAPPED = {128: True, 64: False}
 # at d=0.1 (even at S32k). The density is not known on the host without reading the lists, so Sk decides.
 MIN_KEYS = {64: 8192}
 # Head dims whose walk keeps each row's exponent offset fixed after its first key tile, where a bound shows that no
-# later score exceeds it by more than bounds.FIXED_HEADROOM (log2 units): then the later tiles take no row maxima and no
-# rescale of the accumulator (_walk_in_turn, _walk_overlapped; kernels/README.md, "Fixed offsets"). D=64: 1.04-1.09x
-# as fast at d=0.5 and 0.25, 1.00-1.03x at d=0.1 (BENCHMARKS.md, forty-third session); D=128 not yet measured.
+# later score exceeds it by more than bounds.FIXED_HEADROOM (log2 units): then the later tiles take no row maxima and
+# no rescale of the accumulator (_walk_in_turn, _walk_overlapped; kernels/README.md, "Fixed offsets"). D=64: 1.04-1.09x
+# as fast at d=0.5 and 0.25, 1.00-1.03x at d=0.1 (BENCHMARKS.md, forty-third session); D=128 not yet measured. Never
+# the causal walk with the overlap inside a warpgroup (D=128's): compiled by Triton 3.6, the H200 machine's, its
+# consumers spill 24-32 bytes with fixed offsets (forty-fourth session, offline; Triton 3.9 spills nothing).
 FIXED_OFFSET_DIMS: tuple = (64, )
 # Ring stages per head dim: as many as Hopper's 227 KiB of shared memory per program allows. At D=128 Q takes 32 KiB
 # and a stage 64 KiB (3 stages measured 5.22 ms against 5.88 with 2). At D=64 a 256-key stage is 64 KiB too (2
@@ -566,7 +568,8 @@ def _plan(block_kv: int, dim: int, causal: bool) -> Plan:
     """The tiling of a call that qualifies: key tiles of TILE_KEYS[dim] keys, sub tiles as Plan says."""
     tile_n = TILE_KEYS.get(dim, 128)
     sub_n = next(n for n in (tile_n, 128, 64) if block_kv % n == 0)
-    return Plan(sub_n, causal, tile_n, OVERLAPPED.get(dim, True), dim in FIXED_OFFSET_DIMS)
+    overlap = OVERLAPPED.get(dim, True)
+    return Plan(sub_n, causal, tile_n, overlap, dim in FIXED_OFFSET_DIMS and not (causal and overlap))
 
 
 _GL_DTYPES = {torch.bfloat16: ("bf16", gl.bfloat16), torch.float16: ("fp16", gl.float16),
