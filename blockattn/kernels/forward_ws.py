@@ -512,7 +512,6 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-
 class Plan(NamedTuple):
     """The kernel's sub tile height (keys per TMA box: the largest of the tile, 128 and 64 that divides the key
     block), whether it tests the causal diagonal, its keys a tile (TILE_KEYS) and whether its consumers overlap a
