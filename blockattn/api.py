@@ -30,12 +30,18 @@ def _interpret_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
+_OPS = None
+
+
 def _kernel_ops():
     """The Triton custom ops, imported on first use (Triton decides at import whether it interprets), then kept (an
-    import statement costs a call about 1.4 us of host time, and a call asks up to three times)."""
-    from .kernels import ops
-    return ops
+    import statement costs a call about 1.4 us of host time, and a call asks up to three times). Kept in a global,
+    not by functools.lru_cache: torch.compile traces this, and warns at every lru_cache it meets."""
+    global _OPS
+    if _OPS is None:
+        from .kernels import ops
+        _OPS = ops
+    return _OPS
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:

@@ -1,5 +1,7 @@
 """The Triton path as custom ops: torch.library.opcheck, and torch.compile without graph breaks."""
 
+import warnings
+
 import torch
 
 import blockattn
@@ -72,6 +74,20 @@ def test_compiled_model_has_no_graph_break_and_matches_eager():
     assert torch.equal(out, eager)
     for got, want in zip((t.grad for t in leaves), eager_grads):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_compiling_meets_no_cache_wrapper():
+    """torch.compile traces blockattn's API layer up to the custom op: nothing it calls there is wrapped in
+    functools.lru_cache, at which Dynamo warns once per call site (each warning saying that silent incorrectness is
+    possible). The inputs require grad, so the trace takes the q lists too; the result matches the eager call's."""
+    q, k, v = (t.requires_grad_(True) for t in qkv(1, 4, 70, 32, kv_heads=2, dtype=torch.float32, seed=5))
+    model = Block(blockattn.BlockSparsity.from_mask(random_keep(1, 4, 70, 70, (32, 16)), (32, 16), 70, 70))
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(model, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")(q, k, v)
+    assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]
+    torch.testing.assert_close(out, model(q, k, v), rtol=0, atol=0)
 
 
 def test_compiled_frozen_keys_and_values_skip_the_dkdv_kernel(launched_kernels):

@@ -330,11 +330,17 @@ def is_interpreted(kernel_fn) -> bool:
     return isinstance(kernel_fn, _interpreted_function_type())
 
 
-@functools.lru_cache(maxsize=None)
+_INTERPRETED_FUNCTION = None
+
+
 def _interpreted_function_type() -> type:
-    # imported on first use (Triton does not import its interpreter unless asked), then kept: every launch asks
-    from triton.runtime.interpreter import InterpretedFunction
-    return InterpretedFunction
+    # imported on first use (Triton does not import its interpreter unless asked), then kept: every launch asks. In a
+    # global, not by functools.lru_cache: torch.compile traces this, and warns at every lru_cache it meets
+    global _INTERPRETED_FUNCTION
+    if _INTERPRETED_FUNCTION is None:
+        from triton.runtime.interpreter import InterpretedFunction
+        _INTERPRETED_FUNCTION = InterpretedFunction
+    return _INTERPRETED_FUNCTION
 
 
 def seq_bucket(length: int) -> int:
