@@ -3,7 +3,8 @@ synthetic distribution, the share of 64-row query tiles whose every row's bound 
 largest scaled score by at most the bf16 headroom (kernels/README.md, "Fixed offsets"; bounds.FIXED_HEADROOM), the
 rule the forwards apply, with the bound as they take it (scale * log2(e) * |q| * the head's largest |k|) and with
 the keys centred on their mean first (softmax ignores a score shared by a row's keys, so the bound may use
-q . mean + |q| * max |k - mean| instead), and the median gap (bound minus offset, log2 units).
+q . mean + |q| * max |k - mean| instead), the median gap (bound minus offset, log2 units), and how far any row's
+scores actually rise past its first tile's largest (what a rule checking the rise itself, not a bound, would meet).
 
     python benchmarks/offset_bounds.py [--dim 64] [--seq 4096] [--tile-keys 256] [--causal]
 
@@ -44,9 +45,10 @@ def distributions(heads: int, seq: int, dim: int, gen: torch.Generator) -> dict:
     return out
 
 
-def share_kept(q, k, tile_keys: int, causal: bool, centred: bool) -> tuple[float, float]:
-    """(share of 64-row query tiles that keep their offsets, median of the rows' gap in log2 units): every query
-    tile's list is all its keys (causal: up to the tile's last row), its first tile the first tile_keys of them."""
+def share_kept(q, k, tile_keys: int, causal: bool, centred: bool) -> tuple[float, float, float]:
+    """(share of 64-row query tiles that keep their offsets, median of the rows' gap, the largest rise of a row's
+    scores past its first tile's largest; log2 units): every query tile's list is all its keys (causal: up to the
+    tile's last row), its first tile the first tile_keys of them."""
     dim = q.shape[-1]
     c = dim ** -0.5 * math.log2(math.e)
     scores = (q @ k.transpose(-1, -2)) * c  # [1, H, S, S]
@@ -60,7 +62,8 @@ def share_kept(q, k, tile_keys: int, causal: bool, centred: bool) -> tuple[float
     offsets = scores[..., :tile_keys].amax(-1)  # the first key tile's largest score per row
     gap = bound - offsets  # [1, H, S]
     tiles = gap.unflatten(-1, (-1, 64)).amax(-1)  # [1, H, S / 64]: a consumer's 64 rows decide together
-    return (tiles <= bounds.FIXED_HEADROOM[torch.bfloat16]).float().mean().item(), gap.median().item()
+    rise = (scores.amax(-1) - offsets).amax().item()
+    return (tiles <= bounds.FIXED_HEADROOM[torch.bfloat16]).float().mean().item(), gap.median().item(), rise
 
 
 def main():
@@ -74,12 +77,14 @@ def main():
     gen = torch.Generator().manual_seed(0)
     print(f"D={args.dim} H={args.heads} S={args.seq}, first tile {args.tile_keys} keys"
           f"{', causal' if args.causal else ''}; bf16 headroom {bounds.FIXED_HEADROOM[torch.bfloat16]:g}")
-    print("| inputs | tiles kept (bound as taken) | median gap | tiles kept (keys centred) | median gap |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| inputs | tiles kept (bound as taken) | median gap | tiles kept (keys centred) | median gap "
+          "| largest rise |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name, (q, k) in distributions(args.heads, args.seq, args.dim, gen).items():
         plain = share_kept(q, k, args.tile_keys, args.causal, centred=False)
         centred = share_kept(q, k, args.tile_keys, args.causal, centred=True)
-        print(f"| {name} | {plain[0]:.2f} | {plain[1]:.1f} | {centred[0]:.2f} | {centred[1]:.1f} |", flush=True)
+        print(f"| {name} | {plain[0]:.2f} | {plain[1]:.1f} | {centred[0]:.2f} | {centred[1]:.1f} | {plain[2]:.1f} |",
+              flush=True)
 
 
 if __name__ == "__main__":
