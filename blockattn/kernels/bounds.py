@@ -1,6 +1,7 @@
 """Bounds on a row's scores for the forwards that keep each row's exponent offset fixed after its first key tile
 (forward.FIXED_OFFSET_DIMS, forward_ws.FIXED_OFFSET_DIMS; kernels/README.md, "Fixed offsets"): the keys' largest
-norms, and how far above its offset a row's scaled scores may rise for each dtype of P."""
+norms, how far above its offset a row's scaled scores may rise for each dtype of P, and the checks of the Triton
+forward's bf16 and fp32 walks, which test the rise after the walk instead of bounding it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ from . import launch
 # its largest finite value, 65504. fp32 P (the Triton forward's fp32 inputs) has bf16's range.
 BF16_HEADROOM, FP16_HEADROOM = 32.0, 15.0
 FIXED_HEADROOM = {torch.bfloat16: BF16_HEADROOM, torch.float16: FP16_HEADROOM, torch.float32: BF16_HEADROOM}
+# The largest row sum (log2) a walk with fixed offsets may end with when it checks the rise itself instead of a bound
+# (the Triton forward, bf16 and fp32 P: sums_within): every P then stayed below 2^100, far from bf16's and fp32's
+# 2^128, and the accumulator below 2^100 times the largest |v|, whose finiteness is checked too.
+RISE_LIMIT = 100.0
 # Parts a kv head's keys split into for key_norm_parts_kernel: its programs (B x Hkv x parts) fill the GPU, and each
 # program of a forward takes the maximum of its head's parts once.
 KEY_NORM_PARTS = 32
@@ -64,6 +69,7 @@ _PARTS = tl.constexpr(KEY_NORM_PARTS)
 # (named, not looked up by torch dtype: benchmarks/sass_loop.py compiles the kernels with torch stubbed out)
 _HEADROOM_BF16 = tl.constexpr(BF16_HEADROOM)
 _HEADROOM_FP16 = tl.constexpr(FP16_HEADROOM)
+_SUM_LIMIT = tl.constexpr(2.0 ** RISE_LIMIT)
 
 
 @triton.jit
@@ -87,4 +93,22 @@ def keeps_offsets(bound, m_i, counted, DTYPE: tl.constexpr):
         within = bound - m_i <= _HEADROOM_FP16
     else:  # bf16, and fp32 with the same range
         within = bound - m_i <= _HEADROOM_BF16
+    return tl.min(tl.where(counted, within, True).to(tl.int32), 0) > 0
+
+
+@triton.jit
+def all_seen(m_i, counted):
+    """Whether every counted row (counted bool [BM]) has seen a key, its offset m_i [BM] finite: the condition for
+    keeping the offsets when the rise is checked afterwards (sums_within) instead of bounded. A scalar."""
+    finite = (m_i > float("-inf")) & (m_i < float("inf"))
+    return tl.min(tl.where(counted, finite, True).to(tl.int32), 0) > 0
+
+
+@triton.jit
+def sums_within(l_i, acc, counted):
+    """Whether a walk with fixed offsets stayed in range: every counted row's sum l_i [BM] at most 2^RISE_LIMIT
+    (so no P passed it) and its accumulator row acc [BM, BDV] finite. False also for NaN (comparisons are false):
+    the walk is then done again with running maxima. A scalar."""
+    row = tl.sum(acc, 1)
+    within = (l_i <= _SUM_LIMIT) & (row > float("-inf")) & (row < float("inf"))
     return tl.min(tl.where(counted, within, True).to(tl.int32), 0) > 0

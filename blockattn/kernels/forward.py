@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from . import autotune, buffers, launch, tma
-from .bounds import keeps_offsets, key_norm_parts, score_bounds
+from .bounds import all_seen, keeps_offsets, key_norm_parts, score_bounds, sums_within
 from .quant import quantize_columns, quantize_rows
 from .primitives import (dot, element_keep, gather_mode, int32_to_float, kv_list_start, kv_list_tiles, kv_walk_split,
                          needs_element_tests, query_tile_program, round_to_int8, to_float8)
@@ -28,11 +28,15 @@ PV_MIN_TILE_KV = 32
 # tests, when the only tests are the causal diagonal and the sequence's end (SPLIT_WALK; kernels/README.md).
 # Benchmarks and tests set False to run the single tested walk.
 SPLIT_WALKS = True
-# Head dims whose walk keeps each row's exponent offset fixed after its first key tile, where a bound on its scores
-# shows that no later score rises above it by more than bounds.FIXED_HEADROOM (as forward_ws.FIXED_OFFSET_DIMS does
-# for the warp-specialized forward; kernels/README.md, "Fixed offsets"): the later tiles then take no row maxima and
-# no rescale of the accumulator. Not for quant. None yet: written without a GPU (forty-fourth session) and tested
-# through the interpreter only; `benchmarks/ws_forward.py --triton-fixed-offsets` times it against the default.
+# Head dims whose walk keeps each row's exponent offset fixed after its first key tile (kernels/README.md, "Fixed
+# offsets"): the later tiles then take no row maxima and no rescale of the accumulator. fp16 keeps them where a bound
+# on the rows' scores shows no later score rises above them by more than bounds.FIXED_HEADROOM (as
+# forward_ws.FIXED_OFFSET_DIMS does); bf16 and fp32, whose P reach 2^128, keep them wherever every row has a key in
+# the first tile, and check the rise after the walk instead (bounds.sums_within), walking again with running maxima
+# where a row's sum passed 2^bounds.RISE_LIMIT: no bound, so no pass over k, and no norms too large for one (random
+# directions rise 4-38 log2 units where the bound's gap reaches 144: benchmarks/offset_bounds.py). Not for quant.
+# None yet: written without a GPU (forty-fourth session) and tested through the interpreter only;
+# `benchmarks/ws_forward.py --triton-fixed-offsets` times it against the default.
 FIXED_OFFSET_DIMS: tuple = ()
 
 
@@ -268,20 +272,34 @@ def attention_fwd_kernel(
     SPLIT: tl.constexpr = SPLIT_WALK or FULL_TILES_FIRST
     if FIXED_OFFSETS:
         # step 0 with the running maxima, in whichever part holds it; then the rest of the walk in one of two loops
-        # (a branch inside one loop fails Triton 3.6's software pipelining), with the offsets fixed where the rows'
-        # bounds allow
-        bound = score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2)  # [BM]
+        # (a branch inside one loop fails Triton 3.6's software pipelining): with the offsets fixed where they may
+        # stay, else with the running maxima
         first = tl.minimum(total, 1)
         rest_plain, rest_tested = tl.minimum(plain, first), tl.maximum(plain, first)
         m_i, l_i, acc = _walk_parts(
             0, rest_plain, plain, rest_tested, tested_offset, m_i, l_i, acc, walk, BLOCK_KV, BLOCK_N, BLOCK_D,
             BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK, HAS_KV_VALID,
             FP32_PRECISION, TMA_LOADS, QUANT_QK, QUANT_PV, SPLIT, False)
-        if keeps_offsets(bound, m_i, offs_m < seq_q, q.dtype):
+        counted = offs_m < seq_q
+        if q.dtype == tl.float16:  # fp16 P overflows past 65504: the rows' bounds must hold the rise
+            keep = keeps_offsets(score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2),
+                                 m_i, counted, q.dtype)
+        else:  # bf16 and fp32 P reach 2^128: the rise is checked after the walk instead
+            keep = all_seen(m_i, counted)
+        if keep:
             m_i, l_i, acc = _walk_parts(
                 rest_plain, plain, rest_tested, total, tested_offset, m_i, l_i, acc, walk, BLOCK_KV, BLOCK_N,
                 BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK,
                 HAS_KV_VALID, FP32_PRECISION, TMA_LOADS, QUANT_QK, QUANT_PV, SPLIT, True)
+            if q.dtype != tl.float16:
+                if not sums_within(l_i, acc, counted):  # a rise past 2^RISE_LIMIT: the walk again, running maxima
+                    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+                    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+                    m_i, l_i, acc = _walk_parts(
+                        0, plain, plain, total, tested_offset, m_i, l_i, acc, walk, BLOCK_KV, BLOCK_N, BLOCK_D,
+                        BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL, HAS_TOKEN_MASK, GATHER_BLOCK_MASK,
+                        HAS_KV_VALID, FP32_PRECISION, TMA_LOADS, QUANT_QK, QUANT_PV, SPLIT, False)
         else:
             m_i, l_i, acc = _walk_parts(
                 rest_plain, plain, rest_tested, total, tested_offset, m_i, l_i, acc, walk, BLOCK_KV, BLOCK_N,
@@ -467,13 +485,15 @@ def attention_forward(q, k, v, kv_count, kv_index, block_q: int, block_kv: int, 
         k, k_scale, _ = quantize_rows(k, mean, subtract_mean=True, dot_mean=False)
         q, q_scale, row_dot = quantize_rows(q, mean, subtract_mean=False, dot_mean=True)
     fixed = quant is None and q.shape[-1] in FIXED_OFFSET_DIMS
-    # the largest key norms of each kv head's parts, which bound its scores: one pass over k
-    key_norms = key_norm_parts(k) if fixed else None
+    # fp16: the largest key norms of each kv head's parts, which bound its scores (one pass over k); bf16 and fp32
+    # check the rise after the walk instead
+    key_norms = key_norm_parts(k) if fixed and q.dtype == torch.float16 else None
     tensors = dict(Q=q, K=k, V=v, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index,
                    **optional_tensors(kv_count, token_mask, block_mask, kv_valid, varlen),
                    Q_SCALE=kv_count if q_scale is None else q_scale, Q_ROW_DOT=kv_count if row_dot is None else row_dot,
                    K_SCALE=kv_count if k_scale is None else k_scale,
-                   V_SCALE=kv_count if v_scale is None else v_scale, KEY_NORMS=key_norms if fixed else kv_count)
+                   V_SCALE=kv_count if v_scale is None else v_scale,
+                   KEY_NORMS=kv_count if key_norms is None else key_norms)
     site = site_key(block_q, block_kv, scale, is_causal, token_mask, block_mask, mask_block_q, mask_block_kv,
                     kv_valid, varlen, v.dtype) + (autotune.env_key("FWD"), quant, fixed)
 
