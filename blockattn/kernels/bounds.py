@@ -83,6 +83,12 @@ def score_bounds(q, key_norms, scale_log2):
 
 
 @triton.jit
+def _every_counted(within, counted):
+    """Whether within (bool [BM]) holds for every counted row (counted bool [BM]): a scalar over the program."""
+    return tl.min(tl.where(counted, within, True).to(tl.int32), 0) > 0
+
+
+@triton.jit
 def keeps_offsets(bound, m_i, counted, DTYPE: tl.constexpr):
     """Whether a program's rows keep their offsets m_i [BM] (log2 units) for the rest of its walk: no counted row
     (counted bool [BM]: the rows inside the sequence) has its bound [BM] above its offset by more than
@@ -93,15 +99,14 @@ def keeps_offsets(bound, m_i, counted, DTYPE: tl.constexpr):
         within = bound - m_i <= _HEADROOM_FP16
     else:  # bf16, and fp32 with the same range
         within = bound - m_i <= _HEADROOM_BF16
-    return tl.min(tl.where(counted, within, True).to(tl.int32), 0) > 0
+    return _every_counted(within, counted)
 
 
 @triton.jit
 def all_seen(m_i, counted):
     """Whether every counted row (counted bool [BM]) has seen a key, its offset m_i [BM] finite: the condition for
     keeping the offsets when the rise is checked afterwards (sums_within) instead of bounded. A scalar."""
-    finite = (m_i > float("-inf")) & (m_i < float("inf"))
-    return tl.min(tl.where(counted, finite, True).to(tl.int32), 0) > 0
+    return _every_counted((m_i > float("-inf")) & (m_i < float("inf")), counted)
 
 
 @triton.jit
@@ -110,5 +115,4 @@ def sums_within(l_i, acc, counted):
     (so no P passed it) and its accumulator row acc [BM, BDV] finite. False also for NaN (comparisons are false):
     the walk is then done again with running maxima. A scalar."""
     row = tl.sum(acc, 1)
-    within = (l_i <= _SUM_LIMIT) & (row > float("-inf")) & (row < float("inf"))
-    return tl.min(tl.where(counted, within, True).to(tl.int32), 0) > 0
+    return _every_counted((l_i <= _SUM_LIMIT) & (row > float("-inf")) & (row < float("inf")), counted)

@@ -106,8 +106,8 @@ def _forward_walk(lo, hi, m_i, l_i, acc, walk, block_offset,
     """Steps lo..hi of the walk over a kv list (entries: the blocks plus block_offset): the online softmax state
     (m_i, l_i [BM], acc [BM, BDV]) after them. walk: the program's query tile, list and tensors (as the kernel packs
     them). The flags say which element tests these steps need (none: a plain loop).
-    FIXED: the offsets m_i stay (finite, and no score above m_i + headroom: FIXED_OFFSET_DIMS), so a step takes no
-    row maxima and the accumulator no rescale.
+    FIXED: the offsets m_i stay (finite; no score rises far past them, by a bound or checked after the walk:
+    FIXED_OFFSET_DIMS), so a step takes no row maxima and the accumulator no rescale.
     QUANT_QK: q and K are int8, each key's scale at k_scale_base + n * stride_kss, and scale_log2 is a row
     vector [BM] (each query's scale times scale * log2(e)) instead of a scalar. QUANT_PV "fp8": V is float8 e4m3
     and P is too, scaled by FP8_MAX; "int8": V is int8 and P is too, scaled by INT8_MAX and rounded to an integer
@@ -214,8 +214,9 @@ def attention_fwd_kernel(
     (strides as Q_SCALE's: each query's dot product with the keys' mean) times scale back. QUANT_PV: None, or V's
     format ("fp8": float8 e4m3, "int8"), each channel's scale in V_SCALE fp32 [B, Hkv, Dv] (strides stride_vq*).
     FIXED_OFFSETS (FIXED_OFFSET_DIMS; not with QUANT_QK or QUANT_PV): the rows keep their exponent offsets after the
-    walk's first step where KEY_NORMS fp32 [B|1, Hkv, KEY_NORM_PARTS] (bounds.key_norm_parts, last dim contiguous)
-    bounds their scores."""
+    walk's first step; fp16 where KEY_NORMS fp32 [B|1, Hkv, KEY_NORM_PARTS] (bounds.key_norm_parts, last dim
+    contiguous) bounds their scores, bf16 and fp32 where every row has a key there, with the rise checked after the
+    walk (a program whose rows' sums passed 2^bounds.RISE_LIMIT walks again with running maxima)."""
     tl.static_assert(BLOCK_Q % BLOCK_M == 0, "the query tile must nest in the block")
     tl.static_assert(BLOCK_KV % BLOCK_N == 0, "the key tile must nest in the block")
     tl.static_assert(QUANT_PV != "int8" or BLOCK_N <= 256, "int8 P @ V is exact in int32 up to 256 keys a tile")
