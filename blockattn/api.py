@@ -338,7 +338,10 @@ def _reference(p: _Prepared, is_causal: bool, q=None, k=None, v=None, need_lse: 
             need_lse)
         outs.append(out)
         lses.append(lse)
-    return torch.cat(outs, dim=2), (torch.cat(lses, dim=2) if need_lse else None)
+    out, lse = torch.cat(outs, dim=2), (torch.cat(lses, dim=2) if need_lse else None)
+    if not out.requires_grad:  # every sequence with queries has no keys: zeros, still hung off q, k and v
+        out, lse = (None if t is None else reference.attached(t, q, k, v) for t in (out, lse))
+    return out, lse
 
 
 def _to_layout(out: torch.Tensor, lse: Optional[torch.Tensor], layout: str):

@@ -66,8 +66,11 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
         kv_valid = kv_valid.expand(batch, nk).long()
 
     outs, lses = [], []
-    # (an empty batch: one empty chunk, so that out and lse still hang off q, k and v for autograd)
-    chunks = _chunks(lengths, block_q * block_kv * 4, _CHUNK_BYTES) if rows else [(0, 0, 1)]
+    chunks = _chunks(lengths, block_q * block_kv * 4, _CHUNK_BYTES)
+    if not lengths or lengths[-1] == 0:
+        # An empty batch, or no row keeps a block: one empty chunk through the attention below, so that out and lse
+        # still hang off q, k and v for autograd (zero gradients, as dense attention over no keys would give).
+        chunks.append((rows, rows, 1))
     for start, stop, width in chunks:
         n = stop - start
         if width == 0:  # rows that keep no key block: zeros, LSE -inf
@@ -120,6 +123,13 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     if not need_lse:
         return out, None
     return out, unsorted(lses).view(batch, heads, nq * block_q)[:, :, :seq_q].to(torch.float32)
+
+
+def attached(result: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    """result unchanged in value but hung off inputs in autograd's graph (it adds an exact zero, the sum of none of
+    their elements), so that a result that depends on none of them still differentiates, to zero gradients."""
+    nothing = sum(t.reshape(-1)[:0].sum() for t in inputs)
+    return result + nothing.to(result.dtype)
 
 
 def _chunks(lengths: list, slot_bytes: int, budget: int) -> list:

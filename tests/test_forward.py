@@ -130,6 +130,31 @@ def test_an_empty_batch_gives_empty_results_and_gradients(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["nothing kept", "kept above the diagonal", "packed, no keys"])
+def test_a_call_where_no_row_sees_a_key_still_differentiates(backend, case):
+    """Every row empty (a batch whose mask keeps nothing visible): out is zeros and LSE -inf, and both still hang
+    off q, k and v, so that loss.backward() gives zero gradients instead of failing."""
+    gen = torch.Generator().manual_seed(4)
+    if case == "packed, no keys":  # the first sequence has queries and no keys, the second keys and no queries
+        q, k, v = (torch.randn(tokens, 4, 32, generator=gen).to(DEVICE) for tokens in (70, 90, 90))
+        lengths = dict(cu_seqlens_q=torch.tensor([0, 70, 70], dtype=torch.int32, device=DEVICE),
+                       cu_seqlens_kv=torch.tensor([0, 0, 90], dtype=torch.int32, device=DEVICE))
+        call = dict(blocks=None, layout="thd", **lengths)
+    else:
+        q, k, v = (torch.randn(2, 4, 100, 32, generator=gen).to(DEVICE) for _ in range(3))
+        keep = torch.zeros(2, 4, 4, 4, dtype=torch.bool, device=DEVICE)
+        if case == "kept above the diagonal":  # causal: the kept blocks hold no key at or before their queries
+            keep[..., 0, 1:] = keep[..., 1, 2:] = keep[..., 2, 3] = True
+        call = dict(blocks=keep, block_size=(32, 32), is_causal=case == "kept above the diagonal")
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    out, lse = blockattn.attention(q, k, v, return_lse=True, backend=backend, **call)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    assert out.requires_grad and lse.requires_grad
+    grads = torch.autograd.grad((out * torch.randn_like(out)).sum(), (q, k, v))
+    assert all(torch.equal(g, torch.zeros_like(t)) for g, t in zip(grads, (q, k, v)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_causal_composes_with_block_and_token_masks(geometry, poisoned, backend):
     g = geometry
     seq_q, seq_kv = g.seqs[0], g.seqs[1]
