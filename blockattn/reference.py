@@ -43,7 +43,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     compute = torch.promote_types(q.dtype, torch.float32)
     device = q.device
     rows = batch * heads * nq
-    dim_v = v.shape[-1]
+    dim, dim_v = q.shape[-1], v.shape[-1]
 
     count = blocks.kv_count.expand(batch, heads, nq).reshape(rows)
     width_cap = blocks.kv_index.shape[-1]
@@ -55,9 +55,10 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     in_place = not lengths or lengths[0] == lengths[-1]  # every list as long: the stable sort kept the rows' order
 
     pad_q, pad_kv = nq * block_q - seq_q, nk * block_kv - seq_kv
-    q_blocks = torch.nn.functional.pad(q, (0, 0, 0, pad_q)).reshape(rows, block_q, q.shape[-1])
-    k_blocks = torch.nn.functional.pad(k, (0, 0, 0, pad_kv)).view(batch, kv_heads, nk, block_kv, k.shape[-1])
-    v_blocks = torch.nn.functional.pad(v, (0, 0, 0, pad_kv)).view(batch, kv_heads, nk, block_kv, dim_v)
+    # one row per (batch, head, block), as tables for _gathered
+    q_blocks = torch.nn.functional.pad(q, (0, 0, 0, pad_q)).reshape(rows, block_q * dim)
+    k_blocks = torch.nn.functional.pad(k, (0, 0, 0, pad_kv)).reshape(batch * kv_heads * nk, block_kv * dim)
+    v_blocks = torch.nn.functional.pad(v, (0, 0, 0, pad_kv)).reshape(batch * kv_heads * nk, block_kv * dim_v)
     row_batch, row_head, row_block = order // (heads * nq), order // nq % heads, order % nq  # per sorted row
     offsets_q, offsets_kv = torch.arange(block_q, device=device), torch.arange(block_kv, device=device)
     if token_mask is not None:
@@ -82,9 +83,11 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
         listed = torch.arange(width, device=device) < sorted_count[start:stop, None]      # [n, w]
         # (slots past a list's count hold any block; block 0 stands in, masked off)
         idx = torch.where(listed, index[here, :width], 0).long()                          # [n, w]
-        keys = k_blocks[b, kv_h, idx].flatten(1, 2).to(compute)                           # [n, L = w*bkv, D]
-        values = v_blocks[b, kv_h, idx].flatten(1, 2).to(compute)                         # [n, L, Dv]
-        queries = (q_blocks[start:stop] if in_place else q_blocks[here]).to(compute)      # [n, bq, D]
+        kv_rows = (b * kv_heads + kv_h) * nk + idx                                         # [n, w]
+        keys = _gathered(k_blocks, kv_rows, (block_kv, dim)).flatten(1, 2).to(compute)     # [n, L = w*bkv, D]
+        values = _gathered(v_blocks, kv_rows, (block_kv, dim_v)).flatten(1, 2).to(compute)   # [n, L, Dv]
+        queries = (q_blocks[start:stop].view(n, block_q, dim) if in_place
+                   else _gathered(q_blocks, here, (block_q, dim))).to(compute)              # [n, bq, D]
 
         key_pos = idx[..., None] * block_kv + offsets_kv                                  # [n, w, bkv]
         visible = listed[..., None] & (key_pos < seq_kv)
@@ -123,6 +126,14 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     if not need_lse:
         return out, None
     return out, unsorted(lses).view(batch, heads, nq * block_q)[:, :, :seq_q].to(torch.float32)
+
+
+def _gathered(table: torch.Tensor, index: torch.Tensor, row_shape: tuple) -> torch.Tensor:
+    """table[index] with each row viewed as row_shape: table [N, R], index int64 [...] -> [..., *row_shape].
+    Through embedding rather than advanced indexing, whose gradient (an index_put) torch 2.13's Inductor on the CPU
+    miscompiles when it arrives transposed (from a product with the gathered tensor on the right, transposed) for a
+    one-row chunk: wrong values, or a corrupted heap."""
+    return torch.nn.functional.embedding(index, table).view(*index.shape, *row_shape)
 
 
 def attached(result: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 
 import blockattn
 from blockattn.kernels import ops
-from conftest import DEVICE, ON_GPU, assert_output_and_gradients, expand, qkv, random_keep
+from conftest import DEVICE, ON_GPU, assert_output_and_gradients, expand, output_and_lse_loss, qkv, random_keep
 
 
 def op_args(requires_grad):
@@ -74,6 +74,24 @@ def test_compiled_model_has_no_graph_break_and_matches_eager():
     assert torch.equal(out, eager)
     for got, want in zip((t.grad for t in leaves), eager_grads):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_pytorch_backend_compiled_by_inductor_matches_eager():
+    """torch.compile with Inductor over the PyTorch backend (a graph break where it reads its lists' lengths): out,
+    LSE and the gradients through both as eager gives them. One query block keeps key blocks, alone in its chunk:
+    there torch 2.13's Inductor on the CPU miscompiled the gradient of keys and queries gathered by advanced indexing
+    (reference._gathered)."""
+    q, k, v = (t.requires_grad_(True) for t in qkv(2, 2, 80, 16, kv_heads=1, dtype=torch.float32, seed=8))
+    keep = torch.zeros(2, 2, 1, 2, dtype=torch.bool, device=DEVICE)
+    keep[0, 1, 0, 1] = True
+
+    def loss_and_outputs(fn):
+        out, lse = fn(q, k, v, keep, (100, 48), return_lse=True, backend="torch")
+        grads = torch.autograd.grad(output_and_lse_loss(out, lse, torch.ones_like(out)), (q, k, v))
+        return out, lse, *grads
+    torch._dynamo.reset()
+    for got, want in zip(loss_and_outputs(torch.compile(blockattn.attention)), loss_and_outputs(blockattn.attention)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_compiling_meets_no_cache_wrapper():
