@@ -1,7 +1,9 @@
-"""The Triton path as custom ops: torch.library.opcheck, and torch.compile without graph breaks."""
+"""The Triton path as custom ops: torch.library.opcheck, and torch.compile without graph breaks; the PyTorch backend
+under torch.compile."""
 
 import warnings
 
+import pytest
 import torch
 
 import blockattn
@@ -76,21 +78,33 @@ def test_compiled_model_has_no_graph_break_and_matches_eager():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_the_pytorch_backend_compiled_by_inductor_matches_eager():
-    """torch.compile with Inductor over the PyTorch backend (a graph break where it reads its lists' lengths): out,
-    LSE and the gradients through both as eager gives them. One query block keeps key blocks, alone in its chunk:
-    there torch 2.13's Inductor on the CPU miscompiled the gradient of keys and queries gathered by advanced indexing
-    (reference._gathered)."""
-    q, k, v = (t.requires_grad_(True) for t in qkv(2, 2, 80, 16, kv_heads=1, dtype=torch.float32, seed=8))
-    keep = torch.zeros(2, 2, 1, 2, dtype=torch.bool, device=DEVICE)
-    keep[0, 1, 0, 1] = True
+@pytest.mark.parametrize("case", ["one row alone in its chunk", "packed GQA"])
+def test_the_pytorch_backend_compiled_by_inductor_matches_eager(case):
+    """torch.compile with Inductor over the PyTorch backend: out, LSE and the gradients through both as eager gives
+    them. torch 2.13's Inductor on the CPU miscompiled the backend's key gradients in both cases (a query block that
+    keeps key blocks alone in its chunk; GQA over a packed batch), so the backend runs eagerly under compile
+    (reference.block_sparse_attention is compiler-disabled)."""
+    if case == "packed GQA":
+        gen = torch.Generator(device=DEVICE).manual_seed(37)
+        q, k, v = (torch.randn(tokens, heads, dim, generator=gen, device=DEVICE)
+                   for tokens, heads, dim in ((302, 3, 16), (341, 1, 16), (341, 1, 48)))
+        offsets = {f"cu_seqlens_{side}": torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+                   for side, lengths in (("q", [0, 162, 293, 302]), ("kv", [0, 94, 206, 341]))}
+        call = dict(blocks=None, block_size=(64, 100), layout="thd", max_seqlen_q=162, max_seqlen_kv=135, **offsets)
+    else:
+        q, k, v = qkv(2, 2, 80, 16, kv_heads=1, dtype=torch.float32, seed=8)
+        keep = torch.zeros(2, 2, 1, 2, dtype=torch.bool, device=DEVICE)
+        keep[0, 1, 0, 1] = True
+        call = dict(blocks=keep, block_size=(100, 48))
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
 
-    def loss_and_outputs(fn):
-        out, lse = fn(q, k, v, keep, (100, 48), return_lse=True, backend="torch")
+    def outputs_and_gradients(fn):
+        out, lse = fn(q, k, v, return_lse=True, backend="torch", **call)
         grads = torch.autograd.grad(output_and_lse_loss(out, lse, torch.ones_like(out)), (q, k, v))
         return out, lse, *grads
     torch._dynamo.reset()
-    for got, want in zip(loss_and_outputs(torch.compile(blockattn.attention)), loss_and_outputs(blockattn.attention)):
+    compiled = outputs_and_gradients(torch.compile(blockattn.attention))
+    for got, want in zip(compiled, outputs_and_gradients(blockattn.attention)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
