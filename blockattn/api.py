@@ -339,7 +339,8 @@ def _reference(p: _Prepared, is_causal: bool, q=None, k=None, v=None, need_lse: 
         outs.append(out)
         lses.append(lse)
     out, lse = torch.cat(outs, dim=2), (torch.cat(lses, dim=2) if need_lse else None)
-    if not out.requires_grad:  # every sequence with queries has no keys: zeros, still hung off q, k and v
+    if not out.requires_grad and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        # every sequence with queries has no keys: zeros, still hung off q, k and v for autograd
         out, lse = (None if t is None else reference.attached(t, q, k, v) for t in (out, lse))
     return out, lse
 

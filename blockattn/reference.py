@@ -87,11 +87,11 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
         listed = torch.arange(width, device=device) < sorted_count[start:stop, None]      # [n, w]
         # (slots past a list's count hold any block; block 0 stands in, masked off)
         idx = torch.where(listed, index[here, :width], 0).long()                          # [n, w]
-        kv_rows = (b * kv_heads + kv_h) * nk + idx                                         # [n, w]
-        keys = _gathered(k_blocks, kv_rows, (block_kv, dim)).flatten(1, 2).to(compute)     # [n, L = w*bkv, D]
-        values = _gathered(v_blocks, kv_rows, (block_kv, dim_v)).flatten(1, 2).to(compute)   # [n, L, Dv]
+        kv_rows = (b * kv_heads + kv_h) * nk + idx                                        # [n, w]
+        keys = _gathered(k_blocks, kv_rows, (block_kv, dim)).flatten(1, 2).to(compute)    # [n, L = w*bkv, D]
+        values = _gathered(v_blocks, kv_rows, (block_kv, dim_v)).flatten(1, 2).to(compute)  # [n, L, Dv]
         queries = (q_blocks[start:stop].view(n, block_q, dim) if in_place
-                   else _gathered(q_blocks, here, (block_q, dim))).to(compute)              # [n, bq, D]
+                   else _gathered(q_blocks, here, (block_q, dim))).to(compute)             # [n, bq, D]
 
         key_pos = idx[..., None] * block_kv + offsets_kv                                  # [n, w, bkv]
         visible = listed[..., None] & (key_pos < seq_kv)
