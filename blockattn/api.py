@@ -314,9 +314,15 @@ def _reference(p: _Prepared, is_causal: bool, q=None, k=None, v=None, need_lse: 
     """The PyTorch backend on prepared inputs (q, k, v override p's, for autograd on detached copies); the LSE is
     None unless need_lse."""
     q, k, v = (p.q if q is None else q), (p.k if k is None else k), (p.v if v is None else v)
+    attend = reference.block_sparse_attention
+    if torch.compiler.is_compiling():
+        # torch.compile runs the backend eagerly: it reads its lists' lengths on the host (a graph break in any case),
+        # and torch 2.13's Inductor on the CPU miscompiled it, giving keys wrong gradients in some chunks (GQA, a chunk
+        # of one row) or corrupting the heap (tests/test_compile.py). Wrapped here, not decorated, so that importing
+        # blockattn does not import torch._dynamo.
+        attend = torch.compiler.disable(attend)
     if p.varlen is None:
-        return reference.block_sparse_attention(q, k, v, p.sparsity, p.scale, p.token_mask, is_causal, p.kv_valid,
-                                                need_lse)
+        return attend(q, k, v, p.sparsity, p.scale, p.token_mask, is_causal, p.kv_valid, need_lse)
     # a packed batch: one sequence at a time, each with its own slice of the block mask
     outs, lses = [], []
     mask = p.sparsity.mask
@@ -332,7 +338,7 @@ def _reference(p: _Prepared, is_causal: bool, q=None, k=None, v=None, need_lse: 
         nq, nk = math.ceil(len_q / block_q), math.ceil(len_kv / block_kv)
         keep = mask[index if mask.shape[0] > 1 else 0][None, :, :nq, :nk]
         valid = p.kv_valid[index if p.kv_valid.shape[0] > 1 else 0, :nk][None] if p.kv_valid is not None else None
-        out, lse = reference.block_sparse_attention(
+        out, lse = attend(
             q_i, k[:, :, start_kv:start_kv + len_kv], v[:, :, start_kv:start_kv + len_kv],
             BlockSparsity.from_mask(keep, (block_q, block_kv), len_q, len_kv), p.scale, None, is_causal, valid,
             need_lse)

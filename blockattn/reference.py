@@ -22,10 +22,6 @@ _CHUNK_BYTES = 256 * 2**20
 _LENGTH_SPREAD = 1.25
 
 
-# torch.compile runs this eagerly: it reads its lists' lengths on the host (a graph break in any case), and torch 2.13's
-# Inductor on the CPU miscompiled it, giving the keys wrong gradients in some chunks (GQA, a chunk of one row) or
-# corrupting the heap. tests/test_compile.py holds it to eager results.
-@torch.compiler.disable
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: BlockSparsity, scale: float,
                            token_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                            kv_valid: Optional[torch.Tensor] = None,

@@ -1,6 +1,8 @@
 """The Triton path as custom ops: torch.library.opcheck, and torch.compile without graph breaks; the PyTorch backend
 under torch.compile."""
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -83,7 +85,7 @@ def test_the_pytorch_backend_compiled_by_inductor_matches_eager(case):
     """torch.compile with Inductor over the PyTorch backend: out, LSE and the gradients through both as eager gives
     them. torch 2.13's Inductor on the CPU miscompiled the backend's key gradients in both cases (a query block that
     keeps key blocks alone in its chunk; GQA over a packed batch), so the backend runs eagerly under compile
-    (reference.block_sparse_attention is compiler-disabled)."""
+    (api._reference wraps it in torch.compiler.disable)."""
     if case == "packed GQA":
         gen = torch.Generator(device=DEVICE).manual_seed(37)
         q, k, v = (torch.randn(tokens, heads, dim, generator=gen, device=DEVICE)
@@ -106,6 +108,14 @@ def test_the_pytorch_backend_compiled_by_inductor_matches_eager(case):
     compiled = outputs_and_gradients(torch.compile(blockattn.attention))
     for got, want in zip(compiled, outputs_and_gradients(blockattn.attention)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_importing_blockattn_imports_neither_triton_nor_dynamo():
+    """import blockattn stays light: Triton loads with the first kernel call (so TRITON_INTERPRET set after the import
+    still counts), and torch._dynamo (with Inductor, over a second of import) only where a caller compiles."""
+    probe = "import sys, blockattn; print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr[-2000:]
 
 
 def test_compiling_meets_no_cache_wrapper():
