@@ -12,7 +12,7 @@ import itertools
 import math
 import random
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import pytest
@@ -57,10 +57,9 @@ class Config:
     gradients: Optional[str]        # None, "out" or "out and lse"
     backward_api: bool
     quant: Optional[str]
-    notes: dict = field(default_factory=dict)
 
     def describe(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in asdict(self).items() if k != "notes")
+        return ", ".join(f"{k}={v}" for k, v in asdict(self).items())
 
 
 def draw(seed: int) -> Config:
@@ -99,7 +98,8 @@ def draw(seed: int) -> Config:
 
 
 def make_inputs(c: Config):
-    """(q, k, v as the call gets them, requiring grad where asked; keep mask; token mask; kv_valid; call kwargs)."""
+    """([q, k, v] as the call gets them, views of leaves that require grad where gradients are asked; the block
+    mask; the call's keyword arguments: layout, scale, token mask, is_causal, kv_valid and the packed offsets)."""
     gen = torch.Generator(device=DEVICE).manual_seed(c.seed)
     heads = c.kv_heads * c.group
     if c.layout == "thd":
