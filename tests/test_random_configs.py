@@ -2,26 +2,28 @@
 own; this draws them together: layouts (packed batches with empty sequences among them), GQA, odd lengths, block
 shapes no tile nests in, head dims, Dv != D, dtypes, causal, token masks, kv_valid, strided and batch-broadcast
 inputs, prepared lists, masks that keep nothing, gradients through out and LSE, attention_backward, and the
-quantized forwards (held against the PyTorch backend's, which defines them). Each test draws one configuration from
-its seed, and its failure message prints that configuration. More seeds, outside pytest:
+quantized forwards (held against the PyTorch backend's, which defines them); the first few also under torch.compile,
+against eager. Each test draws one configuration from its seed, and its failure message prints that configuration.
+More seeds, outside pytest:
 
     python tests/test_random_configs.py 1000        # seeds 0..999 on both backends, failures listed
 """
 
+import dataclasses
 import itertools
 import math
 import random
 import sys
-from dataclasses import asdict, dataclass
 from typing import Optional
 
 import pytest
 import torch
 
 import blockattn
-from conftest import DEVICE, oracle, output_and_lse_loss, rel_error
+from conftest import DEVICE, ON_GPU, oracle, output_and_lse_loss, rel_error
 
 SEEDS = range(64)
+COMPILED_SEEDS = range(6)
 # Relative error allowed against the fp64 oracle, per input dtype (the gradients twice this). fp32 on a GPU may
 # multiply in tf32.
 TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -29,7 +31,7 @@ TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 QUANT_TOLERANCE = {"int8": None, "int8-fp8": 0.1, "int8-int8": 0.1}
 
 
-@dataclass
+@dataclasses.dataclass
 class Config:
     """One random call: the drawn choices, and the seed that makes its tensors."""
     seed: int
@@ -59,7 +61,7 @@ class Config:
     quant: Optional[str]
 
     def describe(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in asdict(self).items())
+        return ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
 
 
 def draw(seed: int) -> Config:
@@ -247,6 +249,33 @@ def test_a_random_configuration_matches_the_oracle(poisoned, seed, backend):
     config = draw(seed)
     found = problems_of(config, backend)
     assert not found, f"{found} for {config.describe()}"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("seed", COMPILED_SEEDS)
+def test_a_random_configuration_compiled_gives_the_eager_result(seed, backend):
+    """The same call under torch.compile: the Triton backend in one graph (fullgraph; packed batches given their
+    longest lengths), through Inductor on a GPU and aot_eager under the interpreter; the PyTorch backend through
+    Inductor (it runs eagerly inside the compiled graph). Out, LSE and the gradients as eager gives them."""
+    c = dataclasses.replace(draw(seed), quant=None)
+    inputs, keep, kwargs = make_inputs(c)
+    if c.layout == "thd":
+        kwargs.update(max_seqlen_q=c.seq_q, max_seqlen_kv=c.seq_kv)
+
+    def call(q, k, v):
+        return blockattn.attention(q, k, v, keep, c.block, return_lse=True, backend=backend, **kwargs)
+    compiler = "inductor" if backend == "torch" or ON_GPU else "aot_eager"
+    torch._dynamo.reset()
+    results = []
+    for fn in (torch.compile(call, fullgraph=backend == "triton", dynamic=False, backend=compiler), call):
+        out, lse = fn(*inputs)
+        grads = (torch.autograd.grad(output_and_lse_loss(out, lse, torch.ones_like(out)), inputs)
+                 if c.gradients is not None else ())
+        results.append((out, lse, *grads))
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        finite = torch.isfinite(want)
+        assert torch.equal(finite, torch.isfinite(got)) and rel_error(got[finite], want[finite]) <= 1e-3, \
+            f"{name} differs from eager's for {c.describe()}"
 
 
 def test_the_draws_cover_every_choice():
