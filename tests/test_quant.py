@@ -281,8 +281,8 @@ def test_pv_quantized_forward_matches_the_oracle_on_its_quantized_values(geometr
 def test_pv_quantized_forward_takes_key_tiles_of_32_at_least(poisoned, tuner_launches, quant, block, causal):
     """The GPU's 8-bit products reduce over 32 keys at a time, so P @ V in 8 bits runs on key tiles of 32 or more:
     key blocks that no such tile nests in (48, 16) run on a tile view with the block mask tested per element, and
-    query blocks of 16 rows (16, 48) on 16x32 tiles. Against the oracle on the quantized values (P's rounding
-    allowed for), every forward launch 32 keys wide."""
+    query blocks whose rows are a multiple of 16 but not of 32 (16, 48) on 16x32 tiles. Against the oracle on the
+    quantized values (P's rounding allowed for), every forward launch 32 keys wide."""
     seq_q, seq_kv, heads, dim = 150, 131, 2, 32
     q, k, v = qkv(1, heads, seq_q, dim, seq_kv=seq_kv, seed=41)
     keep = random_keep(1, heads, seq_q, seq_kv, block)
