@@ -322,8 +322,18 @@ def _reference(p: _Prepared, is_causal: bool, q=None, k=None, v=None, need_lse: 
         # blockattn does not import torch._dynamo.
         attend = torch.compiler.disable(attend)
     if p.varlen is None:
-        return attend(q, k, v, p.sparsity, p.scale, p.token_mask, is_causal, p.kv_valid, need_lse)
-    # a packed batch: one sequence at a time, each with its own slice of the block mask
+        out, lse = attend(q, k, v, p.sparsity, p.scale, p.token_mask, is_causal, p.kv_valid, need_lse)
+    else:
+        out, lse = _packed_reference(p, is_causal, q, k, v, need_lse, attend)
+    if not out.requires_grad and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        # no row saw a key (a mask keeping nothing, or packed sequences without keys): zeros, still hung off q, k and
+        # v, so that a backward gives zero gradients
+        out, lse = (None if t is None else reference.attached(t, q, k, v) for t in (out, lse))
+    return out, lse
+
+
+def _packed_reference(p: _Prepared, is_causal: bool, q, k, v, need_lse: bool, attend):
+    """_reference for a packed batch: one sequence at a time, each with its own slice of the block mask."""
     outs, lses = [], []
     mask = p.sparsity.mask
     block_q, block_kv = p.sparsity.block_size
@@ -344,11 +354,7 @@ def _reference(p: _Prepared, is_causal: bool, q=None, k=None, v=None, need_lse: 
             need_lse)
         outs.append(out)
         lses.append(lse)
-    out, lse = torch.cat(outs, dim=2), (torch.cat(lses, dim=2) if need_lse else None)
-    if not out.requires_grad and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        # every sequence with queries has no keys: zeros, still hung off q, k and v for autograd
-        out, lse = (None if t is None else reference.attached(t, q, k, v) for t in (out, lse))
-    return out, lse
+    return torch.cat(outs, dim=2), (torch.cat(lses, dim=2) if need_lse else None)
 
 
 def _to_layout(out: torch.Tensor, lse: Optional[torch.Tensor], layout: str):

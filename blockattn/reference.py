@@ -67,11 +67,8 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
         kv_valid = kv_valid.expand(batch, nk).long()
 
     outs, lses = [], []
-    chunks = _chunks(lengths, block_q * block_kv * 4, _CHUNK_BYTES)
-    if not lengths or lengths[-1] == 0:
-        # An empty batch, or no row keeps a block: one empty chunk through the attention below, so that out and lse
-        # still hang off q, k and v for autograd (zero gradients, as dense attention over no keys would give).
-        chunks.append((rows, rows, 1))
+    # (an empty batch: one empty chunk, so that out and lse still hang off q, k and v for autograd)
+    chunks = _chunks(lengths, block_q * block_kv * 4, _CHUNK_BYTES) if rows else [(0, 0, 1)]
     for start, stop, width in chunks:
         n = stop - start
         if width == 0:  # rows that keep no key block: zeros, LSE -inf
