@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import blockattn
-from conftest import DEVICE, ON_GPU, oracle, output_and_lse_loss, rel_error
+from conftest import (DEVICE, ON_GPU, expand, mostly_whole_kv_valid, oracle, output_and_lse_loss, real_keys,
+                      rel_error)
 
 SEEDS = range(64)
 COMPILED_SEEDS = range(6)
@@ -129,8 +130,8 @@ def make_inputs(c: Config):
                   if c.token_mask else None)
     kv_valid = None
     if c.kv_valid is not None:
-        kv_valid = torch.randint(0, c.block[1] + 1, c.kv_valid, generator=gen, device=DEVICE, dtype=torch.int32)
-        kv_valid[torch.rand(c.kv_valid, generator=gen, device=DEVICE) < 0.6] = c.block[1]   # most blocks whole
+        rows, nk = math.prod(c.kv_valid[:-1]), c.kv_valid[-1]
+        kv_valid = mostly_whole_kv_valid(rows, nk, c.block[1], c.seed).view(c.kv_valid)
     kwargs = dict(layout=c.layout, scale=c.scale, attn_mask=token_mask, is_causal=c.is_causal, kv_valid=kv_valid)
     if c.layout == "thd":
         kwargs.update({f"cu_seqlens_{side}": torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32,
@@ -153,29 +154,26 @@ def expected(c: Config, inputs, keep, kwargs):
             else:
                 visible = visible_keys(c, keep[n if c.mask_batch > 1 else 0][None], None, kwargs["kv_valid"], n,
                                        q1 - q0, k1 - k0)
-                out, lse = oracle(q, k, v, visible, scale=c.scale)
+                out, lse = oracle(q, k, v, visible, scale=c.scale, is_causal=c.is_causal)
             per_sequence.append((out[0].permute(1, 0, 2), lse[0].permute(1, 0)))
         return torch.cat([o for o, _ in per_sequence]), torch.cat([lse for _, lse in per_sequence]), leaves
     q, k, v = (t.transpose(1, 2) for t in leaves) if c.layout == "bshd" else leaves
     visible = visible_keys(c, keep, kwargs["attn_mask"], kwargs["kv_valid"], None, c.seq_q, c.seq_kv)
-    out, lse = oracle(q, k, v, visible, scale=c.scale)
+    out, lse = oracle(q, k, v, visible, scale=c.scale, is_causal=c.is_causal)
     return (out.transpose(1, 2) if c.layout == "bshd" else out), lse, leaves
 
 
 def visible_keys(c: Config, keep, token_mask, kv_valid, sequence: Optional[int], seq_q: int, seq_kv: int):
-    """The token mask [B|1, H|1, seq_q, seq_kv] of one batch (or of one packed sequence) the semantics define."""
-    visible = keep.repeat_interleave(c.block[0], -2).repeat_interleave(c.block[1], -1)[..., :seq_q, :seq_kv]
+    """The token mask [B|1, H|1, seq_q, seq_kv] of one batch (or of one packed sequence) the blocks, the token mask
+    and kv_valid define (the oracle adds causality)."""
+    visible = expand(keep, c.block, seq_q, seq_kv)
     if token_mask is not None:
         visible = visible & token_mask
-    if c.is_causal:
-        visible = visible & torch.ones(seq_q, seq_kv, dtype=torch.bool, device=DEVICE).tril()
     if kv_valid is not None:
         valid = kv_valid if kv_valid.ndim == 2 else kv_valid[None]
         if sequence is not None:
             valid = valid[sequence if valid.shape[0] > 1 else 0][None]
-        offsets = torch.arange(seq_kv, device=DEVICE)
-        real = offsets % c.block[1] < valid.repeat_interleave(c.block[1], -1)[:, :seq_kv]   # [B|1, seq_kv]
-        visible = visible & real[:, None, None, :]
+        visible = visible & real_keys(valid, c.block[1], seq_kv)[:, None, None, :]
     return visible
 
 
