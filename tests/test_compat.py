@@ -4,13 +4,15 @@ the quantized forward. GPU runs use the reference suites' sizes; the CPU interpr
 heads and a smaller head dim."""
 
 import math
+import random
+import re
 
 import pytest
 import torch
 
 import blockattn
 from blockattn.compat import fastvideo, npu, sage
-from conftest import DEVICE, ON_GPU, make_generator, oracle
+from conftest import DEVICE, ON_GPU, expand, make_generator, oracle
 
 DIM = 128 if ON_GPU else 32
 TND_Q = [355, 17, 41, 83, 129, 211, 7, 53, 97, 151, 233, 301, 19]
@@ -23,13 +25,9 @@ def gen_tensor(*shape, dtype, seed):
     return torch.randn(*shape, generator=make_generator(seed), device=DEVICE).to(dtype)
 
 
-def expand(mask, block, seq_q, seq_kv):
-    return mask.bool().repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)[..., :seq_q, :seq_kv]
-
-
-def tnd_oracle(query, key, value, mask, block, lengths_q, lengths_kv, grad=None):
-    """Per sequence fp64 attention over the token-expanded block mask; returns out [T, N, D], lse [T, N] and, with
-    grad, (dq, dk, dv) in the packed layout."""
+def tnd_oracle(query, key, value, mask, block, lengths_q, lengths_kv, grad=None, scale=None):
+    """Per sequence fp64 attention over the token-expanded block mask (scale None: D ** -0.5); returns out [T, N, D],
+    lse [T, N] and, with grad, (dq, dk, dv) in the packed layout."""
     leaves = [t.detach().double().requires_grad_(grad is not None) for t in (query, key, value)]
     outs, lses = [], []
     start_q = start_kv = 0
@@ -38,7 +36,7 @@ def tnd_oracle(query, key, value, mask, block, lengths_q, lengths_kv, grad=None)
         k = leaves[1][start_kv:start_kv + len_kv].permute(1, 0, 2)[None]
         v = leaves[2][start_kv:start_kv + len_kv].permute(1, 0, 2)[None]
         visible = expand(mask[index:index + 1], block, len_q, len_kv)
-        out, lse = oracle(q, k, v, visible)
+        out, lse = oracle(q, k, v, visible, scale=scale)
         outs.append(out[0].permute(1, 0, 2))
         lses.append(lse[0].t())
         start_q, start_kv = start_q + len_q, start_kv + len_kv
@@ -50,7 +48,9 @@ def tnd_oracle(query, key, value, mask, block, lengths_q, lengths_kv, grad=None)
 
 
 def close(got, want, tolerance, label):
-    assert torch.isfinite(got).all(), f"{label} not finite"
+    assert got.shape == want.shape and torch.isfinite(got).all(), f"{label} not finite, or shaped {got.shape}"
+    if not want.numel():
+        return
     gap = (got.double() - want.double()).abs().max().item()
     scale = want.abs().max().item()
     assert gap <= tolerance * max(scale, 1e-6), f"{label}: gap {gap:.3e} vs scale {scale:.3e}"
@@ -150,6 +150,97 @@ def test_npu_padded_layouts_forward_then_backward_function(layout, dtype, full):
         close(from_layout(got), leaf.grad, 2 * TOLERANCE[dtype], name)
 
 
+NPU_SEEDS = range(24)
+
+
+def draw_npu_call(seed: int) -> dict:
+    """One random npu_block_sparse_attention call: layout, GQA, dtype, block shape, lengths (TND: per sequence, some
+    empty; BNSD / BSND: actual lengths for some batch entries or none), mask density and type, scale, and whether the
+    gradients come through autograd or through the backward function."""
+    rng = random.Random(seed)
+    layout = rng.choice(["BNSD", "BSND", "TND"])
+    kv_heads, group, batch = rng.choice([1, 2]), rng.choice([1, 2, 3]), rng.choice([1, 2, 3])
+    call = dict(layout=layout, dtype=rng.choice([torch.float16, torch.bfloat16, torch.float32]), kv_heads=kv_heads,
+                heads=kv_heads * group, dim=rng.choice([16, 32, 64]), batch=batch,
+                block=(rng.choice([16, 32, 48, 64, 128]), rng.choice([16, 32, 48, 64, 128])),
+                density=rng.choice([1.0, 0.5, 0.2]), mask_dtype=rng.choice([torch.int8, torch.uint8, torch.bool]),
+                scale=rng.choice([0.0, 0.1, 0.3]), through=rng.choice(["autograd", "backward function"]))
+    if layout == "TND":
+        lengths_q = [rng.randint(0, 150) for _ in range(batch)]
+        lengths_kv = list(lengths_q) if rng.random() < 0.5 else [rng.randint(0, 150) for _ in range(batch)]
+        lengths_q[0], lengths_kv[-1] = max(lengths_q[0], 1), max(lengths_kv[-1], 1)  # no empty packed tensor
+        seq_q, seq_kv = max(lengths_q), max(lengths_kv)
+    else:
+        seq_q = rng.randint(1, 150)
+        seq_kv = seq_q if rng.random() < 0.5 else rng.randint(1, 150)
+        lengths_q = [rng.randint(0, seq_q) for _ in range(batch)] if rng.random() < 0.6 else None
+        lengths_kv = [rng.randint(0, seq_kv) for _ in range(batch)] if rng.random() < 0.6 else None
+    return dict(call, seq_q=seq_q, seq_kv=seq_kv, lengths_q=lengths_q, lengths_kv=lengths_kv)
+
+
+def padded_oracle(layout, query, key, value, mask, block, lengths_q, lengths_kv, scale, grad):
+    """fp64 out, LSE and (dq, dk, dv) for BNSD / BSND, where query row i of batch entry b counts only below
+    lengths_q[b] and key j below lengths_kv[b] (None: all); each in the inputs' layout (LSE [B, N, S])."""
+    to_bnsd = (lambda t: t) if layout == "BNSD" else (lambda t: t.transpose(1, 2))
+    leaves = [to_bnsd(t).detach().double().requires_grad_(True) for t in (query, key, value)]
+    seq_q, seq_kv = leaves[0].shape[2], leaves[1].shape[2]
+    visible = expand(mask, block, seq_q, seq_kv).clone()
+    for b in range(visible.shape[0]):
+        visible[b, :, lengths_q[b] if lengths_q else seq_q:] = False
+        visible[b, :, :, lengths_kv[b] if lengths_kv else seq_kv:] = False
+    out, lse = oracle(*leaves, visible, scale=scale)
+    out.backward(to_bnsd(grad).double())
+    return to_bnsd(out), lse, [to_bnsd(leaf.grad) for leaf in leaves]
+
+
+@pytest.mark.parametrize("seed", NPU_SEEDS)
+def test_npu_on_random_configurations(poisoned, seed):
+    """npu_block_sparse_attention (and its backward, or autograd through it) on a random call against the fp64
+    oracle: padded rows and sequences without keys give zeros and LSE -inf, never NaN."""
+    call = draw_npu_call(seed)
+    layout, dtype, block, batch = call["layout"], call["dtype"], call["block"], call["batch"]
+    gen = make_generator(seed)
+    nq, nk = math.ceil(call["seq_q"] / block[0]), math.ceil(call["seq_kv"] / block[1])
+    mask = (torch.rand(batch, call["heads"], nq, nk, generator=gen, device=DEVICE) < call["density"])
+    mask = mask.to(call["mask_dtype"])
+    if layout == "TND":
+        shapes = [(sum(call["lengths_q"]), call["heads"]), (sum(call["lengths_kv"]), call["kv_heads"])]
+    else:
+        shapes = [(batch, call["heads"], call["seq_q"]), (batch, call["kv_heads"], call["seq_kv"])]
+        if layout == "BSND":
+            shapes = [(shape[0], shape[2], shape[1]) for shape in shapes]
+    query, key, value = (torch.randn(*shape, call["dim"], generator=gen, device=DEVICE).to(dtype)
+                         for shape in (shapes[0], shapes[1], shapes[1]))
+    grad = torch.randn(query.shape, generator=gen, device=DEVICE).to(dtype)
+    options = dict(q_input_layout=layout, kv_input_layout=layout, num_key_value_heads=call["kv_heads"],
+                   scale_value=call["scale"], actual_seq_lengths=call["lengths_q"],
+                   actual_seq_lengths_kv=call["lengths_kv"])
+    autograd = call["through"] == "autograd"
+    leaves = [t.detach().clone().requires_grad_(autograd) for t in (query, key, value)]
+    out, lse = npu.npu_block_sparse_attention(*leaves, mask, block, **options)
+    if autograd:
+        out.backward(grad)
+        grads = [leaf.grad for leaf in leaves]
+    else:
+        grads = npu.npu_block_sparse_attention_backward(grad, query, key, value, out, lse, mask, block, **options)
+    scale = call["scale"] or call["dim"] ** -0.5
+    if layout == "TND":
+        want_out, want_lse, want_grads = tnd_oracle(query, key, value, mask, block, call["lengths_q"],
+                                                    call["lengths_kv"], grad, scale=scale)
+    else:
+        want_out, want_lse, want_grads = padded_oracle(layout, query, key, value, mask, block, call["lengths_q"],
+                                                       call["lengths_kv"], scale, grad)
+    label = ", ".join(f"{name}={value}" for name, value in call.items())
+    tolerance = TOLERANCE[dtype] if dtype != torch.float32 else 5e-3  # fp32 on a GPU may multiply in tf32
+    close(out, want_out, tolerance, f"out ({label})")
+    lse = lse[..., 0]
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite) and not lse.isnan().any(), f"LSE's empty rows ({label})"
+    close(lse[finite], want_lse[finite], 1e-3 if dtype != torch.float32 else 1e-4, f"lse ({label})")
+    for name, got, want in zip(("dq", "dk", "dv"), grads, want_grads):
+        close(got, want, 2 * tolerance, f"{name} ({label})")
+
+
 def test_npu_errors():
     q = torch.zeros(10, 2, 16, device=DEVICE, dtype=torch.float16)
     mask = torch.ones(1, 2, 1, 1, dtype=torch.int8, device=DEVICE)
@@ -166,6 +257,22 @@ def test_npu_errors():
     with pytest.raises(ValueError, match="actual_seq_lengths_kv must sum to the packed token count 10, got 12"):
         npu.npu_block_sparse_attention(q, q, q, mask, [16, 16], num_key_value_heads=2, actual_seq_lengths=[4, 6],
                                        actual_seq_lengths_kv=[6, 6])
+    with pytest.raises(ValueError, match="describe the same number of sequences, got 2 and 1"):
+        npu.npu_block_sparse_attention(q, q, q, mask, [16, 16], num_key_value_heads=2, actual_seq_lengths=[4, 6],
+                                       actual_seq_lengths_kv=[10])
+    for block_shape in ([16], [16, 0], [16.5, 16], "ab", None):
+        with pytest.raises(ValueError, match=r"block_shape must be two positive integers .* got " +
+                           re.escape(repr(block_shape))):
+            npu.npu_block_sparse_attention(q, q, q, mask, block_shape, num_key_value_heads=2,
+                                           actual_seq_lengths=[10], actual_seq_lengths_kv=[10])
+    padded = torch.zeros(2, 2, 10, 16, device=DEVICE, dtype=torch.float16)  # BNSD, batch 2
+    for lengths, message in (([10], r"must give one length per batch entry \(2\), got 1"),
+                             ([4, 5, 6], r"must give one length per batch entry \(2\), got 3"),
+                             ([4, 11], r"must not exceed the sequence length 10, got \[4, 11\]")):
+        for name in ("actual_seq_lengths", "actual_seq_lengths_kv"):
+            with pytest.raises(ValueError, match=f"{name} {message}"):
+                npu.npu_block_sparse_attention(padded, padded, padded, mask, [16, 16], q_input_layout="BNSD",
+                                               kv_input_layout="BNSD", num_key_value_heads=2, **{name: lengths})
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])

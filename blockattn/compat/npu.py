@@ -1,7 +1,9 @@
 """torch_npu's npu_block_sparse_attention and its backward, on blockattn.
 
 Layouts "BNSD" [B, N, S, D], "BSND" [B, S, N, D] and "TND" [T, N, D] (packed; actual_seq_lengths give each
-sequence's length, not offsets). block_sparse_mask [B, N, ceil(S / block_shape[0]), ceil(S_kv / block_shape[1])]
+sequence's length, not offsets). With BNSD / BSND, actual_seq_lengths (_kv), if given, hold one length per batch
+entry, at most S: the queries (keys) past it are padding, and a padding row gives zeros and LSE -inf.
+block_sparse_mask [B, N, ceil(S / block_shape[0]), ceil(S_kv / block_shape[1])]
 (nonzero = keep; for TND at the longest lengths, each sequence's blocks starting at its first token). softmax_lse
 is float32, natural log, [B, N, S, 1] (BNSD, BSND) or [T, N, 1] (TND). Differences from the NPU operator: head
 dims up to 256 (not 128), and inner_precise has no effect (accumulation is always fp32).
@@ -56,6 +58,29 @@ def _check(query, key, value, num_key_value_heads, layout):
         raise ValueError(f"num_key_value_heads is {num_key_value_heads} but key has {key.shape[head_axis]} heads")
 
 
+def _block_shape(block_shape) -> tuple:
+    """(block_q, block_kv) from block_shape: two positive whole numbers (a fraction is refused, not cut off)."""
+    try:
+        sides = tuple(int(side) for side in block_shape)
+        whole = all(side == float(given) for side, given in zip(sides, block_shape))
+    except (TypeError, ValueError):
+        sides, whole = (), False
+    if len(sides) != 2 or not whole or min(sides) < 1:
+        raise ValueError(f"block_shape must be two positive integers [block_q, block_kv], got {block_shape!r}")
+    return sides
+
+
+def _check_padded_lengths(name: str, lengths: Optional[torch.Tensor], batch: int, seq: int) -> None:
+    """BNSD / BSND: one actual length per batch entry, none past the tensor's sequence length."""
+    if lengths is None:
+        return
+    if lengths.numel() != batch:
+        raise ValueError(f"{name} must give one length per batch entry ({batch}), got {lengths.numel()}: "
+                         f"{lengths.tolist()}")
+    if int(lengths.max()) > seq:
+        raise ValueError(f"{name} must not exceed the sequence length {seq}, got {lengths.tolist()}")
+
+
 def _padded_token_mask(offsets_q, offsets_kv, seq_q, seq_kv, device):
     """BNSD/BSND with actual lengths: query i and key j of batch b count only below that batch's lengths."""
     lengths_q = (offsets_q[1:] - offsets_q[:-1]).long()
@@ -77,6 +102,9 @@ def _common(query, key, value, block_sparse_mask, block_shape, q_input_layout, k
     cu_kv = _offsets("actual_seq_lengths_kv", host_kv, layout, query.device)
     kwargs = dict(layout=layout, scale=None if not scale_value else float(scale_value))
     if layout == "thd":
+        if host_q.numel() != host_kv.numel():
+            raise ValueError(f"actual_seq_lengths and actual_seq_lengths_kv must describe the same number of "
+                             f"sequences, got {host_q.numel()} and {host_kv.numel()}")
         kwargs.update(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
         # the lengths are on the host already: check their totals here and hand the longest ones over, so that
         # attention() need not read the offsets back from the device
@@ -91,12 +119,13 @@ def _common(query, key, value, block_sparse_mask, block_shape, q_input_layout, k
         seq_axis = 2 if layout == "bhsd" else 1
         seq_q, seq_kv = query.shape[seq_axis], key.shape[seq_axis]
         batch = query.shape[0]
+        _check_padded_lengths("actual_seq_lengths", host_q, batch, seq_q)
+        _check_padded_lengths("actual_seq_lengths_kv", host_kv, batch, seq_kv)
         full_q = torch.arange(batch + 1, device=query.device, dtype=torch.int32) * seq_q
         full_kv = torch.arange(batch + 1, device=query.device, dtype=torch.int32) * seq_kv
         kwargs["attn_mask"] = _padded_token_mask(cu_q if cu_q is not None else full_q,
                                                  cu_kv if cu_kv is not None else full_kv, seq_q, seq_kv, query.device)
-    block_q, block_kv = (int(x) for x in block_shape)
-    return kwargs, (block_q, block_kv)
+    return kwargs, _block_shape(block_shape)
 
 
 def npu_block_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
