@@ -1,6 +1,7 @@
 """Whether a change moved the GPU code: the sm_90 SASS of the kernels' variants at a base revision against the
-working tree, compiled ahead of time with no GPU (through sass_loop.compile_kernel). A refactor whose SASS is the
-same instruction for instruction needs no new GPU run; one that differs lists the variants it touched.
+working tree, compiled ahead of time with no GPU (the Triton kernels through sass_loop.compile_kernel, the
+warp-specialized Gluon kernels through their compile_sm90). A refactor whose SASS is the same instruction for
+instruction needs no new GPU run; one that differs lists the variants it touched.
 
 Run it under the Triton the GPU machine has (3.6; see sass_loop.py for the environment):
 
@@ -9,6 +10,7 @@ Run it under the Triton the GPU machine has (3.6; see sass_loop.py for the envir
 
 import argparse
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -39,6 +41,33 @@ VARIANTS = [
 ]
 
 
+# The warp-specialized Gluon kernels, through their modules' compile_sm90 (keyword arguments): each walk, head dim,
+# fixed offsets or not, and the backward's paired, grouped and split programs
+GLUON_VARIANTS = [
+    ("forward_ws", dict(block_q=128, block_kv=128)), ("forward_ws", dict(block_q=128, block_kv=64)),
+    ("forward_ws", dict(block_q=128, block_kv=128, causal=True)),
+    ("forward_ws", dict(block_q=128, block_kv=128, fixed_offsets=True)),
+    ("forward_ws", dict(block_q=128, block_kv=128, dim=64)), ("forward_ws", dict(block_q=128, block_kv=64, dim=64)),
+    ("forward_ws", dict(block_q=128, block_kv=128, dim=64, causal=True)),
+    ("forward_ws", dict(block_q=128, block_kv=128, dim=64, fixed_offsets=False)),
+    ("backward_ws", dict(block_q=128, block_kv=128)), ("backward_ws", dict(block_q=128, block_kv=64)),
+    ("backward_ws", dict(block_q=128, block_kv=128, causal=True)),
+    ("backward_ws", dict(block_q=128, block_kv=64, grouped=True, kv_split=4)),
+    ("backward_ws", dict(block_q=128, block_kv=128, dim=64)),
+]
+
+
+def _sass_fingerprint(cubin_bytes: bytes, tool) -> str:
+    """Instruction count and a hash of the SASS without addresses and comments."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(cubin_bytes)
+        cubin.flush()
+        sass = tool("nvdisasm", cubin.name, "-c")
+    lines = [re.sub(r"/\*[0-9a-f]+\*/", "", line).strip() for line in sass.splitlines()]
+    lines = [line for line in lines if line and not line.startswith(("//", "."))]
+    return f"{len(lines)} instructions, {hashlib.sha1(chr(10).join(lines).encode()).hexdigest()[:12]}"
+
+
 def fingerprints(root: str) -> dict:
     """variant label -> (instruction count, hash of the SASS without addresses and comments), for the kernels of
     the tree at root; a variant that does not compile there (a flag it lacks) maps to its error."""
@@ -53,13 +82,15 @@ def fingerprints(root: str) -> dict:
         except Exception as error:  # the base may predate a flag
             result[label] = f"does not compile: {type(error).__name__}"
             continue
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-            cubin.write(compiled.asm["cubin"])
-            cubin.flush()
-            sass = sass_loop._tool("nvdisasm", cubin.name, "-c")
-        lines = [re.sub(r"/\*[0-9a-f]+\*/", "", line).strip() for line in sass.splitlines()]
-        lines = [line for line in lines if line and not line.startswith(("//", "."))]
-        result[label] = f"{len(lines)} instructions, {hashlib.sha1(chr(10).join(lines).encode()).hexdigest()[:12]}"
+        result[label] = _sass_fingerprint(compiled.asm["cubin"], sass_loop._tool)
+    for module, kwargs in GLUON_VARIANTS:
+        label = f"{module} {json.dumps(kwargs, sort_keys=True)}"
+        try:
+            compiled = importlib.import_module(f"blockattn.kernels.{module}").compile_sm90(**kwargs)
+        except Exception as error:
+            result[label] = f"does not compile: {type(error).__name__}"
+            continue
+        result[label] = _sass_fingerprint(compiled.asm["cubin"], sass_loop._tool)
     return result
 
 
