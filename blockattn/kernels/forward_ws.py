@@ -214,15 +214,25 @@ def _exp_offset(m, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr):
+def _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr,
+                    FIXED: gl.constexpr):
     """One key tile's step of the online softmax: (p, alpha, m_new, l_new) for scores qk fp32 [64, TILE_N], the
     running max m_i and sum l_i [64] (log2 units): p = 2^(scaled scores - m_new), alpha = 2^(m_i - m_new), which
-    rescales what came before (0 on a row's first tile, m_i = -inf), and l_new = l_i * alpha + the row sums of p."""
-    m_new = gl.maximum(m_i, gl.max(qk, 1) * scale_log2)
-    offset = _exp_offset(m_new, CAUSAL)
-    p = _exp2(qk * scale_log2 - offset[:, None], EMULATE_EXP2)
-    alpha = gl.exp2(m_i - offset)
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+    rescales what came before (0 on a row's first tile, m_i = -inf), and l_new = l_i * alpha + the row sums of p.
+    FIXED (FIXED_OFFSET_DIMS): the offsets stay, m_new = m_i, and alpha is 1 and not computed (returned as m_i):
+    the caller skips the rescale."""
+    if FIXED:
+        p = _exp2(qk * scale_log2 - m_i[:, None], EMULATE_EXP2)
+        alpha = m_i
+        m_new = m_i
+        l_new = l_i + gl.sum(p, 1)
+    else:
+        m_new = gl.maximum(m_i, gl.max(qk, 1) * scale_log2)
+        offset = _exp_offset(m_new, CAUSAL)
+        p = _exp2(qk * scale_log2 - offset[:, None], EMULATE_EXP2)
+        alpha = gl.exp2(m_i - offset)
+        l_new = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_new
 
 
 @gluon.jit
@@ -260,11 +270,8 @@ def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N
         qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
         qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N, CAUSAL)
-        if FIXED:
-            p = _exp2(qk * scale_log2 - m_i[:, None], EMULATE_EXP2)
-            l_i = l_i + gl.sum(p, 1)
-        else:
-            p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2)
+        p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2, FIXED)
+        if not FIXED:
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             m_i = m_new
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
@@ -293,11 +300,7 @@ def _walk_overlapped(walk, acc, m_i, l_i, p_prev, BLOCK_KV: gl.constexpr, SUB_N:
         acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
         qk = warpgroup_mma_wait(1, deps=(qk, ))  # this tile's scores; the previous tile's P V may still run
         qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N, CAUSAL)
-        if FIXED:
-            p = _exp2(qk * scale_log2 - m_i[:, None], EMULATE_EXP2)
-            l_i = l_i + gl.sum(p, 1)
-        else:
-            p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2)
+        p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2, FIXED)
         p_next = gl.convert_layout(p.to(q.dtype), p_prev.type.layout)
         # p_prev rides through the wait so its registers stay untouched until the product reading them is done
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
