@@ -1,6 +1,7 @@
 """blockattn.video: the tile order of a video grid, and video sparse attention against an fp64 oracle."""
 
 import math
+import random
 
 import pytest
 import torch
@@ -90,33 +91,63 @@ def tiled_inputs(dtype, seed=0, batch=1):
     return layout, [layout.to_tiles(t) for t in raster]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("gated", [False, True])
-def test_video_sparse_attention_matches_the_fp64_oracle(backend, gated):
-    """Cut tiles (q and kv), GQA, a gate: output and every gradient (gate included) against fp64, the kept tiles
-    exactly the oracle's top-k."""
-    layout, (q, k, v) = tiled_inputs(torch.float32, seed=3)
-    topk = 3
-    gate = torch.rand(q.shape, generator=make_generator(4), device=DEVICE) if gated else None
+def assert_matches_the_oracle(layout, q, k, v, topk, gate, backend, tensor_layout="bhsd", label=""):
+    """video_sparse_attention on tile-ordered fp32 q, k, v [B, H, S, D] of a TileLayout (given to it in
+    tensor_layout), with gate or None, against vsa_oracle: the kept tiles exactly the oracle's top-k, and out on the
+    real query rows and every gradient (the gate's too) within 1e-5 relative."""
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)] + ([gate.clone().requires_grad_(True)]
-                                                                    if gated else [])
-    out, blocks = video_sparse_attention(*leaves[:3], topk, TILE, q_valid=layout.valid, kv_valid=layout.valid,
-                                         gate=leaves[3] if gated else None, backend=backend, return_blocks=True)
+                                                                    if gate is not None else [])
+    given = [t.transpose(1, 2) for t in leaves] if tensor_layout == "bshd" else leaves
+    out, blocks = video_sparse_attention(*given[:3], topk, layout.tile, q_valid=layout.valid, kv_valid=layout.valid,
+                                         gate=given[3] if gate is not None else None, layout=tensor_layout,
+                                         backend=backend, return_blocks=True)
+    out = out.transpose(1, 2) if tensor_layout == "bshd" else out
     want_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
     want, keep = vsa_oracle(*want_leaves[:3], topk, layout.tile_tokens, layout.valid, layout.valid,
-                            gate=want_leaves[3] if gated else None)
-    assert torch.equal(blocks.mask.expand_as(keep), keep), "the kept tiles differ from the oracle's top-k"
-    assert torch.isfinite(out).all()
+                            gate=want_leaves[3] if gate is not None else None)
+    assert torch.equal(blocks.mask.expand_as(keep), keep), f"the kept tiles differ from the oracle's top-k {label}"
+    assert torch.isfinite(out).all(), label
     rows = layout.from_tiles(torch.arange(q.shape[2], device=DEVICE)[:, None], dim=0)[:, 0]  # the real query rows
     gap = (out.double() - want)[:, :, rows].abs().max() / want[:, :, rows].abs().max()
-    assert gap < 1e-5, f"out off the oracle by {gap:.2e}"
+    assert gap < 1e-5, f"out off the oracle by {gap:.2e} {label}"
     grad_out = torch.randn(out.shape, generator=make_generator(5), device=DEVICE)
     grad_out[:, :, torch.isin(torch.arange(q.shape[2], device=DEVICE), rows, invert=True)] = 0  # padding rows unused
     (out * grad_out).sum().backward()
     (want * grad_out.double()).sum().backward()
     for name, got, ref in zip(("dq", "dk", "dv", "dgate"), leaves, want_leaves):
         gap = (got.grad.double() - ref.grad).abs().max() / ref.grad.abs().max()
-        assert gap < 1e-5, f"{name} off the oracle by {gap:.2e}"
+        assert gap < 1e-5, f"{name} off the oracle by {gap:.2e} {label}"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_video_sparse_attention_matches_the_fp64_oracle(backend, gated):
+    """Cut tiles (q and kv), GQA, a gate: output and every gradient (gate included) against fp64, the kept tiles
+    exactly the oracle's top-k."""
+    layout, (q, k, v) = tiled_inputs(torch.float32, seed=3)
+    gate = torch.rand(q.shape, generator=make_generator(4), device=DEVICE) if gated else None
+    assert_matches_the_oracle(layout, q, k, v, 3, gate, backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("seed", range(8))
+def test_video_sparse_attention_on_random_grids(backend, seed):
+    """Random grids and tiles (cut on any axis, or one token wide), top-k from 1 to every tile, GQA, Dv != D, a gate
+    or none, bhsd or bshd, against the fp64 oracle."""
+    rng = random.Random(seed)
+    tile = tuple(rng.choice([1, 2, 3, 4]) for _ in range(3))
+    grid = tuple(rng.randint(1, 3 * side) for side in tile)
+    kv_heads, group, dim = rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([16, 32])
+    dim_v = rng.choice([dim, 16])
+    layout = TileLayout(grid, tile, device=DEVICE)
+    q, k, v = (layout.to_tiles(t) for t in qkv(1, kv_heads * group, math.prod(grid), dim, kv_heads=kv_heads,
+                                                 dim_v=dim_v, dtype=torch.float32, seed=seed))
+    gate = torch.rand(*q.shape[:3], dim_v, generator=make_generator(seed), device=DEVICE) if rng.random() < 0.5 \
+        else None
+    topk, tensor_layout = rng.randint(1, layout.num_tiles), rng.choice(["bhsd", "bshd"])
+    label = f"(grid {grid}, tile {tile}, heads {kv_heads * group}/{kv_heads}, D {dim}/{dim_v}, topk {topk}, " \
+            f"{tensor_layout}, gate {gate is not None})"
+    assert_matches_the_oracle(layout, q, k, v, topk, gate, backend, tensor_layout, label)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
