@@ -179,22 +179,26 @@ def main(argv=None) -> int:
     p.add_argument("--density", type=_density, default=0.25, help="kept fraction of blocks (default 0.25)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="default bf16 on a GPU, fp32 on the CPU")
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each, taking turns (median)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the mask and the inputs (default 0)")
     p.add_argument("--out", default="blockattn-demo-mask.png", help="where to write the mask picture")
     p.set_defaults(func=demo)
 
     p = sub.add_parser("bench", help="blockattn vs FlexAttention vs SDPA, table and plot")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=24)
-    p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--seq", type=int, default=32768)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--blocks", type=lambda s: [_block(b) for b in s.split(",")], default=[(128, 128)])
-    p.add_argument("--densities", type=lambda s: [_density(d) for d in s.split(",")], default=[1, 0.5, 0.25, 0.1])
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    p.add_argument("--batch", type=int, default=1, help="batch (default 1)")
+    p.add_argument("--heads", type=int, default=24, help="query heads (default 24)")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads, for GQA (default: --heads)")
+    p.add_argument("--seq", type=int, default=32768, help="sequence length, queries and keys (default 32768)")
+    p.add_argument("--dim", type=int, default=128, help="head dim (default 128)")
+    p.add_argument("--blocks", type=lambda s: [_block(b) for b in s.split(",")], default=[(128, 128)],
+                   help="block shapes QxKV, comma-separated (default 128x128; e.g. 128x128,128x64)")
+    p.add_argument("--densities", type=lambda s: [_density(d) for d in s.split(",")], default=[1, 0.5, 0.25, 0.1],
+                   help="kept fractions of blocks, comma-separated (default 1,0.5,0.25,0.1)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="default bf16")
     p.add_argument("--pattern", choices=("random", "skewed", "causal"), default="random",
-                   help="causal: the block-causal mask run with is_causal (the densities are then ignored)")
-    p.add_argument("--forward-only", action="store_true")
+                   help="random (default): each query block keeps the same number of blocks, its diagonal one among "
+                   "them; skewed: a tenth of the query blocks keep every block and the rest share what the density "
+                   "leaves; causal: the block-causal mask run with is_causal (the densities are then ignored)")
+    p.add_argument("--forward-only", action="store_true", help="time the forward only")
     p.add_argument("--quant", choices=QUANTS, default=None,
                    help="also time blockattn's quantized forward (inference only: forward rows)")
     p.add_argument("--out", default="blockattn-bench", help="prefix of the .md, .json and .png written")
@@ -202,9 +206,9 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("show", help="draw a block-mask pattern to a PNG")
     p.add_argument("pattern", choices=("causal", "window", "global", "tile", "random"))
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--seq-kv", type=int, default=None)
-    p.add_argument("--block", type=_block, default=(128, 128))
+    p.add_argument("--seq", type=int, default=4096, help="query length (default 4096)")
+    p.add_argument("--seq-kv", type=int, default=None, help="key length (default: --seq)")
+    p.add_argument("--block", type=_block, default=(128, 128), help="block QxKV (default 128x128)")
     p.add_argument("--window", type=int, default=1024, help="tokens, for window and global")
     p.add_argument("--causal", action="store_true", help="one-sided window")
     p.add_argument("--tokens", type=int, default=128, help="global tokens, for global")
@@ -213,7 +217,7 @@ def main(argv=None) -> int:
     p.add_argument("--tile-window", type=_ints, default=(3, 3, 3), help="window in tiles per axis, for tile")
     p.add_argument("--density", type=_density, default=0.25, help="for random")
     p.add_argument("--heads", type=int, default=4, help="for random")
-    p.add_argument("--out", default="blockattn-mask.png")
+    p.add_argument("--out", default="blockattn-mask.png", help="where to write the picture")
     p.set_defaults(func=show)
 
     args = parser.parse_args(argv)
