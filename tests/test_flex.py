@@ -1,6 +1,7 @@
 """FlexAttention interop: BlockMask round trips, and FlexAttention and blockattn on one selection both agree with
 fp32 SDPA on the same blocks, forward and backward."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -30,6 +31,8 @@ def test_from_a_block_mask_made_by_flex():
     assert torch.equal(flex.from_block_mask(block_mask).mask, masks.causal(512, 512, (128, 128), device=DEVICE).mask)
 
 
+# on the CPU FlexAttention runs eagerly here, by design, and says so once
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
 def test_flex_and_blockattn_agree_with_sdpa_on_one_selection():
     seq, block, dtype = (2048, (128, 128), torch.bfloat16) if ON_GPU else (256, (64, 32), torch.float32)
     q, k, v = qkv(1, 4, seq, 64, kv_heads=2, dtype=dtype, seed=11)
