@@ -13,9 +13,9 @@ from . import autotune, buffers, forward, launch, tma
 from .forward import (LOG2E, TUNING_KEY, fp32_precision, head_dims, optional_tensors, site_key, stride_args,
                       strides)
 from .varlen import Varlen
-from .primitives import (batch_and_head, dot, element_keep, first_entry_at_or_after, gather_mode, kv_list_start,
-                         kv_list_tiles, kv_walk_split, load_tile_or_box, needs_element_tests, query_tile_program,
-                         sequence_span)
+from .primitives import (batch_and_head, dot, element_keep, first_entry_at_or_after, gather_mode, head_tile,
+                         kv_list_start, kv_list_tiles, kv_walk_split, load_tile_or_box, needs_element_tests,
+                         query_tile_program, sequence_span)
 
 # How the backward produces dQ:
 #   "kernel": a separate dQ kernel walks the kv lists and recomputes P and dP (7 tile products per tile pair in
@@ -59,12 +59,12 @@ def attention_bwd_preprocess_kernel(Out, DO, GradLse, Lse, Lse2, Delta, DQ_ACC, 
     rows = offs_m.to(tl.int64)
     if ZERO_DQ_ACC:
         offs_d = tl.arange(0, BLOCK_D)
-        tl.store(DQ_ACC + off_b.to(tl.int64) * stride_ab + off_h.to(tl.int64) * stride_ah + rows[:, None] * stride_as
-                 + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=m_ok[:, None])
-    o = tl.load(Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + rows[:, None] * stride_os
-                + offs_dv[None, :] * stride_od, mask=ok, other=0.0)
-    do = tl.load(DO + off_b.to(tl.int64) * stride_db + off_h.to(tl.int64) * stride_dh + rows[:, None] * stride_ds
-                 + offs_dv[None, :] * stride_dd, mask=ok, other=0.0)
+        tl.store(head_tile(DQ_ACC, off_b, off_h, rows[:, None], offs_d, stride_ab, stride_ah, stride_as, 1),
+                 tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=m_ok[:, None])
+    o = tl.load(head_tile(Out, off_b, off_h, rows[:, None], offs_dv, stride_ob, stride_oh, stride_os, stride_od),
+                mask=ok, other=0.0)
+    do = tl.load(head_tile(DO, off_b, off_h, rows[:, None], offs_dv, stride_db, stride_dh, stride_ds, stride_dd),
+                 mask=ok, other=0.0)
     _row_terms(o, do, GradLse, Lse, Lse2, Delta,
                off_b.to(tl.int64) * stride_gb + off_h.to(tl.int64) * stride_gh + rows * stride_gs,
                off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + rows * stride_ls,
@@ -83,10 +83,10 @@ def attention_bwd_dq_finish_kernel(DQ_ACC, DQ, scale, seq_q, num_heads, stride_a
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     ok = (rows[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM)
-    acc = tl.load(DQ_ACC + off_b.to(tl.int64) * stride_ab + off_h.to(tl.int64) * stride_ah + rows[:, None] * stride_as
-                  + offs_d[None, :], mask=ok, other=0.0)
-    tl.store(DQ + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + rows[:, None] * stride_qs
-             + offs_d[None, :] * stride_qd, (acc * scale).to(DQ.dtype.element_ty), mask=ok)
+    acc = tl.load(head_tile(DQ_ACC, off_b, off_h, rows[:, None], offs_d, stride_ab, stride_ah, stride_as, 1),
+                  mask=ok, other=0.0)
+    tl.store(head_tile(DQ, off_b, off_h, rows[:, None], offs_d, stride_qb, stride_qh, stride_qs, stride_qd),
+             (acc * scale).to(DQ.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -200,13 +200,12 @@ def attention_bwd_dq_kernel(
     dv_ok = offs_dv < HEAD_DIM_V
     m_ok = offs_m < seq_q
     rows = (q_start + offs_m[:, None]).to(tl.int64)
-
-    q = tl.load(Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + rows * stride_qs
-                + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
-    do = tl.load(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh + rows * stride_dos
-                 + offs_dv[None, :] * stride_dod, mask=m_ok[:, None] & dv_ok[None, :], other=0.0)  # [BM, BDV]
-    o = tl.load(Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + rows * stride_os
-                + offs_dv[None, :] * stride_od, mask=m_ok[:, None] & dv_ok[None, :], other=0.0)  # [BM, BDV]
+    q = tl.load(head_tile(Q, off_b, off_h, rows, offs_d, stride_qb, stride_qh, stride_qs, stride_qd),
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
+    do = tl.load(head_tile(DO, off_b, off_h, rows, offs_dv, stride_dob, stride_doh, stride_dos, stride_dod),
+                 mask=m_ok[:, None] & dv_ok[None, :], other=0.0)  # [BM, BDV]
+    o = tl.load(head_tile(Out, off_b, off_h, rows, offs_dv, stride_ob, stride_oh, stride_os, stride_od),
+                mask=m_ok[:, None] & dv_ok[None, :], other=0.0)  # [BM, BDV]
     row_index = (q_start + offs_m).to(tl.int64)
     row_offsets = off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + row_index * stride_ls
     lse2, delta = _row_terms(o, do, GradLse, Lse, Lse2, Delta,
@@ -237,8 +236,8 @@ def attention_bwd_dq_kernel(
                   offs_dv, d_ok, dv_ok, BLOCK_KV, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, EVEN_KV, IS_CAUSAL,
                   HAS_TOKEN_MASK, GATHER_BLOCK_MASK, HAS_KV_VALID, FP32_PRECISION, TMA_LOADS)
     dq = dq * scale
-    tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh + rows * stride_dqs
-             + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(head_tile(DQ, off_b, off_h, rows, offs_d, stride_dqb, stride_dqh, stride_dqs, stride_dqd),
+             dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -361,10 +360,10 @@ def attention_bwd_dkdv_kernel(
     n_ok = offs_n < seq_kv
     keys = (kv_start + offs_n[:, None]).to(tl.int64)
 
-    k = tl.load(K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh + keys * stride_ks
-                + offs_d[None, :] * stride_kd, mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BN, BD]
-    v = tl.load(V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh + keys * stride_vs
-                + offs_dv[None, :] * stride_vd, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # [BN, BDV]
+    k = tl.load(head_tile(K, off_b, off_hkv, keys, offs_d, stride_kb, stride_kh, stride_ks, stride_kd),
+                mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BN, BD]
+    v = tl.load(head_tile(V, off_b, off_hkv, keys, offs_dv, stride_vb, stride_vh, stride_vs, stride_vd),
+                mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # [BN, BDV]
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     dq_tile = offs_m0[:, None] * BLOCK_D + offs_d[None, :]  # [BM, BD] offsets of a dQ tile in DQ_ACC
@@ -435,10 +434,10 @@ def attention_bwd_dkdv_kernel(
                 GATHER_BLOCK_MASK, HAS_KV_VALID, FP32_PRECISION, IS_VARLEN, DQ_MODE, TMA_LOADS)
     dk = dk * scale
     n_store = n_ok[:, None]
-    tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hkv.to(tl.int64) * stride_dkh + keys * stride_dks
-             + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=n_store & d_ok[None, :])
-    tl.store(DV + off_b.to(tl.int64) * stride_dvb + off_hkv.to(tl.int64) * stride_dvh + keys * stride_dvs
-             + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=n_store & dv_ok[None, :])
+    tl.store(head_tile(DK, off_b, off_hkv, keys, offs_d, stride_dkb, stride_dkh, stride_dks, stride_dkd),
+             dk.to(DK.dtype.element_ty), mask=n_store & d_ok[None, :])
+    tl.store(head_tile(DV, off_b, off_hkv, keys, offs_dv, stride_dvb, stride_dvh, stride_dvs, stride_dvd),
+             dv.to(DV.dtype.element_ty), mask=n_store & dv_ok[None, :])
 
 
 def attention_backward(grad_out, q, k, v, out, lse, kv_count, kv_index, q_count, q_index, block_q: int,

@@ -13,8 +13,8 @@ import triton.language as tl
 from . import autotune, buffers, launch, tma
 from .bounds import all_seen, keeps_offsets, key_norm_parts, score_bounds, sums_within
 from .quant import quantize_columns, quantize_rows
-from .primitives import (dot, element_keep, gather_mode, int32_to_float, kv_list_start, kv_list_tiles, kv_walk_split,
-                         needs_element_tests, query_tile_program, round_to_int8, to_float8)
+from .primitives import (dot, element_keep, gather_mode, head_tile, int32_to_float, kv_list_start, kv_list_tiles,
+                         kv_walk_split, needs_element_tests, query_tile_program, round_to_int8, to_float8)
 from .varlen import Varlen
 
 LOG2E = 1.4426950408889634
@@ -236,8 +236,8 @@ def attention_fwd_kernel(
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
 
-    q_ptrs = (Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-              + (q_start + offs_m[:, None]).to(tl.int64) * stride_qs + offs_d[None, :] * stride_qd)
+    q_ptrs = head_tile(Q, off_b, off_h, (q_start + offs_m[:, None]).to(tl.int64), offs_d, stride_qb, stride_qh,
+                       stride_qs, stride_qd)
     q = tl.load(q_ptrs, mask=(offs_m[:, None] < seq_q) & d_ok[None, :], other=0)  # [BM, BD]
     k_scale_base = K_SCALE + off_b.to(tl.int64) * stride_ksb + off_hkv.to(tl.int64) * stride_ksh \
         + kv_start.to(tl.int64) * stride_kss
@@ -327,8 +327,7 @@ def attention_fwd_kernel(
                           + rows * stride_qss, mask=m_ok, other=0.0)  # [BM]
         log2_l = log2_l + row_dot * scale_log2
     lse = tl.where(seen, (m_i + log2_l) / 1.4426950408889634, float("-inf"))
-    o_ptrs = (Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-              + rows[:, None] * stride_os + offs_dv[None, :] * stride_od)
+    o_ptrs = head_tile(Out, off_b, off_h, rows[:, None], offs_dv, stride_ob, stride_oh, stride_os, stride_od)
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
     tl.store(Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + rows * stride_ls, lse, mask=m_ok)
 

@@ -164,6 +164,14 @@ def sequence_span(CU_SEQLENS, off_b, seq_len, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def head_tile(base, off_b, off_h, rows, cols, stride_b, stride_h, stride_s, stride_d):
+    """Pointers [R, C] to rows `rows` (int64 sequence positions, a column [R, 1]) and columns `cols` [C] of head
+    off_h of batch off_b in a [B, H, S, D] tensor at `base` with those strides."""
+    return (base + off_b.to(tl.int64) * stride_b + off_h.to(tl.int64) * stride_h + rows * stride_s
+            + cols[None, :] * stride_d)
+
+
+@triton.jit
 def load_tile(ptrs, rows_ok, cols_ok, EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.constexpr):
     """Load a [R, C] tile, zero where a row (rows_ok [R]) or column (cols_ok [C]) is out of range; a side the
     caller knows is whole (EVEN_*) is not masked, which keeps the inner loops' loads plain."""
