@@ -155,8 +155,8 @@ NPU_SEEDS = range(24)
 
 def draw_npu_call(seed: int) -> dict:
     """One random npu_block_sparse_attention call: layout, GQA, dtype, block shape, lengths (TND: per sequence, some
-    empty; BNSD / BSND: actual lengths for some batch entries or none), mask density and type, scale, and whether the
-    gradients come through autograd or through the backward function."""
+    empty; BNSD / BSND: actual lengths, some 0, for queries, keys, both or neither), mask density and type, scale, and
+    whether the gradients come through autograd or through the backward function."""
     rng = random.Random(seed)
     layout = rng.choice(["BNSD", "BSND", "TND"])
     kv_heads, group, batch = rng.choice([1, 2]), rng.choice([1, 2, 3]), rng.choice([1, 2, 3])
