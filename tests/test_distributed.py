@@ -2,7 +2,10 @@
 forward and backward. The ranks run on CPUs over gloo with the PyTorch backend, or, where the machine has a GPU for
 each rank, on the GPUs over NCCL with the Triton kernels."""
 
+import dataclasses
 import os
+import random
+from typing import Optional
 
 import pytest
 import torch
@@ -14,34 +17,87 @@ from blockattn.distributed import sequence_parallel_attention
 
 # Whole sequences (divisible by the ranks), heads and blocks; the block edges fall inside rank shards.
 # 6 query heads over 3 kv heads: on 3 ranks one kv head each, on 2 ranks the kv heads are repeated.
-HEADS, KV_HEADS, DIM, BLOCK = 6, 3, 16, (16, 8)
 EVEN, UNEVEN = (96, 120), (95, 118)   # whole (query, key) lengths; the uneven ones leave the last rank fewer
+BLOCK_KINDS = ("sparsity", "mask", "3-D", "2-D", "head-shared", "none")
 
 
-def inputs(lengths):
-    """The whole problem, the same on every rank: q, k, v (bhsd, fp32), a block mask per head, a token mask per
-    head, kv_valid, and the upstream gradient of out."""
-    gen = torch.Generator().manual_seed(0)
-    SEQ_Q, SEQ_KV = lengths
-    q = torch.randn(2, HEADS, SEQ_Q, DIM, generator=gen)
-    k = torch.randn(2, KV_HEADS, SEQ_KV, DIM, generator=gen)
-    v = torch.randn(2, KV_HEADS, SEQ_KV, DIM, generator=gen)
-    nq, nk = -(-SEQ_Q // BLOCK[0]), -(-SEQ_KV // BLOCK[1])
-    keep = torch.rand(2, HEADS, nq, nk, generator=gen) < 0.5
-    keep[:, :, 3] = False                                          # a query block that sees nothing
-    token_mask = torch.rand(1, HEADS, SEQ_Q, SEQ_KV, generator=gen) < 0.8
-    kv_valid = torch.randint(1, BLOCK[1] + 1, (nk,), generator=gen, dtype=torch.int32)
-    grad_out = torch.randn(2, HEADS, SEQ_Q, DIM, generator=gen)
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One sequence-parallel call and the whole problem it splits. blocks: a BlockSparsity ("sparsity"), a mask
+    [B, H, nq, nk] ("mask"), [H, nq, nk] ("3-D"), [nq, nk] ("2-D"), [B, 1, nq, nk] ("head-shared") or None
+    ("none": dense)."""
+    world: int
+    layout: str
+    blocks: str
+    lengths: tuple
+    quant: Optional[str] = None
+    heads: int = 6
+    kv_heads: int = 3
+    dim: int = 16
+    dim_v: int = 16
+    batch: int = 2
+    block: tuple = (16, 8)
+    causal: bool = True
+    token_mask: bool = True
+    kv_valid: bool = True
+    seed: int = 0
+
+
+def draw(seed: int) -> Call:
+    """A random call: ranks, layout, kind of block mask, lengths (even or not), GQA or MQA, Dv != D, block shape,
+    causal or not, with or without a token mask and kv_valid."""
+    rng = random.Random(seed)
+    world = rng.choice([2, 3])
+    kv_heads = rng.choice([1, 2, 3, 6])
+    lengths = (rng.randint(world, 130), rng.randint(world, 130))
+    return Call(world, rng.choice(["bhsd", "bshd"]), rng.choice(BLOCK_KINDS), lengths, heads=6, kv_heads=kv_heads,
+                dim=rng.choice([16, 32]), dim_v=rng.choice([16, 24]), batch=rng.choice([1, 2]),
+                block=(rng.choice([8, 16, 32, 48]), rng.choice([8, 16, 32, 48])), causal=rng.random() < 0.5,
+                token_mask=rng.random() < 0.5, kv_valid=rng.random() < 0.5, seed=seed)
+
+
+CALLS = [Call(1, "bshd", "sparsity", UNEVEN), Call(2, "bhsd", "3-D", EVEN), Call(3, "bshd", "sparsity", EVEN),
+         Call(3, "bhsd", "sparsity", UNEVEN), Call(3, "bhsd", "sparsity", UNEVEN, quant="int8")]
+RANDOM_CALLS = [draw(seed) for seed in range(6)]
+
+
+def inputs(call: Call):
+    """The whole problem, the same on every rank: q, k, v (bhsd, fp32), a block mask per head (one query block
+    keeping nothing), a token mask per head or None, kv_valid or None, and the upstream gradient of out."""
+    gen = torch.Generator().manual_seed(call.seed)
+    seq_q, seq_kv = call.lengths
+    q = torch.randn(call.batch, call.heads, seq_q, call.dim, generator=gen)
+    k = torch.randn(call.batch, call.kv_heads, seq_kv, call.dim, generator=gen)
+    v = torch.randn(call.batch, call.kv_heads, seq_kv, call.dim_v, generator=gen)
+    nq, nk = -(-seq_q // call.block[0]), -(-seq_kv // call.block[1])
+    keep = torch.rand(call.batch, call.heads, nq, nk, generator=gen) < 0.5
+    keep[:, :, min(3, nq - 1)] = False                                  # a query block that sees nothing
+    token_mask = torch.rand(1, call.heads, seq_q, seq_kv, generator=gen) < 0.8 if call.token_mask else None
+    kv_valid = (torch.randint(1, call.block[1] + 1, (nk,), generator=gen, dtype=torch.int32) if call.kv_valid
+                else None)
+    grad_out = torch.randn(call.batch, call.heads, seq_q, call.dim_v, generator=gen)
     return q, k, v, keep, token_mask, kv_valid, grad_out
 
 
-def whole(lengths, use_sparsity: bool, quant=None):
+def blocks_argument(call: Call, keep: torch.Tensor):
+    """What the call passes as blocks, made from the whole mask keep [B, H, nq, nk]."""
+    if call.blocks == "sparsity":
+        return blockattn.BlockSparsity.from_mask(keep, call.block, *call.lengths)
+    return {"mask": keep, "3-D": keep[0], "2-D": keep[0, 0], "head-shared": keep[:, :1], "none": None}[call.blocks]
+
+
+def options(call: Call, token_mask, kv_valid) -> dict:
+    return dict(attn_mask=token_mask, kv_valid=kv_valid, is_causal=call.causal, return_lse=True, quant=call.quant)
+
+
+def whole(call: Call):
     """attention() on one process: out, lse and the three gradients (none with quant), in bhsd."""
-    q, k, v, keep, token_mask, kv_valid, grad_out = inputs(lengths)
-    leaves = [t.clone().requires_grad_(quant is None) for t in (q, k, v)]
-    out, lse = blockattn.attention(*leaves, keep if use_sparsity else keep[0], BLOCK, attn_mask=token_mask,
-                                   kv_valid=kv_valid, is_causal=True, return_lse=True, backend="torch", quant=quant)
-    if quant is not None:
+    q, k, v, keep, token_mask, kv_valid, grad_out = inputs(call)
+    leaves = [t.clone().requires_grad_(call.quant is None) for t in (q, k, v)]
+    blocks = blocks_argument(call, keep)
+    out, lse = blockattn.attention(*leaves, blocks, None if call.blocks == "sparsity" else call.block,
+                                   backend="torch", **options(call, token_mask, kv_valid))
+    if call.quant is not None:
         return [out, lse]
     (out * grad_out).sum().backward()
     return [out.detach(), lse.detach()] + [t.grad for t in leaves]
@@ -56,7 +112,8 @@ def on_gpus(world: int) -> bool:
     return torch.cuda.device_count() >= world
 
 
-def worker(rank: int, world: int, store: str, layout: str, use_sparsity: bool, lengths, quant, results):
+def worker(rank: int, call: Call, store: str, results):
+    world = call.world
     gpus = on_gpus(world)
     if gpus:
         torch.cuda.set_device(rank)
@@ -64,19 +121,19 @@ def worker(rank: int, world: int, store: str, layout: str, use_sparsity: bool, l
                             world_size=world)
     try:
         device = torch.device("cuda", rank) if gpus else torch.device("cpu")
-        q, k, v, keep, token_mask, kv_valid, grad_out = (t.to(device) for t in inputs(lengths))
-        # a BlockSparsity, or the mask tensor as 3-D [H, nq, nk] (batch-shared) to slice on another axis
-        blocks = blockattn.BlockSparsity.from_mask(keep, BLOCK, *lengths) if use_sparsity else keep[0]
-        whole_lengths = dict(seq_q=lengths[0], seq_kv=lengths[1]) if lengths != EVEN else {}
-        local = [shard(t, rank, world).clone().requires_grad_(quant is None) for t in (q, k, v)]
-        args = [t.transpose(1, 2) for t in local] if layout == "bshd" else local
-        out, lse = sequence_parallel_attention(*args, blocks, None if use_sparsity else BLOCK, layout=layout,
-                                               attn_mask=token_mask, kv_valid=kv_valid, is_causal=True,
-                                               return_lse=True, backend="triton" if gpus else "torch", quant=quant,
-                                               **whole_lengths)
-        if layout == "bshd":
+        q, k, v, keep, token_mask, kv_valid, grad_out = (None if t is None else t.to(device) for t in inputs(call))
+        blocks = blocks_argument(call, keep)
+        # the whole lengths, where the shards alone do not give them
+        whole_lengths = (dict(seq_q=call.lengths[0], seq_kv=call.lengths[1])
+                         if any(n % world for n in call.lengths) else {})
+        local = [shard(t, rank, world).clone().requires_grad_(call.quant is None) for t in (q, k, v)]
+        args = [t.transpose(1, 2) for t in local] if call.layout == "bshd" else local
+        out, lse = sequence_parallel_attention(*args, blocks, None if call.blocks == "sparsity" else call.block,
+                                               layout=call.layout, backend="triton" if gpus else "torch",
+                                               **options(call, token_mask, kv_valid), **whole_lengths)
+        if call.layout == "bshd":
             out = out.transpose(1, 2)
-        if quant is not None:  # inference only: the keys' mean is taken over the whole sequence on each rank
+        if call.quant is not None:  # inference only: the keys' mean is taken over the whole sequence on each rank
             results[rank] = [out.cpu(), lse.cpu()]
             return
         (out * shard(grad_out, rank, world)).sum().backward()
@@ -87,14 +144,15 @@ def worker(rank: int, world: int, store: str, layout: str, use_sparsity: bool, l
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world, layout, use_sparsity, lengths, quant", [
-    (1, "bshd", True, UNEVEN, None), (2, "bhsd", False, EVEN, None), (3, "bshd", True, EVEN, None),
-    (3, "bhsd", True, UNEVEN, None), (3, "bhsd", True, UNEVEN, "int8")])
-def test_sequence_parallel_attention_equals_the_whole_sequence(tmp_path, world, layout, use_sparsity, lengths, quant):
-    """Each rank's shard of out, lse, dq, dk and dv equals the single-process result's (GQA, a block mask per
-    head, a token mask per head, kv_valid, causal, an empty query block; shards of equal and of unequal length, as
-    torch.chunk splits), to fp32 rounding (the IEEE fp32 kernels' on GPUs); with quant="int8", out and lse (each
-    rank quantizes whole sequences of its heads, so the keys' mean is the single process's)."""
+@pytest.mark.parametrize("call", CALLS + RANDOM_CALLS, ids=lambda call: (
+    f"{call.world}ranks-{call.layout}-{call.blocks}-{call.lengths[0]}x{call.lengths[1]}"
+    f"{'-' + call.quant if call.quant else ''}-seed{call.seed}"))
+def test_sequence_parallel_attention_equals_the_whole_sequence(tmp_path, call):
+    """Each rank's shard of out, lse, dq, dk and dv equals the single-process result's: GQA and MQA, each kind of
+    block mask, token masks per head, kv_valid, causal or not, an empty query block, shards of equal and of unequal
+    length (as torch.chunk splits them; on 3 ranks a short sequence leaves the last rank none), Dv != D; to fp32
+    rounding (the IEEE fp32 kernels' on GPUs). With quant="int8", out and lse (each rank quantizes whole sequences
+    of its heads, so the keys' mean is the single process's). The last six calls are random draws."""
     with mp.Manager() as manager:
         results = manager.dict()
         env = {"OMP_NUM_THREADS": "1"}
@@ -102,8 +160,7 @@ def test_sequence_parallel_attention_equals_the_whole_sequence(tmp_path, world, 
         os.environ.update(env)
         try:
             # the ranks meet through a file of this test's own (a free TCP port could be taken before rank 0 binds it)
-            mp.spawn(worker, args=(world, str(tmp_path / "store"), layout, use_sparsity, lengths, quant, results),
-                     nprocs=world)
+            mp.spawn(worker, args=(call, str(tmp_path / "store"), results), nprocs=call.world)
         finally:
             for name, value in previous.items():
                 if value is None:
@@ -111,14 +168,14 @@ def test_sequence_parallel_attention_equals_the_whole_sequence(tmp_path, world, 
                 else:
                     os.environ[name] = value
         got = dict(results)
-    want = whole(lengths, use_sparsity, quant)
-    tolerance = 1e-4 if on_gpus(world) else 1e-5
-    for rank in range(world):
-        assert not isinstance(got[rank], str), f"rank {rank} raised {got[rank]}"
+    want = whole(call)
+    tolerance = 1e-4 if on_gpus(call.world) else 1e-5
+    for rank in range(call.world):
+        assert not isinstance(got[rank], str), f"rank {rank} raised {got[rank]} ({call})"
         for name, part, full in zip(("out", "lse", "dq", "dk", "dv"), got[rank], want):
-            expected = shard(full, rank, world)
+            expected = shard(full, rank, call.world)
             assert torch.isfinite(part[expected.isfinite()]).all() and torch.equal(part.isinf(), expected.isinf())
-            torch.testing.assert_close(part, expected, rtol=tolerance, atol=tolerance, msg=f"rank {rank} {name}")
+            torch.testing.assert_close(part, expected, rtol=tolerance, atol=tolerance, msg=f"rank {rank} {name} {call}")
 
 
 def test_without_an_initialized_group_the_error_says_so():
