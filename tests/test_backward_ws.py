@@ -70,7 +70,7 @@ def test_calls_it_declines(change):
 @pytest.mark.parametrize("tensors", ["fp32", "mixed dtypes", "grad dtype", "head dim 96", "value dim 64",
                                      "value dim 128 at 64",
                                      "ragged keys", "unaligned stride", "strided last dim", "unaligned start",
-                                     "broadcast grad"])
+                                     "broadcast grad", "batch-broadcast keys"])
 def test_tensors_it_declines(tensors):
     q, k = _meta(2, 4, 1000, 128), _meta(2, 2, 1024, 128)
     v, grad_out = k, q
@@ -98,6 +98,8 @@ def test_tensors_it_declines(tensors):
         k = v = torch.empty(2 * 2 * 1024 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 2, 1024, 128)
     elif tensors == "broadcast grad":  # e.g. the gradient of (out * w).sum(): stride 0 rows, which TMA cannot take
         grad_out = _meta(128).expand(2, 4, 1000, 128)
+    elif tensors == "batch-broadcast keys":  # one k and v for every batch entry: stride 0 again
+        k = v = _meta(1, 2, 1024, 128).expand(2, 2, 1024, 128)
     assert not _qualifies(q=q, k=k, v=v, grad_out=grad_out), tensors
 
 

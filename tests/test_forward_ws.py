@@ -119,7 +119,8 @@ def test_calls_it_declines(change):
 
 
 @pytest.mark.parametrize("tensors", ["fp32", "mixed dtypes", "head dim 96", "value dim 64", "ragged keys",
-                                     "unaligned stride", "strided last dim", "unaligned start"])
+                                     "unaligned stride", "strided last dim", "unaligned start",
+                                     "batch-broadcast keys"])
 def test_tensors_it_declines(tensors):
     q, k = _meta(2, 4, 1000, 128), _meta(2, 2, 1024, 128)
     v = k
@@ -139,6 +140,8 @@ def test_tensors_it_declines(tensors):
         k = v = _meta(2, 2, 1024, 256)[..., ::2]
     elif tensors == "unaligned start":
         k = v = torch.empty(2 * 2 * 1024 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 2, 1024, 128)
+    elif tensors == "batch-broadcast keys":  # one k and v for every batch entry: stride 0, which TMA cannot take
+        k = v = _meta(1, 2, 1024, 128).expand(2, 2, 1024, 128)
     assert _qualifies(q=q, k=k, v=v) is None, tensors
 
 

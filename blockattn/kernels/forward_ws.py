@@ -545,8 +545,8 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, b
     block_mask, kv_valid or varlen, Sk a multiple of block_kv); no quant; bf16 or fp16 for all three; D = Dv, one
     of HEAD_DIMS (with a ring depth in STAGES); block_q a multiple of 128 and block_kv of 64; at least min_work of
     dense work (B * H * Sq * Sk * D: below it a call is host-bound, and the Triton forward's launch plans cost
-    less host time) and at least MIN_KEYS[D] keys; every tensor's last dim contiguous, its other strides and its
-    start 16-byte aligned (TMA's rule). The plan: TILE_KEYS[D] keys a tile, in boxes of the largest of those, 128
+    less host time) and at least MIN_KEYS[D] keys; every tensor's last dim contiguous, its other strides positive
+    and with its start 16-byte aligned (TMA's rule). The plan: TILE_KEYS[D] keys a tile, in boxes of the largest of those, 128
     and 64 that divides block_kv."""
     if any(x is not None for x in (token_mask, block_mask, kv_valid, varlen, quant)):
         return None
@@ -561,7 +561,9 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, b
     if batch * heads * seq_q * seq_kv * dim < min_work or seq_kv < MIN_KEYS.get(dim, 0):
         return None
     for t in (q, k, v):
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+        # (a stride of 0, as a batch-broadcast tensor has, passes the 16-byte rule but not the TMA unit)
+        strides_ok = all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or not strides_ok:
             return None
     return _plan(block_kv, dim, is_causal)
 
