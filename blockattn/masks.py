@@ -70,12 +70,12 @@ def sliding_tile(grid: Sequence[int], tile: Sequence[int], window: Sequence[int]
     """Sliding-tile attention over a video latent of `grid` = (T, H, W) tokens laid out tile by tile (tiles in
     row-major (T, H, W) tile order, the t*h*w tokens of a tile contiguous): each tile is one block, and query tile a
     keeps key tile b when |a_x - b_x| <= window[x] // 2 on every axis (window counted in tiles). Blocks are
-    t*h*w tokens square; the grid must divide into whole tiles."""
+    t*h*w tokens square. A grid that does not divide into whole tiles has cut tiles at its far edges: lay the tokens
+    out with video.TileLayout(grid, tile).to_tiles (which pads each cut tile) and pass its `valid` to attention() as
+    kv_valid, so that padding keys are masked; from_tiles drops the padding rows of the output."""
     grid, tile, window = (three_positive(name, arg) for name, arg in (("grid", grid), ("tile", tile),
                                                                       ("window", window)))
-    if any(g % t for g, t in zip(grid, tile)):
-        raise ValueError(f"grid {grid} must divide into whole tiles of {tile}")
-    counts = [g // t for g, t in zip(grid, tile)]
+    counts = [math.ceil(g / t) for g, t in zip(grid, tile)]
     coords = torch.stack(torch.meshgrid(*(torch.arange(c, device=device) for c in counts), indexing="ij"), -1)
     coords = coords.reshape(-1, 3)                                        # [tiles, 3], tile-major order
     reach = torch.tensor([w // 2 for w in window], device=device)

@@ -68,9 +68,25 @@ def test_sliding_tile_is_the_reduced_token_rule(grid, tile, window):
     assert torch.equal(got.mask, reduce_to_blocks(rule, got.block_size))
 
 
-def test_sliding_tile_refuses_a_grid_that_does_not_tile():
-    with pytest.raises(ValueError, match="whole tiles"):
-        masks.sliding_tile((5, 8, 8), (2, 4, 4), (3, 3, 3))
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("grid, tile, window", [((5, 7, 6), (2, 4, 4), (3, 3, 3)), ((3, 5, 9), (2, 2, 4), (1, 3, 1))])
+def test_sliding_tile_over_a_grid_with_cut_tiles_is_exact(backend, grid, tile, window):
+    """A grid no tile axis divides: the tile-ordered tokens (TileLayout.to_tiles) attended over sliding_tile with
+    kv_valid=TileLayout.valid give, back in raster order, exact attention under the token rule (raster tokens x and
+    y see each other when their tiles' coordinates, x // tile per axis, differ by at most window // 2)."""
+    from blockattn.video import TileLayout
+    layout = TileLayout(grid, tile, device=DEVICE)
+    blocks = masks.sliding_tile(grid, tile, window, device=DEVICE)
+    assert blocks.seq_q == blocks.seq_kv == layout.seq
+    q, k, v = qkv(1, 2, math.prod(grid), 16, dtype=torch.float32, seed=3)
+    out, lse = blockattn.attention(*(layout.to_tiles(t) for t in (q, k, v)), blocks, kv_valid=layout.valid,
+                                   return_lse=True, backend=backend)
+    axes = [torch.arange(g, device=DEVICE) for g in grid]
+    coords = torch.stack(torch.meshgrid(*axes, indexing="ij"), -1).reshape(-1, 3)       # raster order
+    tile_coords = coords // torch.tensor(tile, device=DEVICE)
+    reach = torch.tensor([w // 2 for w in window], device=DEVICE)
+    rule = ((tile_coords[:, None] - tile_coords[None, :]).abs() <= reach).all(-1)
+    check_against_oracle(layout.from_tiles(out), layout.from_tiles(lse[..., None])[..., 0], q, k, v, rule)
 
 
 @pytest.mark.parametrize("grid, tile, window, name", [
