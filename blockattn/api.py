@@ -483,7 +483,12 @@ def _op_args(p: _Prepared, is_causal: bool, need_q_lists: bool, min_tile_kv: int
     _kernel_inputs."""
     lists, gather_mask = _kernel_inputs(p.sparsity, is_causal, min_tile_kv, p.token_mask, p.kv_valid, p.varlen)
     q_count, q_index = lists.q_lists() if need_q_lists else (None, None)
-    token_mask = p.token_mask.view(torch.uint8) if p.token_mask is not None else None
+    token_mask = p.token_mask
+    # the kernels read the token mask's bytes (their test, != 0, reads bool or uint8 alike); Inductor cannot lower the
+    # bool -> uint8 view (torch 2.11 on CUDA: "torch.bool is not supported by torch.iinfo"), so a compiled call
+    # hands the bool tensor over as it is
+    if token_mask is not None and not torch.compiler.is_compiling():
+        token_mask = token_mask.view(torch.uint8)
     cu_seqlens, max_seqlens = ((p.varlen.cu_q, p.varlen.cu_kv), (p.varlen.max_q, p.varlen.max_kv)) if p.varlen else (
         (None, None), (0, 0))
     return (lists.kv_count, lists.kv_index, q_count, q_index, token_mask, gather_mask, p.kv_valid, *cu_seqlens,
