@@ -33,18 +33,27 @@ def _qualifies(q=None, k=None, v=None, **changes):
     return forward_ws.qualifies(q, k, v, args.pop("block_q"), args.pop("block_kv"), **args)
 
 
+def _plan(sub_n: int, causal: bool = False, dim: int = 128) -> forward_ws.Plan:
+    """The plan of a qualifying call at head dim `dim` under the module's tables as they stand (TILE_KEYS,
+    OVERLAPPED; fixed offsets at FIXED_OFFSET_DIMS but for the causal walk with the overlap, as
+    test_fixed_offsets_in_the_plan pins down)."""
+    overlap = forward_ws.OVERLAPPED[dim]
+    return forward_ws.Plan(sub_n, causal, forward_ws.TILE_KEYS[dim], overlap,
+                           dim in forward_ws.FIXED_OFFSET_DIMS and not (causal and overlap))
+
+
 def test_qualifying_calls_and_their_tiles():
-    assert _qualifies() == forward_ws.Plan(128)
-    assert _qualifies(block_kv=64) == forward_ws.Plan(64)
-    assert _qualifies(block_q=256, block_kv=256) == forward_ws.Plan(128)
-    assert _qualifies(is_causal=True) == forward_ws.Plan(128, causal=True)
-    assert _qualifies(block_kv=64, is_causal=True) == forward_ws.Plan(64, causal=True)
+    assert _qualifies() == _plan(128)
+    assert _qualifies(block_kv=64) == _plan(64)
+    assert _qualifies(block_q=256, block_kv=256) == _plan(128)
+    assert _qualifies(is_causal=True) == _plan(128, causal=True)
+    assert _qualifies(block_kv=64, is_causal=True) == _plan(64, causal=True)
     wide = _meta(2, 2, 1152, 128)
-    assert _qualifies(k=wide, block_kv=192) == forward_ws.Plan(64)  # 128-key tiles do not nest in 192
+    assert _qualifies(k=wide, block_kv=192) == _plan(64)  # 128-key tiles do not nest in 192
     assert _qualifies(q=_meta(2, 4, 1000, 128, dtype=torch.float16), k=_meta(2, 2, 1024, 128, dtype=torch.float16))
     # bshd storage seen as bhsd: strides (S*H*D, D, H*D, 1), all 16-byte multiples
     bshd = _meta(2, 1024, 4, 128).transpose(1, 2)
-    assert _qualifies(q=bshd, k=bshd) == forward_ws.Plan(128)
+    assert _qualifies(q=bshd, k=bshd) == _plan(128)
 
 
 def test_fixed_offsets_in_the_plan(monkeypatch):
@@ -92,7 +101,7 @@ def test_head_dims_it_takes(monkeypatch):
     assert _qualifies(**dims(96, 96)) is None
     monkeypatch.setattr(forward_ws, "HEAD_DIMS", (128,))
     assert _qualifies(**dims(64, 64)) is None
-    assert _qualifies(**dims(128, 128)) == forward_ws.Plan(128)
+    assert _qualifies(**dims(128, 128)) == _plan(128)
     monkeypatch.setattr(forward_ws, "HEAD_DIMS", (96, 128))  # a head dim with no ring depth set never launches
     assert _qualifies(**dims(96, 96)) is None
 
@@ -107,7 +116,7 @@ def test_at_head_dim_64_short_key_sequences_go_to_the_triton_forward():
                                                                         fixed_offsets=True)
     assert _qualifies(**dims(64, 8064)) is None
     assert _qualifies(**dims(64, 4096), block_kv=64, is_causal=True) is None
-    assert _qualifies(**dims(128, 128)) == forward_ws.Plan(128)
+    assert _qualifies(**dims(128, 128)) == _plan(128)
 
 
 @pytest.mark.parametrize("change", [
@@ -258,7 +267,7 @@ def test_causal_against_the_oracle(case, poisoned, warp_specialized_calls):
     batch, heads, seq_q, seq_kv, block, q, k, v = _case_inputs(CAUSAL_CASES, case)
     keep = _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, 0.6, halfway_last=True)
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=True, backend="triton")
-    assert warp_specialized_calls == _expected_calls(forward_ws.Plan(128 if block[1] % 128 == 0 else 64, True))
+    assert warp_specialized_calls == _expected_calls(_plan(128 if block[1] % 128 == 0 else 64, True))
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=True)
 
 
@@ -277,7 +286,7 @@ def test_against_the_oracle_with_empty_rows(case, poisoned, warp_specialized_cal
     q, k, v = args
     out, lse = blockattn.attention(q, k, v, keep[0, 0] if one_mask else keep, block, return_lse=True,
                                    backend="triton")
-    assert warp_specialized_calls == _expected_calls(forward_ws.Plan(128 if block[1] % 128 == 0 else 64))
+    assert warp_specialized_calls == _expected_calls(_plan(128 if block[1] % 128 == 0 else 64))
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv))
 
 
@@ -289,7 +298,7 @@ def test_out_through_the_tma_unit_against_the_oracle(case, monkeypatch, poisoned
     batch, heads, seq_q, seq_kv, block, q, k, v = _case_inputs(CASES, case)
     keep = _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, 0.4, halfway_last=False)
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, backend="triton")
-    assert warp_specialized_calls == _expected_calls(forward_ws.Plan(128 if block[1] % 128 == 0 else 64))
+    assert warp_specialized_calls == _expected_calls(_plan(128 if block[1] % 128 == 0 else 64))
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv))
 
 
@@ -341,7 +350,7 @@ def test_head_dim_64_against_the_oracle(case, emulate, tiling, monkeypatch, pois
     keep = _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, 0.4, halfway_last=causal)
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=causal, backend="triton")
     sub_n = next(n for n in (tile_n, 128, 64) if block[1] % n == 0)
-    plan = forward_ws.Plan(sub_n, causal, tile_n, overlap, 64 in forward_ws.FIXED_OFFSET_DIMS)
+    plan = _plan(sub_n, causal, dim=64)
     assert warp_specialized_calls == _expected_calls(plan)
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=causal)
 
@@ -380,7 +389,7 @@ def _fixed_offset_walks(q, k, keep, block, causal: bool, tile_n: int):
 FIXED_OFFSET_CASES = {
     **{f"D=64 {name}": (*HEAD_DIM_64_CASES[name], 64) for name in ("128x64 bf16", "256x256 bf16 causal",
                                                                    "128x64 fp16 causal gqa")},
-    # D=128's loop, with the overlap inside a warpgroup (FIXED_OFFSET_DIMS leaves it out by default)
+    # D=128's loop, with the overlap inside a warpgroup (fixed offsets by default since the forty-sixth session)
     "D=128 128x128 bf16": (1, 4, 4, 1000, 1024, (128, 128), torch.bfloat16, False, 128),
     "D=128 128x64 fp16 gqa": (1, 4, 2, 1024, 1024, (128, 64), torch.float16, False, 128),
 }
@@ -411,7 +420,7 @@ def test_fixed_offsets_against_the_oracle(case, inputs, monkeypatch, poisoned, w
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=causal, backend="triton")
     tile_n = forward_ws.TILE_KEYS[dim]
     sub_n = next(n for n in (tile_n, 128, 64) if block[1] % n == 0)
-    plan = forward_ws.Plan(sub_n, causal, tile_n, forward_ws.OVERLAPPED[dim], True)
+    plan = _plan(sub_n, causal, dim)
     assert warp_specialized_calls == _expected_calls(plan)
     share, rise = _fixed_offset_walks(q, k, keep, block, causal, tile_n)
     if inputs == "large norms" or largest_bound > bounds.FIXED_HEADROOM[dtype]:
@@ -430,7 +439,7 @@ def test_emulated_exponentials_against_the_oracle(is_causal, monkeypatch, poison
     q, k, v = qkv(batch, heads, seq_q, 128, kv_heads=kv_heads, seq_kv=seq_kv)
     keep = _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, 0.5, halfway_last=False)
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=is_causal, backend="triton")
-    assert warp_specialized_calls == _expected_calls(forward_ws.Plan(128, is_causal))
+    assert warp_specialized_calls == _expected_calls(_plan(128, is_causal))
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=is_causal)
 
 

@@ -81,10 +81,12 @@ MIN_KEYS = {64: 8192}
 # Head dims whose walk keeps each row's exponent offset fixed after its first key tile, where a bound shows that no
 # later score exceeds it by more than bounds.FIXED_HEADROOM (log2 units): then the later tiles take no row maxima and
 # no rescale of the accumulator (_walk_in_turn, _walk_overlapped; kernels/README.md, "Fixed offsets"). D=64: 1.04-1.09x
-# as fast at d=0.5 and 0.25, 1.00-1.03x at d=0.1 (BENCHMARKS.md, forty-third session); D=128 not yet measured. Never
-# the causal walk with the overlap inside a warpgroup (D=128's): compiled by Triton 3.6, the H200 machine's, its
-# consumers spill 24-32 bytes with fixed offsets (forty-fourth session, offline; Triton 3.9 spills nothing).
-FIXED_OFFSET_DIMS: tuple = (64, )
+# as fast at d=0.5 and 0.25, 1.00-1.03x at d=0.1 (BENCHMARKS.md, forty-third session). D=128 (forty-sixth session,
+# `benchmarks/ws_forward.py --cases design --fixed-offsets`, B1 H24 S32k): 128x64 1.18x / 1.10x / 1.10x / 1.08x as
+# fast at d=1 / 0.5 / 0.25 / 0.1, 128x128 1.09x / 1.04x at d=1 / 0.5 and 0.99x at 0.25 and 0.1. Never the causal walk
+# with the overlap inside a warpgroup (D=128's): compiled by Triton 3.6, the H200 machine's, its consumers spill
+# 24-32 bytes with fixed offsets (forty-fourth session, offline; Triton 3.9 spills nothing).
+FIXED_OFFSET_DIMS: tuple = (64, 128)
 # Ring stages per head dim: as many as Hopper's 227 KiB of shared memory per program allows. At D=128 Q takes 32 KiB
 # and a stage 64 KiB (3 stages measured 5.22 ms against 5.88 with 2). At D=64 a 256-key stage is 64 KiB too (2
 # stages measured the same in benchmarks/exp_gluon_fwd.py; with 128-key tiles, 4 stages of 32 KiB had run 1-8%
@@ -546,8 +548,8 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, b
     of HEAD_DIMS (with a ring depth in STAGES); block_q a multiple of 128 and block_kv of 64; at least min_work of
     dense work (B * H * Sq * Sk * D: below it a call is host-bound, and the Triton forward's launch plans cost
     less host time) and at least MIN_KEYS[D] keys; every tensor's last dim contiguous, its other strides positive
-    and with its start 16-byte aligned (TMA's rule). The plan: TILE_KEYS[D] keys a tile, in boxes of the largest of those, 128
-    and 64 that divides block_kv."""
+    and with its start 16-byte aligned (TMA's rule). The plan: TILE_KEYS[D] keys a tile, in boxes of the largest of
+    those, 128 and 64 that divides block_kv."""
     if any(x is not None for x in (token_mask, block_mask, kv_valid, varlen, quant)):
         return None
     if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype):
