@@ -48,7 +48,7 @@ from .forward import stride_args
 # register bound among them): the forward's. Its host descriptors, their compile signatures and the launch
 # (launch_warp_specialized) also come from there.
 from .forward_ws import (CONSUMER_REGS, LAUNCH_OPTIONS, LOADER_REGS, _GL_DTYPES, _LOG2E, descriptor_signature,
-                         host_descriptor, launch_warp_specialized, tma_load, tma_store)
+                         host_descriptor, launch_warp_specialized, tma_load, tma_readable, tma_store)
 
 # Whether attention_backward may take this kernel (benchmarks switch it off to time the Triton backward).
 ENABLED = True
@@ -830,9 +830,7 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch
         return False
     if block_kv % TILE_N and heads // k.shape[1] > 2 ** HEAD_BITS:  # merge_group_lists' bound
         return False
-    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-               and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
-               for t in (q, k, v, grad_out))
+    return all(map(tma_readable, (q, k, v, grad_out)))
 
 
 def _tiling(block_kv: int, grouped: bool) -> tuple:

@@ -562,11 +562,8 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, b
         return None
     if batch * heads * seq_q * seq_kv * dim < min_work or seq_kv < MIN_KEYS.get(dim, 0):
         return None
-    for t in (q, k, v):
-        # (a stride of 0, as a batch-broadcast tensor has, passes the 16-byte rule but not the TMA unit)
-        strides_ok = all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or not strides_ok:
-            return None
+    if not all(map(tma_readable, (q, k, v))):
+        return None
     return _plan(block_kv, dim, is_causal)
 
 
@@ -580,6 +577,13 @@ def _plan(block_kv: int, dim: int, causal: bool) -> Plan:
 
 _GL_DTYPES = {torch.bfloat16: ("bf16", gl.bfloat16), torch.float16: ("fp16", gl.float16),
               torch.float32: ("fp32", gl.float32)}
+
+
+def tma_readable(t: torch.Tensor) -> bool:
+    """Whether host_descriptor can describe t: last dim contiguous, start and other strides 16-byte aligned, and no
+    stride of 0 (a batch-broadcast tensor passes the 16-byte rule but not the TMA unit)."""
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1]))
 
 
 def host_descriptor(t: torch.Tensor, rows: int, columns: Optional[int] = None):
