@@ -8,14 +8,20 @@ follows the semantics of DESIGN.md exactly: a row with no visible key gives zero
 from __future__ import annotations
 
 import bisect
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
 from .sparsity import BlockSparsity
 
-# Bytes of fp32 scores one chunk of query blocks may hold; chunks keep the peak memory bounded.
-_CHUNK_BYTES = 256 * 2**20
+# Bytes of the largest tensor one chunk of query blocks builds (its gathered keys or values, or its per-element
+# mask or scores): chunks keep the peak memory bounded. Without autograd every chunk gathers into the same memory,
+# and a small chunk is the memory a call touches afresh: each page's first touch costs more than the copy into it.
+_CHUNK_BYTES = 8 * 2**20
+# The same under autograd, which holds every chunk's tensors for the backward: larger, since each chunk's gather
+# zeroes and sums into whole tables in its backward (and a chunk per length range is what the CPU ran fastest,
+# benchmarks/torch_backend.py).
+_AUTOGRAD_CHUNK_BYTES = 256 * 2**20
 # A chunk's query blocks keep lists whose lengths differ by at most this factor (plus one block): each block is
 # padded to its chunk's longest list, so a skewed mask (a few query blocks that keep everything) no longer makes
 # every block attend as many keys as the longest.
@@ -30,11 +36,13 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     lse float32 [B, Hq, Sq], or None unless need_lse). token_mask: bool, broadcastable to [B, Hq, Sq, Sk];
     kv_valid: int [B|1, nk].
 
-    The (batch, head, query block) rows are taken in order of their kv lists' lengths, in chunks of like lengths
-    (_chunks); each chunk's rows attend, through scaled_dot_product_attention (PyTorch's fused kernels), to their
-    gathered key blocks, padded to the chunk's longest list; the mask is per key ([.., 1, L]) unless causality or
-    a token mask make it per element. Rows that see no key are given one harmless key and zeroed afterwards, so
-    neither the output nor the gradients see a NaN."""
+    A row is one query block of one head, or, when every head shares the lists (a block mask without a head dim)
+    and Hq > Hkv, the query blocks of one kv head's group of query heads stacked (they attend to the same keys,
+    gathered once, and PyTorch's CPU kernel runs longer query sides faster). The rows are taken in order of their
+    kv lists' lengths, in chunks of like lengths (_chunks); each chunk's rows attend, through PyTorch's fused
+    attention, to their gathered key blocks, padded to the chunk's longest list; the mask is per key ([.., 1, L])
+    unless causality or a token mask make it per element. Rows that see no key are given one harmless key and
+    zeroed afterwards, so neither the output nor the gradients see a NaN."""
     batch, heads, seq_q, _ = q.shape
     kv_heads, seq_kv = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -42,12 +50,16 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     nq, nk = blocks.num_blocks
     compute = torch.promote_types(q.dtype, torch.float32)
     device = q.device
-    rows = batch * heads * nq
     dim, dim_v = q.shape[-1], v.shape[-1]
+    # query heads a row stacks, and the rows' heads: kv heads when stacked, else query heads
+    stack = group if blocks.kv_count.shape[1] == 1 else 1
+    row_heads = heads // stack
+    rows = batch * row_heads * nq
+    stacked_q = stack * block_q
 
-    count = blocks.kv_count.expand(batch, heads, nq).reshape(rows)
+    count = blocks.kv_count.expand(batch, row_heads, nq).reshape(rows)
     width_cap = blocks.kv_index.shape[-1]
-    index = blocks.kv_index.expand(batch, heads, nq, width_cap).reshape(rows, width_cap)
+    index = blocks.kv_index.expand(batch, row_heads, nq, width_cap).reshape(rows, width_cap)
     # the rows by their lists' lengths (a host read: this is the CPU path)
     order = torch.argsort(count, stable=True)
     sorted_count = count[order]
@@ -55,81 +67,143 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     in_place = not lengths or lengths[0] == lengths[-1]  # every list as long: the stable sort kept the rows' order
 
     pad_q, pad_kv = nq * block_q - seq_q, nk * block_kv - seq_kv
-    # one row per (batch, head, block), as tables for _gathered
-    q_blocks = torch.nn.functional.pad(q, (0, 0, 0, pad_q)).reshape(rows, block_q * dim)
+    # one row per (batch, row head, block), as tables for _gathers; stacked: the group's heads within each row
+    q_blocks = _stacked(torch.nn.functional.pad(q, (0, 0, 0, pad_q)), stack, block_q).reshape(rows, stacked_q * dim)
     k_blocks = torch.nn.functional.pad(k, (0, 0, 0, pad_kv)).reshape(batch * kv_heads * nk, block_kv * dim)
     v_blocks = torch.nn.functional.pad(v, (0, 0, 0, pad_kv)).reshape(batch * kv_heads * nk, block_kv * dim_v)
-    row_batch, row_head, row_block = order // (heads * nq), order // nq % heads, order % nq  # per sorted row
-    offsets_q, offsets_kv = torch.arange(block_q, device=device), torch.arange(block_kv, device=device)
+    row_batch, row_head, row_block = order // (row_heads * nq), order // nq % row_heads, order % nq  # per sorted row
+    # each stacked query's head within its row's group, and its offset in its block
+    offsets_q = torch.arange(stacked_q, device=device) % block_q
+    head_in_row = torch.arange(stacked_q, device=device) // block_q
+    offsets_kv = torch.arange(block_kv, device=device)
     if token_mask is not None:
         token_mask = token_mask.expand(batch, heads, seq_q, seq_kv)
     if kv_valid is not None:
         kv_valid = kv_valid.expand(batch, nk).long()
+    elements = is_causal or token_mask is not None  # a per-element mask
+    # the LSE from the fused kernel when it is PyTorch's CPU one (which takes D = Dv only) and no gradient can reach
+    # the LSE; else from the scores, which autograd differentiates
+    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    fused_lse = need_lse and device.type == "cpu" and _CPU_ATTENTION is not None and dim == dim_v and not differentiable
+    element_bytes = torch.finfo(compute).bits // 8
+    # per key block of a row: its gathered keys or values, or its slice of a per-element mask or of the scores
+    score_rows = stacked_q if elements or (need_lse and not fused_lse) else 1
+    slot_bytes = element_bytes * block_kv * max(dim, dim_v, score_rows)
+
+    budget = _AUTOGRAD_CHUNK_BYTES if differentiable else _CHUNK_BYTES
+    # (an empty batch: one empty chunk, so that out and lse still hang off q, k and v for autograd)
+    chunks = _chunks(lengths, slot_bytes, budget) if rows else [(0, 0, 1)]
+    # each chunk's rows (as (batch, row head, query block) numbers), which of its list slots hold a block, and the
+    # blocks (slots past a list's count hold any block; block 0 stands in, masked off)
+    listings = []
+    for start, stop, width in chunks:
+        here = order[start:stop]
+        listed = torch.arange(width, device=device) < sorted_count[start:stop, None]      # [n, w]
+        listings.append((here, listed, torch.where(listed, index[here, :width], 0).long()))
+    kv_rows = [(row_batch[start:stop, None] * kv_heads + row_head[start:stop, None] // (group // stack)) * nk + idx
+               for (start, stop, _), (_, _, idx) in zip(chunks, listings)]               # [n, w] each
+    gathered_keys = _gathers(k_blocks, kv_rows, (block_kv, dim), not differentiable)
+    gathered_values = _gathers(v_blocks, kv_rows, (block_kv, dim_v), not differentiable)
+    gathered_queries = (None if in_place else _gathers(q_blocks, [here for here, _, _ in listings], (stacked_q, dim),
+                                                       not differentiable))
 
     outs, lses = [], []
-    # (an empty batch: one empty chunk, so that out and lse still hang off q, k and v for autograd)
-    chunks = _chunks(lengths, block_q * block_kv * 4, _CHUNK_BYTES) if rows else [(0, 0, 1)]
-    for start, stop, width in chunks:
+    for (start, stop, width), (here, listed, idx) in zip(chunks, listings):
         n = stop - start
+        keys = next(gathered_keys).flatten(1, 2).to(compute)                              # [n, L = w*bkv, D]
+        values = next(gathered_values).flatten(1, 2).to(compute)                          # [n, L, Dv]
+        queries = (q_blocks[start:stop].view(n, stacked_q, dim) if in_place
+                   else next(gathered_queries)).to(compute)                               # [n, sq = g*bq, D]
         if width == 0:  # rows that keep no key block: zeros, LSE -inf
-            outs.append(torch.zeros(n, block_q, dim_v, dtype=compute, device=device))
-            lses.append(torch.full((n, block_q), float("-inf"), dtype=compute, device=device))
+            outs.append(torch.zeros(n, stacked_q, dim_v, dtype=compute, device=device))
+            lses.append(torch.full((n, stacked_q), float("-inf"), dtype=compute, device=device))
             continue
-        here = order[start:stop]  # the chunk's rows, as (batch, head, query block) numbers
-        b, kv_h, qb = row_batch[start:stop, None], row_head[start:stop, None] // group, row_block[start:stop]
-        listed = torch.arange(width, device=device) < sorted_count[start:stop, None]      # [n, w]
-        # (slots past a list's count hold any block; block 0 stands in, masked off)
-        idx = torch.where(listed, index[here, :width], 0).long()                          # [n, w]
-        kv_rows = (b * kv_heads + kv_h) * nk + idx                                        # [n, w]
-        keys = _gathered(k_blocks, kv_rows, (block_kv, dim)).flatten(1, 2).to(compute)    # [n, L = w*bkv, D]
-        values = _gathered(v_blocks, kv_rows, (block_kv, dim_v)).flatten(1, 2).to(compute)  # [n, L, Dv]
-        queries = (q_blocks[start:stop].view(n, block_q, dim) if in_place
-                   else _gathered(q_blocks, here, (block_q, dim))).to(compute)             # [n, bq, D]
-
+        b = row_batch[start:stop, None]
         key_pos = idx[..., None] * block_kv + offsets_kv                                  # [n, w, bkv]
         visible = listed[..., None] & (key_pos < seq_kv)
         if kv_valid is not None:
             visible = visible & (offsets_kv < kv_valid[b, idx][..., None])
         visible = visible.flatten(1, 2)[:, None, :]                                       # [n, 1, L]
         key_pos = key_pos.flatten(1, 2)
-        query_pos = qb[:, None] * block_q + offsets_q                                     # [n, bq]
+        query_pos = row_block[start:stop, None] * block_q + offsets_q                     # [n, sq]
         if is_causal:
             visible = visible & (key_pos[:, None, :] <= query_pos[:, :, None])
         if token_mask is not None:
+            q_heads = (row_head[start:stop, None] * stack + head_in_row)[:, :, None]      # [n, sq, 1]
             q_rows = query_pos.clamp(max=seq_q - 1)[:, :, None]
             k_cols = key_pos.clamp(max=seq_kv - 1)[:, None, :]
-            visible = visible & token_mask[b[..., None], row_head[start:stop, None, None], q_rows, k_cols]
-        seen = visible.any(-1, keepdim=True)                                              # [n, bq | 1, 1]
+            visible = visible & token_mask[b[..., None], q_heads, q_rows, k_cols]
+        seen = visible.any(-1, keepdim=True)                                              # [n, sq | 1, 1]
         # a row that sees nothing attends to its first gathered key instead, and is zeroed below
         first = torch.zeros_like(visible)
         first[..., 0] = True
         attend = visible | (first & ~seen)
 
-        out = torch.nn.functional.scaled_dot_product_attention(
-            queries[:, None], keys[:, None], values[:, None], attn_mask=attend[:, None], scale=scale)[:, 0]
+        if fused_lse:
+            bias = torch.zeros(attend.shape, dtype=compute, device=device).masked_fill_(~attend, float("-inf"))
+            out, lse = _CPU_ATTENTION(queries[:, None], keys[:, None], values[:, None], attn_mask=bias[:, None],
+                                      scale=scale)
+            out, lse = out[:, 0], lse[:, 0, :, None]
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                queries[:, None], keys[:, None], values[:, None], attn_mask=attend[:, None], scale=scale)[:, 0]
+            if need_lse:
+                scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale            # [n, sq, L]
+                lse = torch.logsumexp(scores.masked_fill(~attend, float("-inf")), -1, keepdim=True)
         outs.append(out * seen)
         if need_lse:
-            scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale                # [n, bq, L]
-            lse = torch.logsumexp(scores.masked_fill(~attend, float("-inf")), -1, keepdim=True)
             lses.append(torch.where(seen, lse, torch.full_like(lse, float("-inf"))).squeeze(-1))
 
-    # back to (batch, head, query block) order: the sort's inverse permutation
+    # back to (batch, head, query block) order: the sort's inverse permutation, then the stacked heads apart
     inverse = None if in_place else torch.empty_like(order).scatter_(0, order, torch.arange(rows, device=device))
 
-    def unsorted(parts):
+    def unsorted(parts, columns):
         whole = torch.cat(parts)
-        return whole if inverse is None else whole[inverse]
-    out = unsorted(outs).view(batch, heads, nq * block_q, dim_v)[:, :, :seq_q].to(q.dtype)
+        whole = whole if inverse is None else whole[inverse]
+        return _unstacked(whole.view(batch, row_heads, nq, stacked_q, *columns), stack, block_q)[:, :, :seq_q]
+    out = unsorted(outs, (dim_v,)).to(q.dtype)
     if not need_lse:
         return out, None
-    return out, unsorted(lses).view(batch, heads, nq * block_q)[:, :, :seq_q].to(torch.float32)
+    return out, unsorted(lses, ()).to(torch.float32)
 
 
-def _gathered(table: torch.Tensor, index: torch.Tensor, row_shape: tuple) -> torch.Tensor:
-    """table[index] with each row viewed as row_shape: table [N, R], index int64 [...] -> [..., *row_shape].
-    Through embedding rather than advanced indexing: its gradient (a sum into rows) made forward+backward 1.15x
-    faster on the CPU than indexing's index_put (benchmarks/torch_backend.py)."""
-    return torch.nn.functional.embedding(index, table).view(*index.shape, *row_shape)
+# PyTorch's fused attention on the CPU, which also returns each row's LSE (not differentiable); a private operator,
+# so looked up rather than assumed
+_CPU_ATTENTION = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _stacked(x: torch.Tensor, stack: int, block_q: int) -> torch.Tensor:
+    """x [B, H, nq * bq, D] as [B, H / stack, nq, stack * bq, D]: each block row holds the `stack` consecutive heads'
+    query blocks (a view when stack is 1, else a copy)."""
+    batch, heads, seq, dim = x.shape
+    x = x.view(batch, heads // stack, stack, seq // block_q, block_q, dim)
+    return x.transpose(2, 3).reshape(batch, heads // stack, seq // block_q, stack * block_q, dim)
+
+
+def _unstacked(x: torch.Tensor, stack: int, block_q: int) -> torch.Tensor:
+    """_stacked's inverse on rows x [B, H / stack, nq, stack * bq, *C] -> [B, H, nq * bq, *C]."""
+    batch, row_heads, nq = x.shape[:3]
+    columns = x.shape[4:]
+    x = x.view(batch, row_heads, nq, stack, block_q, *columns).transpose(2, 3)
+    return x.reshape(batch, row_heads * stack, nq * block_q, *columns)
+
+
+def _gathers(table: torch.Tensor, indices: list, row_shape: tuple, reuse: bool) -> Iterator[torch.Tensor]:
+    """table's rows at each of indices in turn, each row viewed as row_shape: table [N, R], indices int64 [..] each
+    -> [.., *row_shape] each. reuse (no autograd): each into the same memory, which the next overwrites (fresh
+    memory costs page faults on the CPU). Else through embedding rather than advanced indexing, whose gradient
+    (index_put) made forward+backward 1.15x slower on the CPU than embedding's (benchmarks/torch_backend.py)."""
+    memory = table.new_empty(0)
+    for index in indices:
+        if not reuse:
+            yield torch.nn.functional.embedding(index, table).view(*index.shape, *row_shape)
+            continue
+        size = index.numel() * table.shape[1]
+        if memory.numel() < size:  # a chunk's worth at least (the chunks grow; untouched pages cost nothing)
+            memory = table.new_empty(max(size, _CHUNK_BYTES // table.element_size()))
+        rows = memory[:size].view(index.numel(), table.shape[1])
+        torch.index_select(table, 0, index.reshape(-1), out=rows)
+        yield rows.view(*index.shape, *row_shape)
 
 
 def attached(result: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:

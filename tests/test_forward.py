@@ -8,7 +8,7 @@ import torch
 
 import blockattn
 from conftest import (DEVICE, ON_GPU, assert_one_ulp, assert_output_and_gradients, check_against_oracle, expand,
-                      kernel, qkv, random_keep)
+                      kernel, output_and_lse_loss, qkv, random_keep)
 
 BACKENDS = ("torch", "triton")
 
@@ -264,29 +264,38 @@ def test_torch_backend_chunks_rows_by_list_length():
     assert reference._chunks([], 1, 1) == []
 
 
+@pytest.mark.parametrize("autograd", ["on", "off", "off, no fused LSE"])
+@pytest.mark.parametrize("mask_heads", ["per head", "shared"])
 @pytest.mark.parametrize("budget", ["default", "one row"])
 @pytest.mark.parametrize("tests", ["none", "causal, token mask, kv_valid"])
 @pytest.mark.parametrize("lists", ["skewed", "even"])
-def test_torch_backend_on_a_skewed_mask(monkeypatch, budget, tests, lists):
+def test_torch_backend_on_a_skewed_mask(monkeypatch, budget, tests, lists, mask_heads, autograd):
     """The PyTorch backend on lists of every length at once (query blocks that keep everything, most little, some
     nothing; GQA, a ragged last block), its rows taken in chunks of like lengths, also one row a chunk; and on
     lists all as long (every block kept: the rows stay in place): output, LSE and gradients against the fp64
-    oracle."""
+    oracle. A mask shared by every head stacks each kv head's group of query heads into one row (with a token mask
+    unlike between the heads); without autograd the chunks gather into reused memory and the LSE comes from the
+    fused kernel (or from the scores, where PyTorch has no such kernel)."""
     from blockattn import reference
+    if autograd == "off, no fused LSE":
+        monkeypatch.setattr(reference, "_CPU_ATTENTION", None)
     if budget == "one row":
         monkeypatch.setattr(reference, "_CHUNK_BYTES", 1)
+        monkeypatch.setattr(reference, "_AUTOGRAD_CHUNK_BYTES", 1)
     seq, block = 300, (32, 16)
-    q, k, v = (t.float().requires_grad_() for t in qkv(2, 4, seq, 32, kv_heads=2, seed=11))
+    q, k, v = (t.float().requires_grad_(autograd == "on") for t in qkv(2, 4, seq, 32, kv_heads=2, seed=11))
     keep = random_keep(2, 4, seq, seq, block, density=0.1, seed=12)
-    keep[:, :, :2] = True                                   # two query blocks keep every key block
-    keep[0, 1, 3:5] = False                                 # two keep none
+    if mask_heads == "shared":
+        keep = keep[0, 0]
+    keep[..., :2, :] = True                                 # two query blocks keep every key block
+    keep[..., 3:5, :] = False                               # two keep none
     if lists == "even":
         keep[:] = True
     visible = expand(keep, block, seq, seq)
     options = {}
     if tests != "none":
         gen = torch.Generator(device=DEVICE).manual_seed(13)
-        token = torch.rand(seq, seq, generator=gen, device=DEVICE) < 0.9
+        token = torch.rand(4, seq, seq, generator=gen, device=DEVICE) < 0.9
         valid = torch.randint(0, block[1] + 1, (2, math.ceil(seq / block[1])), generator=gen, device=DEVICE,
                               dtype=torch.int32)
         within = torch.arange(seq, device=DEVICE) % block[1]
@@ -294,7 +303,11 @@ def test_torch_backend_on_a_skewed_mask(monkeypatch, budget, tests, lists):
         options = dict(attn_mask=token, is_causal=True, kv_valid=valid)
         visible = visible & token & real[:, None, None, :]
     out, lse = blockattn.attention(q, k, v, keep, block, backend="torch", return_lse=True, **options)
-    check_against_oracle(out, lse, q, k, v, visible, is_causal=tests != "none")
+    check_against_oracle(out, lse, q, k, v, visible, is_causal=tests != "none", lse_tolerance=1e-5)
+    if autograd != "on":
+        assert not out.requires_grad and not lse.requires_grad
+        return
     grad_out = torch.randn(out.shape, generator=torch.Generator(device=DEVICE).manual_seed(14), device=DEVICE)
-    grads = torch.autograd.grad(out, (q, k, v), grad_out)
-    assert_output_and_gradients(out, grads, q, k, v, visible, grad_out, tolerance=1e-5, is_causal=tests != "none")
+    grads = torch.autograd.grad(output_and_lse_loss(out, lse, grad_out), (q, k, v))
+    assert_output_and_gradients(out, grads, q, k, v, visible, grad_out, tolerance=1e-5, is_causal=tests != "none",
+                                through_lse=True)
