@@ -15,13 +15,14 @@ import torch
 from .sparsity import BlockSparsity
 
 # Bytes of the largest tensor one chunk of query blocks builds (its gathered keys or values, or its per-element
-# mask or scores): chunks keep the peak memory bounded. Without autograd every chunk gathers into the same memory,
-# and a small chunk is the memory a call touches afresh: each page's first touch costs more than the copy into it.
-_CHUNK_BYTES = 8 * 2**20
-# The same under autograd, which holds every chunk's tensors for the backward: larger, since each chunk's gather
-# zeroes and sums into whole tables in its backward (and a chunk per length range is what the CPU ran fastest,
-# benchmarks/torch_backend.py).
-_AUTOGRAD_CHUNK_BYTES = 256 * 2**20
+# mask or scores): chunks keep the peak memory bounded, and larger ones take fewer launches on a GPU (and, under
+# autograd, which holds every chunk's tensors, fewer backward gathers that zero and sum into whole tables).
+_CHUNK_BYTES = 256 * 2**20
+# The same on the CPU without autograd, where every chunk gathers into the same memory: a small chunk is the
+# memory a call touches afresh, and each page's first touch costs more than the copy into it (with the reused
+# memory, the forward ran 1.26-1.47x as fast as with fresh 256 MiB chunks on uneven, even and causal masks;
+# benchmarks/torch_backend.py, BENCHMARKS.md).
+_CPU_CHUNK_BYTES = 8 * 2**20
 # A chunk's query blocks keep lists whose lengths differ by at most this factor (plus one block): each block is
 # padded to its chunk's longest list, so a skewed mask (a few query blocks that keep everything) no longer makes
 # every block attend as many keys as the longest.
@@ -90,7 +91,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     score_rows = stacked_q if elements or (need_lse and not fused_lse) else 1
     slot_bytes = element_bytes * block_kv * max(dim, dim_v, score_rows)
 
-    budget = _AUTOGRAD_CHUNK_BYTES if differentiable else _CHUNK_BYTES
+    budget = _CPU_CHUNK_BYTES if device.type == "cpu" and not differentiable else _CHUNK_BYTES
     # (an empty batch: one empty chunk, so that out and lse still hang off q, k and v for autograd)
     chunks = _chunks(lengths, slot_bytes, budget) if rows else [(0, 0, 1)]
     # each chunk's rows (as (batch, row head, query block) numbers), which of its list slots hold a block, and the
@@ -108,7 +109,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
                                                        not differentiable))
 
     outs, lses = [], []
-    for (start, stop, width), (here, listed, idx) in zip(chunks, listings):
+    for (start, stop, width), (_, listed, idx) in zip(chunks, listings):
         n = stop - start
         keys = next(gathered_keys).flatten(1, 2).to(compute)                              # [n, L = w*bkv, D]
         values = next(gathered_values).flatten(1, 2).to(compute)                          # [n, L, Dv]
@@ -200,7 +201,7 @@ def _gathers(table: torch.Tensor, indices: list, row_shape: tuple, reuse: bool) 
             continue
         size = index.numel() * table.shape[1]
         if memory.numel() < size:  # a chunk's worth at least (the chunks grow; untouched pages cost nothing)
-            memory = table.new_empty(max(size, _CHUNK_BYTES // table.element_size()))
+            memory = table.new_empty(max(size, _CPU_CHUNK_BYTES // table.element_size()))
         rows = memory[:size].view(index.numel(), table.shape[1])
         torch.index_select(table, 0, index.reshape(-1), out=rows)
         yield rows.view(*index.shape, *row_shape)

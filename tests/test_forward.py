@@ -281,7 +281,7 @@ def test_torch_backend_on_a_skewed_mask(monkeypatch, budget, tests, lists, mask_
         monkeypatch.setattr(reference, "_CPU_ATTENTION", None)
     if budget == "one row":
         monkeypatch.setattr(reference, "_CHUNK_BYTES", 1)
-        monkeypatch.setattr(reference, "_AUTOGRAD_CHUNK_BYTES", 1)
+        monkeypatch.setattr(reference, "_CPU_CHUNK_BYTES", 1)
     seq, block = 300, (32, 16)
     q, k, v = (t.float().requires_grad_(autograd == "on") for t in qkv(2, 4, seq, 32, kv_heads=2, seed=11))
     keep = random_keep(2, 4, seq, seq, block, density=0.1, seed=12)
