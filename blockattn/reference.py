@@ -8,7 +8,7 @@ follows the semantics of DESIGN.md exactly: a row with no visible key gives zero
 from __future__ import annotations
 
 import bisect
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -68,7 +68,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     in_place = not lengths or lengths[0] == lengths[-1]  # every list as long: the stable sort kept the rows' order
 
     pad_q, pad_kv = nq * block_q - seq_q, nk * block_kv - seq_kv
-    # one row per (batch, row head, block), as tables for _gathers; stacked: the group's heads within each row
+    # one row per (batch, row head, block), as tables for _gathered; stacked: the group's heads within each row
     q_blocks = _stacked(torch.nn.functional.pad(q, (0, 0, 0, pad_q)), stack, block_q).reshape(rows, stacked_q * dim)
     k_blocks = torch.nn.functional.pad(k, (0, 0, 0, pad_kv)).reshape(batch * kv_heads * nk, block_kv * dim)
     v_blocks = torch.nn.functional.pad(v, (0, 0, 0, pad_kv)).reshape(batch * kv_heads * nk, block_kv * dim_v)
@@ -92,34 +92,29 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     slot_bytes = element_bytes * block_kv * max(dim, dim_v, score_rows)
 
     budget = _CPU_CHUNK_BYTES if device.type == "cpu" and not differentiable else _CHUNK_BYTES
+
     # (an empty batch: one empty chunk, so that out and lse still hang off q, k and v for autograd)
     chunks = _chunks(lengths, slot_bytes, budget) if rows else [(0, 0, 1)]
-    # each chunk's rows (as (batch, row head, query block) numbers), which of its list slots hold a block, and the
-    # blocks (slots past a list's count hold any block; block 0 stands in, masked off)
-    listings = []
-    for start, stop, width in chunks:
-        here = order[start:stop]
-        listed = torch.arange(width, device=device) < sorted_count[start:stop, None]      # [n, w]
-        listings.append((here, listed, torch.where(listed, index[here, :width], 0).long()))
-    kv_rows = [(row_batch[start:stop, None] * kv_heads + row_head[start:stop, None] // (group // stack)) * nk + idx
-               for (start, stop, _), (_, _, idx) in zip(chunks, listings)]               # [n, w] each
-    gathered_keys = _gathers(k_blocks, kv_rows, (block_kv, dim), not differentiable)
-    gathered_values = _gathers(v_blocks, kv_rows, (block_kv, dim_v), not differentiable)
-    gathered_queries = (None if in_place else _gathers(q_blocks, [here for here, _, _ in listings], (stacked_q, dim),
-                                                       not differentiable))
-
+    # without autograd each chunk gathers into the memory the one before used (_gathered)
+    reused = None if differentiable else {}
     outs, lses = [], []
-    for (start, stop, width), (_, listed, idx) in zip(chunks, listings):
+    for start, stop, width in chunks:
         n = stop - start
-        keys = next(gathered_keys).flatten(1, 2).to(compute)                              # [n, L = w*bkv, D]
-        values = next(gathered_values).flatten(1, 2).to(compute)                          # [n, L, Dv]
-        queries = (q_blocks[start:stop].view(n, stacked_q, dim) if in_place
-                   else next(gathered_queries)).to(compute)                               # [n, sq = g*bq, D]
         if width == 0:  # rows that keep no key block: zeros, LSE -inf
             outs.append(torch.zeros(n, stacked_q, dim_v, dtype=compute, device=device))
             lses.append(torch.full((n, stacked_q), float("-inf"), dtype=compute, device=device))
             continue
-        b = row_batch[start:stop, None]
+        here = order[start:stop]  # the chunk's rows, as (batch, row head, query block) numbers
+        b, kv_h = row_batch[start:stop, None], row_head[start:stop, None] // (group // stack)
+        listed = torch.arange(width, device=device) < sorted_count[start:stop, None]      # [n, w]
+        # (slots past a list's count hold any block; block 0 stands in, masked off)
+        idx = torch.where(listed, index[here, :width], 0).long()                          # [n, w]
+        kv_rows = (b * kv_heads + kv_h) * nk + idx                                        # [n, w]
+        keys = _gathered(k_blocks, kv_rows, (block_kv, dim), reused, "k").flatten(1, 2).to(compute)  # [n, L=w*bkv, D]
+        values = _gathered(v_blocks, kv_rows, (block_kv, dim_v), reused, "v").flatten(1, 2).to(compute)  # [n, L, Dv]
+        queries = (q_blocks[start:stop].view(n, stacked_q, dim) if in_place
+                   else _gathered(q_blocks, here, (stacked_q, dim), reused, "q")).to(compute)  # [n, sq = g*bq, D]
+
         key_pos = idx[..., None] * block_kv + offsets_kv                                  # [n, w, bkv]
         visible = listed[..., None] & (key_pos < seq_kv)
         if kv_valid is not None:
@@ -189,22 +184,22 @@ def _unstacked(x: torch.Tensor, stack: int, block_q: int) -> torch.Tensor:
     return x.reshape(batch, row_heads * stack, nq * block_q, *columns)
 
 
-def _gathers(table: torch.Tensor, indices: list, row_shape: tuple, reuse: bool) -> Iterator[torch.Tensor]:
-    """table's rows at each of indices in turn, each row viewed as row_shape: table [N, R], indices int64 [..] each
-    -> [.., *row_shape] each. reuse (no autograd): each into the same memory, which the next overwrites (fresh
-    memory costs page faults on the CPU). Else through embedding rather than advanced indexing, whose gradient
-    (index_put) made forward+backward 1.15x slower on the CPU than embedding's (benchmarks/torch_backend.py)."""
-    memory = table.new_empty(0)
-    for index in indices:
-        if not reuse:
-            yield torch.nn.functional.embedding(index, table).view(*index.shape, *row_shape)
-            continue
-        size = index.numel() * table.shape[1]
-        if memory.numel() < size:  # a chunk's worth at least (the chunks grow; untouched pages cost nothing)
-            memory = table.new_empty(max(size, _CPU_CHUNK_BYTES // table.element_size()))
-        rows = memory[:size].view(index.numel(), table.shape[1])
-        torch.index_select(table, 0, index.reshape(-1), out=rows)
-        yield rows.view(*index.shape, *row_shape)
+def _gathered(table: torch.Tensor, index: torch.Tensor, row_shape: tuple, reused: Optional[dict] = None,
+              name: str = "") -> torch.Tensor:
+    """table[index] with each row viewed as row_shape: table [N, R], index int64 [...] -> [..., *row_shape].
+    reused (no autograd): buffers by name; the rows go into reused[name], grown as needed, which the next call of
+    that name overwrites (fresh memory costs page faults on the CPU, more than the copy). Else through embedding
+    rather than advanced indexing, whose gradient (index_put) made forward+backward 1.15x slower on the CPU than
+    embedding's (a sum into rows; benchmarks/torch_backend.py)."""
+    if reused is None:
+        return torch.nn.functional.embedding(index, table).view(*index.shape, *row_shape)
+    size = index.numel() * table.shape[1]
+    memory = reused.get(name)
+    if memory is None or memory.numel() < size:  # a chunk's worth at least (untouched pages cost nothing)
+        memory = reused[name] = table.new_empty(max(size, _CPU_CHUNK_BYTES // table.element_size()))
+    rows = memory[:size].view(index.numel(), table.shape[1])
+    torch.index_select(table, 0, index.reshape(-1), out=rows)
+    return rows.view(*index.shape, *row_shape)
 
 
 def attached(result: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
