@@ -1,5 +1,6 @@
 """Benchmarks: blockattn against FlexAttention (compiled, same block mask) and dense SDPA (cuDNN, flash), forward
-and forward+backward, in one run. Used by `blockattn bench` and benchmarks/bench_attention.py.
+and forward+backward, in one run. Used by `blockattn bench` and benchmarks/bench_attention.py. Without a GPU the
+same on the CPU: blockattn's PyTorch backend, FlexAttention compiled for the CPU, and PyTorch's own SDPA.
 
 Effective TFLOP/s count only the kept work: 4 * B * Hq * Sq * Sk * D * density for the forward, 2.5 times that for
 the backward (so fwd+bwd is 3.5 times). SDPA rows are dense: density 1.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
@@ -81,10 +83,22 @@ def causal_blocks(case: Case, device, full: bool = False) -> torch.Tensor:
     return smallest >= 0 if full else largest >= 0
 
 
-def _time_ms(fn: Callable, calls: int = 25) -> float:
+def _time_ms(fn: Callable, calls: int = 25, device: Optional[torch.device] = None) -> float:
     """Median ms of fn over at least `calls` timed calls (triton.testing.do_bench: CUDA events, the L2 cache flushed
     before each call) after a warm-up of at least 3 calls. do_bench's budgets are milliseconds, so they grow with
-    the call's own time: a fixed 200 ms would time a 60 ms backward 3 times, too few for a stable median."""
+    the call's own time: a fixed 200 ms would time a 60 ms backward 3 times, too few for a stable median. On the CPU
+    (device "cpu", or no GPU): the median of 5 to `calls` calls by the wall clock, about 2 s of them, after one."""
+    if (device.type == "cpu") if device is not None else not torch.cuda.is_available():
+        fn()
+        start = time.perf_counter()
+        fn()
+        once_ms = (time.perf_counter() - start) * 1e3
+        times = []
+        for _ in range(max(5, min(calls, int(2000 / max(once_ms, 1e-3))))):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
     import triton.testing
     fn()
     torch.cuda.synchronize()
@@ -151,15 +165,18 @@ def _runners(case: Case, keep: torch.Tensor, device, quant: Optional[str] = None
                                                      kernel_options=options), density)
     except Exception as error:  # FlexAttention missing in this torch: report, keep going
         runners["flex"] = (error, density)
+    gqa = case.kv_heads != case.heads
     if device.type == "cuda":
         from torch.nn.attention import SDPBackend, sdpa_kernel
-        gqa = case.kv_heads != case.heads
         for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
             def run(q, k, v, backend=backend):
                 with sdpa_kernel(backend):
                     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                                             enable_gqa=gqa)
             runners[name] = (run, density if causal else 1.0)
+    else:  # whichever kernel PyTorch picks there (its fused CPU one)
+        runners["sdpa"] = (lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, enable_gqa=gqa), density if causal else 1.0)
     return runners
 
 
@@ -175,27 +192,35 @@ def bench_case(case: Case, device, *, backward: bool = True, sdpa: bool = True,
         if (name.startswith("sdpa") and not sdpa) or (impls is not None and name not in impls):
             continue
         if isinstance(fn, Exception):
-            rows.append(Row(case.label, name, "fwd", density, float("nan"), float("nan"), f"unavailable: {fn}"))
+            rows.append(Row(case.label, name, "fwd", density, float("nan"), float("nan"), f"unavailable: {_one_line(fn)}"))
             continue
         flops = _flops(case, density)
-        passes = [("fwd", 1.0, lambda: fn(q, k, v))]
+        # (FlexAttention on the CPU refuses inputs that require grad even under no_grad: its forward takes detached
+        # ones there)
+        inputs = (q, k, v) if device.type == "cuda" else (q.detach(), k.detach(), v.detach())
+        passes = [("fwd", 1.0, lambda: fn(*inputs))]
         if backward and not name.startswith("blockattn-"):
             passes.append(("fwd+bwd", 3.5, lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad)))
         times = {}
         for mode, work, run_pass in passes:
             try:
                 with torch.set_grad_enabled(mode != "fwd"):
-                    times[mode] = _time_ms(run_pass)
+                    times[mode] = _time_ms(run_pass, device=device)
                 rows.append(Row(case.label, name, mode, density, times[mode], work * flops / times[mode] / 1e9))
             except Exception as error:  # a failing implementation is a result too
                 rows.append(Row(case.label, name, mode, density, float("nan"), float("nan"),
-                                f"failed: {type(error).__name__}: {str(error)[:120]}"))
+                                f"failed: {type(error).__name__}: {_one_line(error)[:120]}"))
         if "fwd" in times and "fwd+bwd" in times:
             bwd = times["fwd+bwd"] - times["fwd"]
             rows.append(Row(case.label, name, "bwd", density, bwd, 2.5 * flops / bwd / 1e9))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def _one_line(error: Exception) -> str:
+    """An error's message on one line (a table cell): Inductor's compile errors span many."""
+    return " ".join(str(error).split())
 
 
 def ratios(rows: list[Row], impl_name: str = "blockattn") -> dict:
@@ -216,7 +241,9 @@ def markdown(rows: list[Row]) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         vs = ratio[r.impl].get((r.case, r.mode)) if r.impl in ratio else None
-        lines.append(f"| {r.case} | {r.impl} | {r.mode} | {r.density:.3f} | {r.ms:.3f} | {r.tflops:.0f} | "
+        # (three significant figures below 10 TFLOP/s: a CPU's rates)
+        rate = f"{r.tflops:.0f}" if not r.tflops < 10 else f"{r.tflops:.3g}"
+        lines.append(f"| {r.case} | {r.impl} | {r.mode} | {r.density:.3f} | {r.ms:.3f} | {rate} | "
                      f"{'' if vs is None else f'{vs:.2f}x'} | {r.note} |")
     return "\n".join(lines)
 
@@ -258,6 +285,8 @@ def environment() -> dict:
             "triton": triton.__version__, "python": platform.python_version()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
+    else:
+        info["cpu"] = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     return info
 
 

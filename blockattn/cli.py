@@ -48,6 +48,18 @@ def _wall_ms(fns, device, repeats: int) -> list:
     return [sorted(t)[len(t) // 2] for t in times]
 
 
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _problem_size(args, device: torch.device) -> tuple:
+    """(seq, heads, dim, dtype name) from args, those left unset sized for the device: B1 H24 S32768 D128 bf16 on a
+    GPU, H4 S4096 D64 fp32 on the CPU (where a GPU-sized call would take minutes)."""
+    on_gpu = device.type == "cuda"
+    return (args.seq or (32768 if on_gpu else 4096), args.heads or (24 if on_gpu else 4),
+            args.dim or (128 if on_gpu else 64), args.dtype or ("bf16" if on_gpu else "fp32"))
+
+
 def demo(args) -> int:
     """Build a problem and a random block mask, run sparse attention on the best backend present, report the error
     against dense attention on the same mask, the density, the time and the speedup over dense, and draw the mask."""
@@ -56,12 +68,10 @@ def demo(args) -> int:
     import blockattn
     from blockattn.bench import Case, block_mask
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = _device()
     on_gpu = device.type == "cuda"
-    seq = args.seq or (32768 if on_gpu else 4096)
-    heads = args.heads or (24 if on_gpu else 4)
-    dim = args.dim or (128 if on_gpu else 64)
-    dtype = _DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")]
+    seq, heads, dim, dtype = _problem_size(args, device)
+    dtype = _DTYPES[dtype]
     case = Case(batch=1, heads=heads, kv_heads=heads, seq=seq, dim=dim, block=args.block, density=args.density)
     backend = blockattn.api.resolve_backend("auto", device)
     print(f"blockattn demo on {torch.cuda.get_device_name() if on_gpu else 'CPU'}: B=1 H={heads} S={seq} D={dim} "
@@ -122,15 +132,15 @@ def demo(args) -> int:
 def bench(args) -> int:
     from blockattn.bench import Case, run
 
-    if not torch.cuda.is_available():
-        print("blockattn bench compares GPU kernels (blockattn, FlexAttention, SDPA) and needs a CUDA GPU; "
-              "none is visible here", file=sys.stderr)
-        return 2
-
+    device = _device()
+    seq, heads, dim, dtype = _problem_size(args, device)
     densities = [0.5] if args.pattern == "causal" else args.densities  # a causal mask has its own density
-    cases = [Case(batch=args.batch, heads=args.heads, kv_heads=args.kv_heads or args.heads, seq=args.seq,
-                  dim=args.dim, block=block, density=density, dtype=args.dtype, pattern=args.pattern)
+    cases = [Case(batch=args.batch, heads=heads, kv_heads=args.kv_heads or heads, seq=seq, dim=dim, block=block,
+                  density=density, dtype=dtype, pattern=args.pattern)
              for block in args.blocks for density in densities]
+    if device.type == "cpu":
+        print("no CUDA GPU here: timing blockattn's PyTorch backend, FlexAttention compiled for the CPU and SDPA on "
+              f"the CPU ({torch.get_num_threads()} threads)")
     run(cases, backward=not args.forward_only, out_prefix=args.out, quant=args.quant)
     return 0
 
@@ -183,17 +193,18 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="blockattn-demo-mask.png", help="where to write the mask picture")
     p.set_defaults(func=demo)
 
-    p = sub.add_parser("bench", help="blockattn vs FlexAttention vs SDPA, table and plot")
+    p = sub.add_parser("bench", help="blockattn vs FlexAttention vs SDPA, table and plot (on a GPU, else the CPU)")
     p.add_argument("--batch", type=int, default=1, help="batch (default 1)")
-    p.add_argument("--heads", type=int, default=24, help="query heads (default 24)")
+    p.add_argument("--heads", type=int, help="query heads (default 24 on a GPU, 4 on the CPU)")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads, for GQA (default: --heads)")
-    p.add_argument("--seq", type=int, default=32768, help="sequence length, queries and keys (default 32768)")
-    p.add_argument("--dim", type=int, default=128, help="head dim (default 128)")
+    p.add_argument("--seq", type=int, help="sequence length, queries and keys (default 32768 on a GPU, 4096 on the "
+                   "CPU)")
+    p.add_argument("--dim", type=int, help="head dim (default 128 on a GPU, 64 on the CPU)")
     p.add_argument("--blocks", type=lambda s: [_block(b) for b in s.split(",")], default=[(128, 128)],
                    help="block shapes QxKV, comma-separated (default 128x128; e.g. 128x128,128x64)")
     p.add_argument("--densities", type=lambda s: [_density(d) for d in s.split(",")], default=[1, 0.5, 0.25, 0.1],
                    help="kept fractions of blocks, comma-separated (default 1,0.5,0.25,0.1)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="default bf16")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), help="default bf16 on a GPU, fp32 on the CPU")
     p.add_argument("--pattern", choices=("random", "skewed", "causal"), default="random",
                    help="random (default): each query block keeps the same number of blocks, its diagonal one among "
                    "them; skewed: a tenth of the query blocks keep every block and the rest share what the density "

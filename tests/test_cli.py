@@ -26,6 +26,43 @@ def test_demo_reports_error_density_timing_and_writes_the_picture(tmp_path):
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_writes_its_table_json_and_plot(tmp_path):
+    """`blockattn bench` on a small case: one table line per row (an error's message kept on its line), finite
+    times for blockattn (and SDPA on the CPU, where the PyTorch backend, FlexAttention compiled for the CPU and
+    PyTorch's SDPA are timed), and the plot."""
+    import json
+    on_gpu = torch.cuda.is_available()
+    prefix = tmp_path / "bench"
+    result = run_cli("bench", "--heads", "2", "--seq", "512", "--dim", "32", "--densities", "0.5", "--out",
+                     str(prefix), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert ("no CUDA GPU here" in result.stdout) != on_gpu
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    sdpa = {("sdpa-cudnn", "fwd"), ("sdpa-flash", "fwd")} if on_gpu else {("sdpa", "fwd")}
+    assert {(r["impl"], r["mode"]) for r in rows} >= {("blockattn", "fwd"), ("blockattn", "fwd+bwd"),
+                                                      ("blockattn", "bwd"), ("flex", "fwd")} | sdpa
+    for r in rows:
+        if r["impl"] == "blockattn" or (r["impl"] == "sdpa" and not on_gpu):
+            assert r["ms"] > 0 and r["tflops"] > 0, r
+        assert "B1 H2 S512 D32" in r["case"]
+    table = (tmp_path / "bench.md").read_text().strip().splitlines()[2:]  # past the environment line
+    assert len(table) == 2 + len(rows) and all(line.startswith("| ") for line in table)
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_problem_sizes_follow_the_device():
+    """demo and bench size what the caller leaves unset for the device, and keep what it sets."""
+    import argparse
+
+    from blockattn.cli import _problem_size
+    unset = argparse.Namespace(seq=None, heads=None, dim=None, dtype=None)
+    assert _problem_size(unset, torch.device("cpu")) == (4096, 4, 64, "fp32")
+    assert _problem_size(unset, torch.device("cuda")) == (32768, 24, 128, "bf16")
+    chosen = argparse.Namespace(seq=1000, heads=3, dim=16, dtype="fp16")
+    assert _problem_size(chosen, torch.device("cpu")) == _problem_size(chosen, torch.device("cuda")) == (
+        1000, 3, 16, "fp16")
+
+
 def test_show_draws_each_pattern(tmp_path):
     for pattern in ("causal", "window", "global", "tile", "random"):
         picture = tmp_path / f"{pattern}.png"
