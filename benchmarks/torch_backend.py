@@ -2,9 +2,9 @@
 and forward+backward, on random masks of uneven rows (each block kept with probability d), a mask whose rows keep
 equally many blocks (the demo's), a skewed mask (a sixteenth of the query blocks keep everything, the rest d/4),
 causal, small blocks, GQA with one mask for every head ("shared": the query heads of a group stack into one row),
-and a forward that returns the LSE; fp32, 2 threads. With --old FILE, the same calls through another version of
-blockattn/reference.py (e.g. `git show REV:blockattn/reference.py > old.py`), the two taking turns; the fastest of
---rounds calls each.
+a forward that returns the LSE, and dense calls (blocks=None); fp32, 2 threads. With --old FILE, the same calls
+through another version of blockattn/reference.py (e.g. `git show REV:blockattn/reference.py > old.py`), the two
+taking turns; the fastest of --rounds calls each.
 
     python benchmarks/torch_backend.py
     git show 0383540:blockattn/reference.py > /tmp/old_reference.py
@@ -21,8 +21,8 @@ import blockattn
 from blockattn import reference
 from blockattn.bench import Case, block_mask
 
-# (batch, heads, kv heads, sequence, head dim, block, density, mask: "random", "even", "skewed" or "shared",
-#  backward, causal, return_lse)
+# (batch, heads, kv heads, sequence, head dim, block, density, mask: "random", "even", "skewed", "shared" or
+#  "dense" (blocks=None), backward, causal, return_lse)
 CASES = [(1, 4, 4, 4096, 64, (128, 128), 0.25, "random", False, False, False),
          (1, 4, 4, 4096, 64, (128, 128), 0.25, "even", False, False, False),
          (1, 4, 4, 4096, 64, (128, 128), 0.25, "skewed", False, False, False),
@@ -33,7 +33,9 @@ CASES = [(1, 4, 4, 4096, 64, (128, 128), 0.25, "random", False, False, False),
          (2, 8, 8, 1024, 64, (64, 64), 0.5, "random", False, False, False),
          (1, 8, 2, 4096, 64, (128, 128), 0.25, "shared", False, False, False),
          (1, 8, 2, 2048, 64, (128, 128), 0.25, "shared", True, False, False),
-         (1, 4, 4, 4096, 64, (128, 128), 0.25, "random", False, False, True)]
+         (1, 4, 4, 4096, 64, (128, 128), 0.25, "random", False, False, True),
+         (1, 4, 4, 4096, 64, (128, 128), 1.0, "dense", False, False, False),
+         (1, 4, 4, 2048, 64, (128, 128), 1.0, "dense", True, False, False)]
 
 
 def load_old(path: str):
@@ -64,7 +66,9 @@ def main():
         q = torch.randn(batch, heads, seq, dim, generator=gen, requires_grad=backward)
         k, v = (torch.randn(batch, kv_heads, seq, dim, generator=gen, requires_grad=backward) for _ in range(2))
         nq, nk = -(-seq // block[0]), -(-seq // block[1])
-        if pattern == "even":
+        if pattern == "dense":
+            keep = None
+        elif pattern == "even":
             case = Case(batch=batch, heads=heads, kv_heads=heads, seq=seq, dim=dim, block=block, density=density)
             keep = block_mask(case, torch.device("cpu")).expand(batch, heads, nq, nk)
         else:
@@ -72,7 +76,7 @@ def main():
             keep = torch.rand(*mask_heads, nq, nk, generator=gen) < (density / 4 if pattern == "skewed" else density)
             keep[..., :max(1, nq // 16) if pattern == "skewed" else 0, :] = True
             keep |= torch.eye(nq, nk, dtype=torch.bool)
-        blocks = blockattn.BlockSparsity.from_mask(keep, block, seq, seq)
+        blocks = None if keep is None else blockattn.BlockSparsity.from_mask(keep, block, seq, seq)
 
         def call():
             out = blockattn.attention(q, k, v, blocks, backend="torch", is_causal=causal, return_lse=lse)

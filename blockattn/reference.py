@@ -42,8 +42,10 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     gathered once, and PyTorch's CPU kernel runs longer query sides faster). The rows are taken in order of their
     kv lists' lengths, in chunks of like lengths (_chunks); each chunk's rows attend, through PyTorch's fused
     attention, to their gathered key blocks, padded to the chunk's longest list; the mask is per key ([.., 1, L])
-    unless causality or a token mask make it per element. Rows that see no key are given one harmless key and
-    zeroed afterwards, so neither the output nor the gradients see a NaN."""
+    unless causality or a token mask make it per element. Rows that keep every key block (a dense call, global
+    tokens) skip the gather: each (batch, row head)'s attend to its kv head's keys as they lie, in one call. Rows
+    that see no key are given one harmless key and zeroed afterwards, so neither the output nor the gradients see
+    a NaN."""
     batch, heads, seq_q, _ = q.shape
     kv_heads, seq_kv = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -69,9 +71,9 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
 
     pad_q, pad_kv = nq * block_q - seq_q, nk * block_kv - seq_kv
     # one row per (batch, row head, block), as tables for _gathered; stacked: the group's heads within each row
-    q_blocks = _stacked(torch.nn.functional.pad(q, (0, 0, 0, pad_q)), stack, block_q).reshape(rows, stacked_q * dim)
-    k_blocks = torch.nn.functional.pad(k, (0, 0, 0, pad_kv)).reshape(batch * kv_heads * nk, block_kv * dim)
-    v_blocks = torch.nn.functional.pad(v, (0, 0, 0, pad_kv)).reshape(batch * kv_heads * nk, block_kv * dim_v)
+    q_blocks = _stacked(_padded(q, pad_q), stack, block_q).reshape(rows, stacked_q * dim)
+    k_blocks = _padded(k, pad_kv).reshape(batch * kv_heads * nk, block_kv * dim)
+    v_blocks = _padded(v, pad_kv).reshape(batch * kv_heads * nk, block_kv * dim_v)
     row_batch, row_head, row_block = order // (row_heads * nq), order // nq % row_heads, order % nq  # per sorted row
     # each stacked query's head within its row's group, and its offset in its block
     offsets_q = torch.arange(stacked_q, device=device) % block_q
@@ -93,8 +95,39 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
 
     budget = _CPU_CHUNK_BYTES if device.type == "cpu" and not differentiable else _CHUNK_BYTES
 
+    def attend(queries, keys, values, visible):
+        """Rows attending, in outs and lses: queries [n, sq, D] to keys [n, L, D] and values [n, L, Dv] where
+        visible [n, sq | 1, L] (None: everywhere). A row that sees nothing attends to its first key instead and
+        is zeroed (LSE -inf)."""
+        seen = None
+        if visible is not None:
+            seen = visible.any(-1, keepdim=True)                                          # [n, sq | 1, 1]
+            first = torch.zeros_like(visible)
+            first[..., 0] = True
+            visible = visible | (first & ~seen)
+        if fused_lse:
+            bias = (None if visible is None else torch.zeros(visible.shape, dtype=compute, device=device)
+                    .masked_fill_(~visible, float("-inf"))[:, None])
+            out, lse = _CPU_ATTENTION(queries[:, None], keys[:, None], values[:, None], attn_mask=bias, scale=scale)
+            out, lse = out[:, 0], lse[:, 0, :, None]
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                queries[:, None], keys[:, None], values[:, None],
+                attn_mask=None if visible is None else visible[:, None], scale=scale)[:, 0]
+            if need_lse:
+                scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale            # [n, sq, L]
+                if visible is not None:
+                    scores = scores.masked_fill(~visible, float("-inf"))
+                lse = torch.logsumexp(scores, -1, keepdim=True)
+        outs.append(out if seen is None else out * seen)
+        if need_lse:
+            lses.append((lse if seen is None else torch.where(seen, lse, float("-inf"))).squeeze(-1))
+
+    # rows that keep every key block (sorted last) attend to their kv head's keys where they lie, each (batch, row
+    # head)'s in one call, with no gather (below); the others in chunks of gathered keys
+    gathered = bisect.bisect_left(lengths, nk) if nk else rows
     # (an empty batch: one empty chunk, so that out and lse still hang off q, k and v for autograd)
-    chunks = _chunks(lengths, slot_bytes, budget) if rows else [(0, 0, 1)]
+    chunks = _chunks(lengths[:gathered], slot_bytes, budget) if rows else [(0, 0, 1)]
     # without autograd each chunk gathers into the memory the one before used (_gathered)
     reused = None if differentiable else {}
     outs, lses = [], []
@@ -129,26 +162,45 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
             q_rows = query_pos.clamp(max=seq_q - 1)[:, :, None]
             k_cols = key_pos.clamp(max=seq_kv - 1)[:, None, :]
             visible = visible & token_mask[b[..., None], q_heads, q_rows, k_cols]
-        seen = visible.any(-1, keepdim=True)                                              # [n, sq | 1, 1]
-        # a row that sees nothing attends to its first gathered key instead, and is zeroed below
-        first = torch.zeros_like(visible)
-        first[..., 0] = True
-        attend = visible | (first & ~seen)
+        attend(queries, keys, values, visible)
 
-        if fused_lse:
-            bias = torch.zeros(attend.shape, dtype=compute, device=device).masked_fill_(~attend, float("-inf"))
-            out, lse = _CPU_ATTENTION(queries[:, None], keys[:, None], values[:, None], attn_mask=bias[:, None],
-                                      scale=scale)
-            out, lse = out[:, 0], lse[:, 0, :, None]
-        else:
-            out = torch.nn.functional.scaled_dot_product_attention(
-                queries[:, None], keys[:, None], values[:, None], attn_mask=attend[:, None], scale=scale)[:, 0]
-            if need_lse:
-                scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale            # [n, sq, L]
-                lse = torch.logsumexp(scores.masked_fill(~attend, float("-inf")), -1, keepdim=True)
-        outs.append(out * seen)
-        if need_lse:
-            lses.append(torch.where(seen, lse, torch.full_like(lse, float("-inf"))).squeeze(-1))
+    if gathered < rows:
+        # each (batch, row head)'s rows that keep everything, consecutive in the sorted order; their kv head's keys
+        # and values [Sk, D], and their query blocks [nq, sq * D], through unbind, whose backward sums them at once
+        # (a slice's or a gather's would zero the whole tensor once for each)
+        head_rows, sizes = torch.unique_consecutive(order[gathered:] // nq, return_counts=True)
+        k_heads, v_heads = k.flatten(0, 1).unbind(0), v.flatten(0, 1).unbind(0)
+        q_heads = q_blocks.view(batch * row_heads, nq, stacked_q * dim).unbind(0)
+        key_pos = torch.arange(seq_kv, device=device)
+        start = gathered
+        for head_row, size in zip(head_rows.tolist(), sizes.tolist()):
+            b, row_h = divmod(head_row, row_heads)
+            keys = k_heads[b * kv_heads + row_h // (group // stack)].to(compute)[None]   # [1, Sk, D]
+            values = v_heads[b * kv_heads + row_h // (group // stack)].to(compute)[None]  # [1, Sk, Dv]
+            visible = None
+            if kv_valid is not None:
+                visible = (key_pos % block_kv < kv_valid[b, key_pos // block_kv])[None, None]  # [1, 1, Sk]
+            # rows a call: all of them, unless a per-element mask or the scores would outgrow the budget
+            step = size if score_rows == 1 else max(1, budget // (stacked_q * seq_kv * element_bytes))
+            for first, last in ((i, min(i + step, start + size)) for i in range(start, start + size, step)):
+                blocks_here = row_block[first:last]                                       # [m] query blocks
+                queries = (q_heads[head_row][None] if last - first == nq else
+                           _gathered(q_heads[head_row], blocks_here, (stacked_q * dim,), reused, "q")[None])
+                queries = queries.view(1, -1, dim).to(compute)                            # [1, m * sq, D]
+                query_pos = (blocks_here[:, None] * block_q + offsets_q).flatten()        # [m * sq]
+                here = visible
+                if is_causal:
+                    causal = key_pos[None, None, :] <= query_pos[None, :, None]
+                    here = causal if here is None else here & causal
+                if token_mask is not None:
+                    q_heads_here = (row_h * stack + head_in_row).repeat(last - first)
+                    tokens = token_mask[b, q_heads_here, query_pos.clamp(max=seq_q - 1)][None]  # [1, m * sq, Sk]
+                    here = tokens if here is None else here & tokens
+                attend(queries, keys, values, here)
+                outs[-1] = outs[-1].view(last - first, stacked_q, dim_v)
+                if need_lse:
+                    lses[-1] = lses[-1].view(last - first, stacked_q)
+            start += size
 
     # back to (batch, head, query block) order: the sort's inverse permutation, then the stacked heads apart
     inverse = None if in_place else torch.empty_like(order).scatter_(0, order, torch.arange(rows, device=device))
@@ -166,6 +218,11 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
 # PyTorch's fused attention on the CPU, which also returns each row's LSE (not differentiable); a private operator,
 # so looked up rather than assumed
 _CPU_ATTENTION = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [.., S, D] with `rows` zero rows after its last (x itself when none: pad would copy it)."""
+    return torch.nn.functional.pad(x, (0, 0, 0, rows)) if rows else x
 
 
 def _stacked(x: torch.Tensor, stack: int, block_q: int) -> torch.Tensor:
