@@ -88,7 +88,8 @@ def _time_ms(fn: Callable, calls: int = 25, device: Optional[torch.device] = Non
     before each call) after a warm-up of at least 3 calls. do_bench's budgets are milliseconds, so they grow with
     the call's own time: a fixed 200 ms would time a 60 ms backward 3 times, too few for a stable median. On the CPU
     (device "cpu", or no GPU): the median of 5 to `calls` calls by the wall clock, about 2 s of them, after one."""
-    if (device.type == "cpu") if device is not None else not torch.cuda.is_available():
+    on_cpu = device.type == "cpu" if device is not None else not torch.cuda.is_available()
+    if on_cpu:
         fn()
         start = time.perf_counter()
         fn()
@@ -192,7 +193,8 @@ def bench_case(case: Case, device, *, backward: bool = True, sdpa: bool = True,
         if (name.startswith("sdpa") and not sdpa) or (impls is not None and name not in impls):
             continue
         if isinstance(fn, Exception):
-            rows.append(Row(case.label, name, "fwd", density, float("nan"), float("nan"), f"unavailable: {_one_line(fn)}"))
+            rows.append(Row(case.label, name, "fwd", density, float("nan"), float("nan"),
+                            f"unavailable: {_one_line(fn)}"))
             continue
         flops = _flops(case, density)
         # (FlexAttention on the CPU refuses inputs that require grad even under no_grad: its forward takes detached

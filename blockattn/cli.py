@@ -49,6 +49,7 @@ def _wall_ms(fns, device, repeats: int) -> list:
 
 
 def _device() -> torch.device:
+    """The GPU when there is one (demo and bench run there), else the CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
