@@ -96,9 +96,9 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     budget = _CPU_CHUNK_BYTES if device.type == "cpu" and not differentiable else _CHUNK_BYTES
 
     def attend(queries, keys, values, visible):
-        """Rows attending, in outs and lses: queries [n, sq, D] to keys [n, L, D] and values [n, L, Dv] where
-        visible [n, sq | 1, L] (None: everywhere). A row that sees nothing attends to its first key instead and
-        is zeroed (LSE -inf)."""
+        """(out [n, sq, Dv], lse [n, sq] or None unless need_lse) of queries [n, sq, D] attending to keys
+        [n, L, D] and values [n, L, Dv] where visible [n, sq | 1, L] (None: everywhere). A row that sees nothing
+        attends to its first key instead and is zeroed (LSE -inf)."""
         seen = None
         if visible is not None:
             seen = visible.any(-1, keepdim=True)                                          # [n, sq | 1, 1]
@@ -119,9 +119,11 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
                 if visible is not None:
                     scores = scores.masked_fill(~visible, float("-inf"))
                 lse = torch.logsumexp(scores, -1, keepdim=True)
-        outs.append(out if seen is None else out * seen)
-        if need_lse:
-            lses.append((lse if seen is None else torch.where(seen, lse, float("-inf"))).squeeze(-1))
+        if seen is not None:
+            out = out * seen
+        if not need_lse:
+            return out, None
+        return out, (lse if seen is None else torch.where(seen, lse, float("-inf"))).squeeze(-1)
 
     # rows that keep every key block (sorted last) attend to their kv head's keys where they lie, each (batch, row
     # head)'s in one call, with no gather (below); the others in chunks of gathered keys
@@ -162,7 +164,9 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
             q_rows = query_pos.clamp(max=seq_q - 1)[:, :, None]
             k_cols = key_pos.clamp(max=seq_kv - 1)[:, None, :]
             visible = visible & token_mask[b[..., None], q_heads, q_rows, k_cols]
-        attend(queries, keys, values, visible)
+        out, lse = attend(queries, keys, values, visible)
+        outs.append(out)
+        lses.append(lse)
 
     if gathered < rows:
         # each (batch, row head)'s rows that keep everything, consecutive in the sorted order; their kv head's keys
@@ -196,10 +200,9 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
                     q_heads_here = (row_h * stack + head_in_row).repeat(last - first)
                     tokens = token_mask[b, q_heads_here, query_pos.clamp(max=seq_q - 1)][None]  # [1, m * sq, Sk]
                     here = tokens if here is None else here & tokens
-                attend(queries, keys, values, here)
-                outs[-1] = outs[-1].view(last - first, stacked_q, dim_v)
-                if need_lse:
-                    lses[-1] = lses[-1].view(last - first, stacked_q)
+                out, lse = attend(queries, keys, values, here)
+                outs.append(out.view(last - first, stacked_q, dim_v))
+                lses.append(None if lse is None else lse.view(last - first, stacked_q))
             start += size
 
     # back to (batch, head, query block) order: the sort's inverse permutation, then the stacked heads apart
