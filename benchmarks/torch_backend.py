@@ -2,7 +2,7 @@
 and forward+backward, on random masks of uneven rows (each block kept with probability d), a mask whose rows keep
 equally many blocks (the demo's), a skewed mask (a sixteenth of the query blocks keep everything, the rest d/4),
 causal, small blocks, GQA with one mask for every head ("shared": the query heads of a group stack into one row),
-a forward that returns the LSE, and dense calls (blocks=None); fp32, 2 threads. With --old FILE, the same calls
+a forward that returns the LSE, and dense calls (blocks=None, also causal); fp32, 2 threads. With --old FILE, the same calls
 through another version of blockattn/reference.py (e.g. `git show REV:blockattn/reference.py > old.py`), the two
 taking turns; the fastest of --rounds calls each.
 
@@ -35,7 +35,9 @@ CASES = [(1, 4, 4, 4096, 64, (128, 128), 0.25, "random", False, False, False),
          (1, 8, 2, 2048, 64, (128, 128), 0.25, "shared", True, False, False),
          (1, 4, 4, 4096, 64, (128, 128), 0.25, "random", False, False, True),
          (1, 4, 4, 4096, 64, (128, 128), 1.0, "dense", False, False, False),
-         (1, 4, 4, 2048, 64, (128, 128), 1.0, "dense", True, False, False)]
+         (1, 4, 4, 2048, 64, (128, 128), 1.0, "dense", True, False, False),
+         (1, 4, 4, 4096, 64, (128, 128), 1.0, "dense", False, True, False),
+         (1, 4, 4, 2048, 64, (128, 128), 1.0, "dense", True, True, False)]
 
 
 def load_old(path: str):

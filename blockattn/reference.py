@@ -43,7 +43,8 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     kv lists' lengths, in chunks of like lengths (_chunks); each chunk's rows attend, through PyTorch's fused
     attention, to their gathered key blocks, padded to the chunk's longest list; the mask is per key ([.., 1, L])
     unless causality or a token mask make it per element. Rows that keep every key block (a dense call, global
-    tokens) skip the gather: each (batch, row head)'s attend to its kv head's keys as they lie, in one call. Rows
+    tokens) skip the gather: each (batch, row head)'s attend to its kv head's keys as they lie, in one call. Under
+    is_causal alone, a (batch, row head) whose rows keep all that causality leaves them takes one causal call. Rows
     that see no key are given one harmless key and zeroed afterwards, so neither the output nor the gradients see
     a NaN."""
     batch, heads, seq_q, _ = q.shape
@@ -63,11 +64,23 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     count = blocks.kv_count.expand(batch, row_heads, nq).reshape(rows)
     width_cap = blocks.kv_index.shape[-1]
     index = blocks.kv_index.expand(batch, row_heads, nq, width_cap).reshape(rows, width_cap)
-    # the rows by their lists' lengths (a host read: this is the CPU path)
-    order = torch.argsort(count, stable=True)
+    # the LSE from the fused kernel when it is PyTorch's CPU one (which takes D = Dv only) and no gradient can reach
+    # the LSE; else from the scores, which autograd differentiates
+    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    fused_lse = need_lse and device.type == "cpu" and _CPU_ATTENTION is not None and dim == dim_v and not differentiable
+    # under is_causal with no other element test, a (batch, row head) whose every row keeps the key blocks its
+    # causal part reaches (more are masked anyway) is causal attention over its whole head: one causal call, which
+    # skips the upper triangle (where the LSE, if asked, can come from it)
+    causal_heads = torch.zeros(batch * row_heads, dtype=torch.bool, device=device)
+    if is_causal and token_mask is None and kv_valid is None and nk and (fused_lse or not need_lse):
+        causal_heads = _keeps_causal_reach(count, index, nq, nk, block_q, block_kv, seq_q).view(-1, nq).all(1)
+    # the other rows by their lists' lengths (a host read: this is the CPU path)
+    order = torch.nonzero(~causal_heads.repeat_interleave(nq)).squeeze(1)
+    order = order[torch.argsort(count[order], stable=True)]
     sorted_count = count[order]
     lengths = sorted_count.tolist()
-    in_place = not lengths or lengths[0] == lengths[-1]  # every list as long: the stable sort kept the rows' order
+    # every row here and its list as long: the stable sort kept the rows' order
+    in_place = len(lengths) == rows and (not lengths or lengths[0] == lengths[-1])
 
     pad_q, pad_kv = nq * block_q - seq_q, nk * block_kv - seq_kv
     # one row per (batch, row head, block), as tables for _gathered; stacked: the group's heads within each row
@@ -84,10 +97,6 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     if kv_valid is not None:
         kv_valid = kv_valid.expand(batch, nk).long()
     elements = is_causal or token_mask is not None  # a per-element mask
-    # the LSE from the fused kernel when it is PyTorch's CPU one (which takes D = Dv only) and no gradient can reach
-    # the LSE; else from the scores, which autograd differentiates
-    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    fused_lse = need_lse and device.type == "cpu" and _CPU_ATTENTION is not None and dim == dim_v and not differentiable
     element_bytes = torch.finfo(compute).bits // 8
     # per key block of a row: its gathered keys or values, or its slice of a per-element mask or of the scores
     score_rows = stacked_q if elements or (need_lse and not fused_lse) else 1
@@ -127,9 +136,14 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
 
     # rows that keep every key block (sorted last) attend to their kv head's keys where they lie, each (batch, row
     # head)'s in one call, with no gather (below); the others in chunks of gathered keys
-    gathered = bisect.bisect_left(lengths, nk) if nk else rows
+    gathered = bisect.bisect_left(lengths, nk) if nk else len(lengths)
     # (an empty batch: one empty chunk, so that out and lse still hang off q, k and v for autograd)
     chunks = _chunks(lengths[:gathered], slot_bytes, budget) if rows else [(0, 0, 1)]
+    # each kv head's keys and values [Sk, D], and each (batch, row head)'s query blocks [nq, sq * D], for the calls
+    # on whole rows and heads: through unbind, whose backward sums them at once (a slice's or a gather's would zero
+    # the whole tensor once for each)
+    k_heads, v_heads = k.flatten(0, 1).unbind(0), v.flatten(0, 1).unbind(0)
+    query_heads = q_blocks.view(batch * row_heads, nq, stacked_q * dim).unbind(0)
     # without autograd each chunk gathers into the memory the one before used (_gathered)
     reused = None if differentiable else {}
     outs, lses = [], []
@@ -160,21 +174,17 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
         if is_causal:
             visible = visible & (key_pos[:, None, :] <= query_pos[:, :, None])
         if token_mask is not None:
-            q_heads = (row_head[start:stop, None] * stack + head_in_row)[:, :, None]      # [n, sq, 1]
+            token_heads = (row_head[start:stop, None] * stack + head_in_row)[:, :, None]  # [n, sq, 1]
             q_rows = query_pos.clamp(max=seq_q - 1)[:, :, None]
             k_cols = key_pos.clamp(max=seq_kv - 1)[:, None, :]
-            visible = visible & token_mask[b[..., None], q_heads, q_rows, k_cols]
+            visible = visible & token_mask[b[..., None], token_heads, q_rows, k_cols]
         out, lse = attend(queries, keys, values, visible)
         outs.append(out)
         lses.append(lse)
 
-    if gathered < rows:
-        # each (batch, row head)'s rows that keep everything, consecutive in the sorted order; their kv head's keys
-        # and values [Sk, D], and their query blocks [nq, sq * D], through unbind, whose backward sums them at once
-        # (a slice's or a gather's would zero the whole tensor once for each)
+    if gathered < len(lengths):
+        # each (batch, row head)'s rows that keep everything, consecutive in the sorted order
         head_rows, sizes = torch.unique_consecutive(order[gathered:] // nq, return_counts=True)
-        k_heads, v_heads = k.flatten(0, 1).unbind(0), v.flatten(0, 1).unbind(0)
-        q_heads = q_blocks.view(batch * row_heads, nq, stacked_q * dim).unbind(0)
         key_pos = torch.arange(seq_kv, device=device)
         start = gathered
         for head_row, size in zip(head_rows.tolist(), sizes.tolist()):
@@ -188,8 +198,8 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
             step = size if score_rows == 1 else max(1, budget // (stacked_q * seq_kv * element_bytes))
             for first, last in ((i, min(i + step, start + size)) for i in range(start, start + size, step)):
                 blocks_here = row_block[first:last]                                       # [m] query blocks
-                queries = (q_heads[head_row][None] if last - first == nq else
-                           _gathered(q_heads[head_row], blocks_here, (stacked_q * dim,), reused, "q")[None])
+                queries = (query_heads[head_row][None] if last - first == nq else
+                           _gathered(query_heads[head_row], blocks_here, (stacked_q * dim,), reused, "q")[None])
                 queries = queries.view(1, -1, dim).to(compute)                            # [1, m * sq, D]
                 query_pos = (blocks_here[:, None] * block_q + offsets_q).flatten()        # [m * sq]
                 here = visible
@@ -197,13 +207,33 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
                     causal = key_pos[None, None, :] <= query_pos[None, :, None]
                     here = causal if here is None else here & causal
                 if token_mask is not None:
-                    q_heads_here = (row_h * stack + head_in_row).repeat(last - first)
-                    tokens = token_mask[b, q_heads_here, query_pos.clamp(max=seq_q - 1)][None]  # [1, m * sq, Sk]
+                    token_heads = (row_h * stack + head_in_row).repeat(last - first)
+                    tokens = token_mask[b, token_heads, query_pos.clamp(max=seq_q - 1)][None]  # [1, m * sq, Sk]
                     here = tokens if here is None else here & tokens
                 out, lse = attend(queries, keys, values, here)
                 outs.append(out.view(last - first, stacked_q, dim_v))
                 lses.append(None if lse is None else lse.view(last - first, stacked_q))
             start += size
+
+    causal_head_rows = torch.nonzero(causal_heads).squeeze(1)
+    if len(causal_head_rows):
+        # every such head in one call (the kernel balances the triangle's rows better over more heads): each row
+        # head's query heads apart, each its whole (padded) sequence, [heads * stack, 1, nq * bq, D], beside its kv
+        # head's keys and values
+        head_rows = causal_head_rows.tolist()
+        kv_of = [head_row // row_heads * kv_heads + head_row % row_heads // (group // stack) for head_row in head_rows]
+        queries = torch.stack([query_heads[head_row] for head_row in head_rows])          # [h, nq, sq * D]
+        queries = queries.view(-1, nq, stack, block_q, dim).transpose(1, 2).reshape(-1, 1, nq * block_q, dim)
+        keys, values = (torch.stack([per_head[i] for i in kv_of]).repeat_interleave(stack, 0)[:, None].to(compute)
+                        for per_head in (k_heads, v_heads))                              # [h * stack, 1, Sk, D]
+        if fused_lse:
+            out, lse = _CPU_ATTENTION(queries.to(compute), keys, values, is_causal=True, scale=scale)
+            lses.append(lse.view(-1, stack, nq, block_q).transpose(1, 2).reshape(-1, stacked_q))
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(queries.to(compute), keys, values, is_causal=True,
+                                                                   scale=scale)
+        outs.append(out.view(-1, stack, nq, block_q, dim_v).transpose(1, 2).reshape(-1, stacked_q, dim_v))
+    order = torch.cat([order, (causal_head_rows[:, None] * nq + torch.arange(nq, device=device)).flatten()])
 
     # back to (batch, head, query block) order: the sort's inverse permutation, then the stacked heads apart
     inverse = None if in_place else torch.empty_like(order).scatter_(0, order, torch.arange(rows, device=device))
@@ -221,6 +251,17 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
 # PyTorch's fused attention on the CPU, which also returns each row's LSE (not differentiable); a private operator,
 # so looked up rather than assumed
 _CPU_ATTENTION = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _keeps_causal_reach(count: torch.Tensor, index: torch.Tensor, nq: int, nk: int, block_q: int, block_kv: int,
+                        seq_q: int) -> torch.Tensor:
+    """bool [rows]: whether each row's list (count [rows], index [rows, L]; the row's query block is row % nq)
+    holds every key block that holds a key at or before one of its queries: blocks 0 .. reach - 1, which an
+    ascending list holds when its count reaches `reach` and its entry reach - 1 is block reach - 1."""
+    last_query = torch.clamp((torch.arange(count.shape[0], device=count.device) % nq + 1) * block_q, max=seq_q) - 1
+    reach = torch.clamp(last_query // block_kv + 1, max=nk)                                # 1 .. nk
+    entry = index.gather(1, (reach - 1)[:, None].long())[:, 0]
+    return (count >= reach) & (entry == reach - 1)
 
 
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:

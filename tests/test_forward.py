@@ -251,6 +251,58 @@ def test_prepared_sparsity_gives_the_same_answer_as_the_mask(geometry, pinned):
                            blockattn.attention(q, k, v, keep, g.block, backend=backend))
 
 
+@pytest.mark.parametrize("lse", ["none", "no gradient", "with gradient"])
+@pytest.mark.parametrize("mask", ["causal blocks", "causal blocks and more", "one head short", "shared"])
+@pytest.mark.parametrize("seq_kv, block", [(300, (32, 16)), (200, (64, 64)), (420, (48, 32))])
+def test_torch_backend_takes_causal_heads_whole(monkeypatch, seq_kv, block, mask, lse):
+    """Under is_causal alone, a head whose rows keep every key block their causal part reaches (or more) runs as one
+    causal call over the whole head (Sq != Sk top-left aligned, GQA, a mask shared by every head); a head whose
+    rows miss one takes the gathered path beside it. Output, LSE and gradients against the fp64 oracle, and the
+    causal calls counted (none where the LSE needs a gradient, which the causal call's LSE does not carry)."""
+    from blockattn import reference
+    seq_q = 300
+    causal_calls = []
+
+    def spy(original):
+        def call(*args, **kwargs):
+            causal_calls.append(kwargs.get("is_causal", False))
+            return original(*args, **kwargs)
+        return call
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        spy(torch.nn.functional.scaled_dot_product_attention))
+    if reference._CPU_ATTENTION is not None:
+        monkeypatch.setattr(reference, "_CPU_ATTENTION", spy(reference._CPU_ATTENTION))
+    nq, nk = math.ceil(seq_q / block[0]), math.ceil(seq_kv / block[1])
+    last_query = torch.clamp((torch.arange(nq, device=DEVICE) + 1) * block[0], max=seq_q) - 1
+    keep = torch.arange(nk, device=DEVICE)[None, :] * block[1] <= last_query[:, None]       # [nq, nk]
+    if mask != "shared":
+        keep = keep.expand(2, 4, nq, nk).clone()
+    if mask == "causal blocks and more":
+        keep |= random_keep(2, 4, seq_q, seq_kv, block, density=0.3, seed=5)
+    if mask == "one head short":
+        keep[1, 2, nq - 1, 0] = False                           # its last query block misses key block 0
+    gradient = lse != "no gradient"
+    q, k, v = (t.float().requires_grad_(gradient) for t in qkv(2, 4, seq_q, 32, kv_heads=2, seq_kv=seq_kv, seed=3))
+    visible = expand(keep, block, seq_q, seq_kv)
+    if lse == "none":
+        out = blockattn.attention(q, k, v, keep, block, is_causal=True, backend="torch")
+    else:
+        out, got_lse = blockattn.attention(q, k, v, keep, block, is_causal=True, backend="torch", return_lse=True)
+        check_against_oracle(out, got_lse, q, k, v, visible, is_causal=True, lse_tolerance=1e-5)
+    takes_causal_calls = lse != "with gradient"
+    assert any(causal_calls) == takes_causal_calls, causal_calls
+    if mask == "one head short" and takes_causal_calls:
+        assert not all(causal_calls), "the short head's rows took a causal call"
+    if gradient:
+        grad_out = torch.randn(out.shape, generator=torch.Generator(device=DEVICE).manual_seed(4), device=DEVICE)
+        if lse == "with gradient":
+            grads = torch.autograd.grad(output_and_lse_loss(out, got_lse, grad_out), (q, k, v))
+        else:
+            grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        assert_output_and_gradients(out, grads, q, k, v, visible, grad_out, tolerance=1e-5, is_causal=True,
+                                    through_lse=lse == "with gradient")
+
+
 def test_torch_backend_chunks_rows_by_list_length():
     """reference._chunks: rows sorted by list length go in chunks of like lengths (within _LENGTH_SPREAD of the
     first, plus one), empty rows apart, as many rows as the scores' budget allows (one at least)."""
