@@ -139,11 +139,13 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     gathered = bisect.bisect_left(lengths, nk) if nk else len(lengths)
     # (an empty batch: one empty chunk, so that out and lse still hang off q, k and v for autograd)
     chunks = _chunks(lengths[:gathered], slot_bytes, budget) if rows else [(0, 0, 1)]
-    # each kv head's keys and values [Sk, D], and each (batch, row head)'s query blocks [nq, sq * D], for the calls
-    # on whole rows and heads: through unbind, whose backward sums them at once (a slice's or a gather's would zero
-    # the whole tensor once for each)
-    k_heads, v_heads = k.flatten(0, 1).unbind(0), v.flatten(0, 1).unbind(0)
-    query_heads = q_blocks.view(batch * row_heads, nq, stacked_q * dim).unbind(0)
+    causal_head_rows = torch.nonzero(causal_heads).squeeze(1)
+    if gathered < len(lengths) or len(causal_head_rows):
+        # each kv head's keys and values [Sk, D], and each (batch, row head)'s query blocks [nq, sq * D], for the
+        # calls on whole rows and heads: through unbind, whose backward sums them at once (a slice's or a gather's
+        # would zero the whole tensor once for each)
+        k_heads, v_heads = k.flatten(0, 1).unbind(0), v.flatten(0, 1).unbind(0)
+        query_heads = q_blocks.view(batch * row_heads, nq, stacked_q * dim).unbind(0)
     # without autograd each chunk gathers into the memory the one before used (_gathered)
     reused = None if differentiable else {}
     outs, lses = [], []
@@ -215,7 +217,6 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
                 lses.append(None if lse is None else lse.view(last - first, stacked_q))
             start += size
 
-    causal_head_rows = torch.nonzero(causal_heads).squeeze(1)
     if len(causal_head_rows):
         # every such head in one call (the kernel balances the triangle's rows better over more heads): each row
         # head's query heads apart, each its whole (padded) sequence, [heads * stack, 1, nq * bq, D], beside its kv
