@@ -58,6 +58,8 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     # query heads a row stacks, and the rows' heads: kv heads when stacked, else query heads
     stack = group if blocks.kv_count.shape[1] == 1 else 1
     row_heads = heads // stack
+    # a (batch, row head) number's (batch, kv head) number is it // per_kv (row heads are kv heads' consecutive runs)
+    per_kv = group // stack
     rows = batch * row_heads * nq
     stacked_q = stack * block_q
 
@@ -104,10 +106,11 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
 
     budget = _CPU_CHUNK_BYTES if device.type == "cpu" and not differentiable else _CHUNK_BYTES
 
-    def attend(queries, keys, values, visible):
+    def attend(queries, keys, values, visible, causal=False):
         """(out [n, sq, Dv], lse [n, sq] or None unless need_lse) of queries [n, sq, D] attending to keys
         [n, L, D] and values [n, L, Dv] where visible [n, sq | 1, L] (None: everywhere). A row that sees nothing
-        attends to its first key instead and is zeroed (LSE -inf)."""
+        attends to its first key instead and is zeroed (LSE -inf). causal (with visible None): key j for query i
+        only if j <= i, where an LSE, if asked, comes from the fused kernel (the scores' LSE here takes no mask)."""
         seen = None
         if visible is not None:
             seen = visible.any(-1, keepdim=True)                                          # [n, sq | 1, 1]
@@ -117,12 +120,13 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
         if fused_lse:
             bias = (None if visible is None else torch.zeros(visible.shape, dtype=compute, device=device)
                     .masked_fill_(~visible, float("-inf"))[:, None])
-            out, lse = _CPU_ATTENTION(queries[:, None], keys[:, None], values[:, None], attn_mask=bias, scale=scale)
+            out, lse = _CPU_ATTENTION(queries[:, None], keys[:, None], values[:, None], attn_mask=bias,
+                                      is_causal=causal, scale=scale)
             out, lse = out[:, 0], lse[:, 0, :, None]
         else:
             out = torch.nn.functional.scaled_dot_product_attention(
                 queries[:, None], keys[:, None], values[:, None],
-                attn_mask=None if visible is None else visible[:, None], scale=scale)[:, 0]
+                attn_mask=None if visible is None else visible[:, None], is_causal=causal, scale=scale)[:, 0]
             if need_lse:
                 scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale            # [n, sq, L]
                 if visible is not None:
@@ -156,11 +160,11 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
             lses.append(torch.full((n, stacked_q), float("-inf"), dtype=compute, device=device))
             continue
         here = order[start:stop]  # the chunk's rows, as (batch, row head, query block) numbers
-        b, kv_h = row_batch[start:stop, None], row_head[start:stop, None] // (group // stack)
+        b = row_batch[start:stop, None]
         listed = torch.arange(width, device=device) < sorted_count[start:stop, None]      # [n, w]
         # (slots past a list's count hold any block; block 0 stands in, masked off)
         idx = torch.where(listed, index[here, :width], 0).long()                          # [n, w]
-        kv_rows = (b * kv_heads + kv_h) * nk + idx                                        # [n, w]
+        kv_rows = (here[:, None] // nq // per_kv) * nk + idx                              # [n, w]
         keys = _gathered(k_blocks, kv_rows, (block_kv, dim), reused, "k").flatten(1, 2).to(compute)  # [n, L=w*bkv, D]
         values = _gathered(v_blocks, kv_rows, (block_kv, dim_v), reused, "v").flatten(1, 2).to(compute)  # [n, L, Dv]
         queries = (q_blocks[start:stop].view(n, stacked_q, dim) if in_place
@@ -188,16 +192,17 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
         # each (batch, row head)'s rows that keep everything, consecutive in the sorted order
         head_rows, sizes = torch.unique_consecutive(order[gathered:] // nq, return_counts=True)
         key_pos = torch.arange(seq_kv, device=device)
+        # rows a call: all of a head's, unless a per-element mask or the scores would outgrow the budget
+        most = rows if score_rows == 1 else max(1, budget // (stacked_q * seq_kv * element_bytes))
         start = gathered
         for head_row, size in zip(head_rows.tolist(), sizes.tolist()):
             b, row_h = divmod(head_row, row_heads)
-            keys = k_heads[b * kv_heads + row_h // (group // stack)].to(compute)[None]   # [1, Sk, D]
-            values = v_heads[b * kv_heads + row_h // (group // stack)].to(compute)[None]  # [1, Sk, Dv]
+            keys = k_heads[head_row // per_kv].to(compute)[None]                          # [1, Sk, D]
+            values = v_heads[head_row // per_kv].to(compute)[None]                        # [1, Sk, Dv]
             visible = None
             if kv_valid is not None:
                 visible = (key_pos % block_kv < kv_valid[b, key_pos // block_kv])[None, None]  # [1, 1, Sk]
-            # rows a call: all of them, unless a per-element mask or the scores would outgrow the budget
-            step = size if score_rows == 1 else max(1, budget // (stacked_q * seq_kv * element_bytes))
+            step = min(size, most)
             for first, last in ((i, min(i + step, start + size)) for i in range(start, start + size, step)):
                 blocks_here = row_block[first:last]                                       # [m] query blocks
                 queries = (query_heads[head_row][None] if last - first == nq else
@@ -219,21 +224,16 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
 
     if len(causal_head_rows):
         # every such head in one call (the kernel balances the triangle's rows better over more heads): each row
-        # head's query heads apart, each its whole (padded) sequence, [heads * stack, 1, nq * bq, D], beside its kv
-        # head's keys and values
+        # head's query heads apart, each its whole (padded) sequence, [heads * stack, nq * bq, D], beside its kv
+        # head's keys and values [h * stack, Sk, D]
         head_rows = causal_head_rows.tolist()
-        kv_of = [head_row // row_heads * kv_heads + head_row % row_heads // (group // stack) for head_row in head_rows]
         queries = torch.stack([query_heads[head_row] for head_row in head_rows])          # [h, nq, sq * D]
-        queries = queries.view(-1, nq, stack, block_q, dim).transpose(1, 2).reshape(-1, 1, nq * block_q, dim)
-        keys, values = (torch.stack([per_head[i] for i in kv_of]).repeat_interleave(stack, 0)[:, None].to(compute)
-                        for per_head in (k_heads, v_heads))                              # [h * stack, 1, Sk, D]
-        if fused_lse:
-            out, lse = _CPU_ATTENTION(queries.to(compute), keys, values, is_causal=True, scale=scale)
-            lses.append(lse.view(-1, stack, nq, block_q).transpose(1, 2).reshape(-1, stacked_q))
-        else:
-            out = torch.nn.functional.scaled_dot_product_attention(queries.to(compute), keys, values, is_causal=True,
-                                                                   scale=scale)
+        queries = queries.view(-1, nq, stack, block_q, dim).transpose(1, 2).reshape(-1, nq * block_q, dim)
+        keys, values = (torch.stack([per_head[head_row // per_kv] for head_row in head_rows])
+                        .repeat_interleave(stack, 0).to(compute) for per_head in (k_heads, v_heads))
+        out, lse = attend(queries.to(compute), keys, values, None, causal=True)
         outs.append(out.view(-1, stack, nq, block_q, dim_v).transpose(1, 2).reshape(-1, stacked_q, dim_v))
+        lses.append(None if lse is None else lse.view(-1, stack, nq, block_q).transpose(1, 2).reshape(-1, stacked_q))
     order = torch.cat([order, (causal_head_rows[:, None] * nq + torch.arange(nq, device=device)).flatten()])
 
     # back to (batch, head, query block) order: the sort's inverse permutation, then the stacked heads apart
