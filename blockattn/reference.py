@@ -42,9 +42,10 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     gathered once, and PyTorch's CPU kernel runs longer query sides faster). The rows are taken in order of their
     kv lists' lengths, in chunks of like lengths (_chunks); each chunk's rows attend, through PyTorch's fused
     attention, to their gathered key blocks, padded to the chunk's longest list; the mask is per key ([.., 1, L])
-    unless causality or a token mask make it per element. Rows that keep every key block (a dense call, global
-    tokens) skip the gather: each (batch, row head)'s attend to its kv head's keys as they lie, in one call. Under
-    is_causal alone, a (batch, row head) whose rows keep all that causality leaves them takes one causal call. Rows
+    unless causality or a token mask make it per element. Rows that keep every key block (global tokens) skip the
+    gather: each (batch, row head)'s attend to its kv head's keys as they lie, in one call. The (batch, row head)s
+    whose rows all keep every key block (a dense call), or under is_causal alone all that causality leaves them,
+    attend as whole heads, all in one call (causal: skipping the upper triangle), unless a token mask applies. Rows
     that see no key are given one harmless key and zeroed afterwards, so neither the output nor the gradients see
     a NaN."""
     batch, heads, seq_q, _ = q.shape
@@ -70,14 +71,17 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     # the LSE; else from the scores, which autograd differentiates
     differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     fused_lse = need_lse and device.type == "cpu" and _CPU_ATTENTION is not None and dim == dim_v and not differentiable
-    # under is_causal with no other element test, a (batch, row head) whose every row keeps the key blocks its
-    # causal part reaches (more are masked anyway) is causal attention over its whole head: one causal call, which
-    # skips the upper triangle (where the LSE, if asked, can come from it)
-    causal_heads = torch.zeros(batch * row_heads, dtype=torch.bool, device=device)
-    if is_causal and token_mask is None and kv_valid is None and nk and (fused_lse or not need_lse):
-        causal_heads = _keeps_causal_reach(count, index, nq, nk, block_q, block_kv, seq_q).view(-1, nq).all(1)
+    # heads taken whole, all in one call (below), where no per-element mask but causality's applies and the LSE, if
+    # asked, needs no scores: a (batch, row head) whose every row keeps every key block, or under is_causal (with no
+    # kv_valid) the key blocks its causal part reaches (more are masked anyway)
+    whole_heads = torch.zeros(batch * row_heads, dtype=torch.bool, device=device)
+    if nk and token_mask is None and (fused_lse or not need_lse):
+        if not is_causal:
+            whole_heads = (count == nk).view(-1, nq).all(1)
+        elif kv_valid is None:
+            whole_heads = _keeps_causal_reach(count, index, nq, nk, block_q, block_kv, seq_q).view(-1, nq).all(1)
     # the other rows by their lists' lengths (a host read: this is the CPU path)
-    order = torch.nonzero(~causal_heads.repeat_interleave(nq)).squeeze(1)
+    order = torch.nonzero(~whole_heads.repeat_interleave(nq)).squeeze(1)
     order = order[torch.argsort(count[order], stable=True)]
     sorted_count = count[order]
     lengths = sorted_count.tolist()
@@ -143,8 +147,8 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     gathered = bisect.bisect_left(lengths, nk) if nk else len(lengths)
     # (an empty batch: one empty chunk, so that out and lse still hang off q, k and v for autograd)
     chunks = _chunks(lengths[:gathered], slot_bytes, budget) if rows else [(0, 0, 1)]
-    causal_head_rows = torch.nonzero(causal_heads).squeeze(1)
-    if gathered < len(lengths) or len(causal_head_rows):
+    whole_head_rows = torch.nonzero(whole_heads).squeeze(1)
+    if gathered < len(lengths) or len(whole_head_rows):
         # each kv head's keys and values [Sk, D], and each (batch, row head)'s query blocks [nq, sq * D], for the
         # calls on whole rows and heads: through unbind, whose backward sums them at once (a slice's or a gather's
         # would zero the whole tensor once for each)
@@ -222,19 +226,30 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
                 lses.append(None if lse is None else lse.view(last - first, stacked_q))
             start += size
 
-    if len(causal_head_rows):
-        # every such head in one call (the kernel balances the triangle's rows better over more heads): each row
-        # head's query heads apart, each its whole (padded) sequence, [heads * stack, nq * bq, D], beside its kv
-        # head's keys and values [h * stack, Sk, D]
-        head_rows = causal_head_rows.tolist()
-        queries = torch.stack([query_heads[head_row] for head_row in head_rows])          # [h, nq, sq * D]
-        queries = queries.view(-1, nq, stack, block_q, dim).transpose(1, 2).reshape(-1, nq * block_q, dim)
+    if len(whole_head_rows):
+        # every such head in one call: PyTorch's CPU kernels split their work by head (its backward by head alone),
+        # and a causal call balances the triangle's rows better over more heads. Each head's query blocks as one
+        # sequence [h, nq * sq, D] beside its kv head's keys and values [h, Sk, D]; causal, each query head apart
+        # (its whole padded sequence in order) beside a copy of its kv head's
+        head_rows = whole_head_rows.tolist()
+        queries = torch.stack([query_heads[head_row] for head_row in head_rows]).view(len(head_rows), -1, dim)
         keys, values = (torch.stack([per_head[head_row // per_kv] for head_row in head_rows])
-                        .repeat_interleave(stack, 0).to(compute) for per_head in (k_heads, v_heads))
-        out, lse = attend(queries.to(compute), keys, values, None, causal=True)
-        outs.append(out.view(-1, stack, nq, block_q, dim_v).transpose(1, 2).reshape(-1, stacked_q, dim_v))
-        lses.append(None if lse is None else lse.view(-1, stack, nq, block_q).transpose(1, 2).reshape(-1, stacked_q))
-    order = torch.cat([order, (causal_head_rows[:, None] * nq + torch.arange(nq, device=device)).flatten()])
+                        for per_head in (k_heads, v_heads))
+        visible = None
+        if kv_valid is not None:
+            key_pos = torch.arange(seq_kv, device=device)
+            valid = kv_valid[whole_head_rows // row_heads]                                # [h, nk]
+            visible = (key_pos % block_kv < valid[:, key_pos // block_kv])[:, None]       # [h, 1, Sk]
+        if is_causal:
+            queries = queries.view(-1, nq, stack, block_q, dim).transpose(1, 2).reshape(-1, nq * block_q, dim)
+            keys, values = keys.repeat_interleave(stack, 0), values.repeat_interleave(stack, 0)
+        out, lse = attend(queries.to(compute), keys.to(compute), values.to(compute), visible, causal=is_causal)
+        if is_causal:  # the query heads back into their rows
+            out = out.view(-1, stack, nq, block_q, dim_v).transpose(1, 2)
+            lse = None if lse is None else lse.view(-1, stack, nq, block_q).transpose(1, 2)
+        outs.append(out.reshape(-1, stacked_q, dim_v))                                    # [h * nq, sq, Dv]
+        lses.append(None if lse is None else lse.reshape(-1, stacked_q))
+    order = torch.cat([order, (whole_head_rows[:, None] * nq + torch.arange(nq, device=device)).flatten()])
 
     # back to (batch, head, query block) order: the sort's inverse permutation, then the stacked heads apart
     inverse = None if in_place else torch.empty_like(order).scatter_(0, order, torch.arange(rows, device=device))

@@ -8,7 +8,7 @@ import torch
 
 import blockattn
 from conftest import (DEVICE, ON_GPU, assert_one_ulp, assert_output_and_gradients, check_against_oracle, expand,
-                      kernel, output_and_lse_loss, qkv, random_keep)
+                      kernel, mostly_whole_kv_valid, output_and_lse_loss, qkv, random_keep, real_keys)
 
 BACKENDS = ("torch", "triton")
 
@@ -251,21 +251,28 @@ def test_prepared_sparsity_gives_the_same_answer_as_the_mask(geometry, pinned):
                            blockattn.attention(q, k, v, keep, g.block, backend=backend))
 
 
+# (is_causal, mask): under is_causal a head is whole with the key blocks its causal part reaches, or more; without
+# it, with every key block, kv_valid or not
+WHOLE_HEAD_MASKS = ([(True, mask) for mask in ("whole", "whole and more", "one head short", "shared")]
+                    + [(False, mask) for mask in ("whole", "one head short", "shared", "kv_valid")])
+
+
 @pytest.mark.parametrize("lse", ["none", "no gradient", "with gradient"])
-@pytest.mark.parametrize("mask", ["causal blocks", "causal blocks and more", "one head short", "shared"])
+@pytest.mark.parametrize("causal, mask", WHOLE_HEAD_MASKS)
 @pytest.mark.parametrize("seq_kv, block", [(300, (32, 16)), (200, (64, 64)), (420, (48, 32))])
-def test_torch_backend_takes_causal_heads_whole(monkeypatch, seq_kv, block, mask, lse):
-    """Under is_causal alone, a head whose rows keep every key block their causal part reaches (or more) runs as one
-    causal call over the whole head (Sq != Sk top-left aligned, GQA, a mask shared by every head); a head whose
-    rows miss one takes the gathered path beside it. Output, LSE and gradients against the fp64 oracle, and the
-    causal calls counted (none where the LSE needs a gradient, which the causal call's LSE does not carry)."""
+def test_torch_backend_takes_whole_heads_in_one_call(monkeypatch, seq_kv, block, causal, mask, lse):
+    """A head whose rows keep every key block (under is_causal, every one their causal part reaches, or more)
+    attends over the whole head, all such heads in one call (Sq != Sk top-left aligned, GQA, a mask shared by every
+    head, kv_valid); a head whose rows miss one takes the gathered path beside it. Output, LSE and gradients
+    against the fp64 oracle, and the calls counted: one whole call of exactly the whole heads, none where the LSE
+    needs a gradient (which the fused call's LSE does not carry)."""
     from blockattn import reference
-    seq_q = 300
-    causal_calls = []
+    seq_q, batch, heads, kv_heads = 300, 2, 4, 2
+    calls = []  # (is_causal, queries' shape) of every attention call
 
     def spy(original):
         def call(*args, **kwargs):
-            causal_calls.append(kwargs.get("is_causal", False))
+            calls.append((kwargs.get("is_causal", False), tuple(args[0].shape)))
             return original(*args, **kwargs)
         return call
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
@@ -274,32 +281,49 @@ def test_torch_backend_takes_causal_heads_whole(monkeypatch, seq_kv, block, mask
         monkeypatch.setattr(reference, "_CPU_ATTENTION", spy(reference._CPU_ATTENTION))
     nq, nk = math.ceil(seq_q / block[0]), math.ceil(seq_kv / block[1])
     last_query = torch.clamp((torch.arange(nq, device=DEVICE) + 1) * block[0], max=seq_q) - 1
-    keep = torch.arange(nk, device=DEVICE)[None, :] * block[1] <= last_query[:, None]       # [nq, nk]
+    keep = torch.ones(nq, nk, dtype=torch.bool, device=DEVICE)
+    if causal:
+        keep = torch.arange(nk, device=DEVICE)[None, :] * block[1] <= last_query[:, None]   # [nq, nk]
     if mask != "shared":
-        keep = keep.expand(2, 4, nq, nk).clone()
-    if mask == "causal blocks and more":
-        keep |= random_keep(2, 4, seq_q, seq_kv, block, density=0.3, seed=5)
+        keep = keep.expand(batch, heads, nq, nk).clone()
+    if mask == "whole and more":
+        keep |= random_keep(batch, heads, seq_q, seq_kv, block, density=0.3, seed=5)
     if mask == "one head short":
         keep[1, 2, nq - 1, 0] = False                           # its last query block misses key block 0
+    kv_valid = None
+    if mask == "kv_valid":
+        kv_valid = mostly_whole_kv_valid(batch, nk, block[1], seed=6)
+        kv_valid[1] = 0                                         # a batch whose rows see no key
     gradient = lse != "no gradient"
-    q, k, v = (t.float().requires_grad_(gradient) for t in qkv(2, 4, seq_q, 32, kv_heads=2, seq_kv=seq_kv, seed=3))
+    q, k, v = (t.float().requires_grad_(gradient)
+               for t in qkv(batch, heads, seq_q, 32, kv_heads=kv_heads, seq_kv=seq_kv, seed=3))
     visible = expand(keep, block, seq_q, seq_kv)
+    if kv_valid is not None:
+        visible = visible & real_keys(kv_valid, block[1], seq_kv)[:, None, None, :]
+    kwargs = dict(is_causal=causal, kv_valid=kv_valid, backend="torch")
     if lse == "none":
-        out = blockattn.attention(q, k, v, keep, block, is_causal=True, backend="torch")
+        out = blockattn.attention(q, k, v, keep, block, **kwargs)
     else:
-        out, got_lse = blockattn.attention(q, k, v, keep, block, is_causal=True, backend="torch", return_lse=True)
-        check_against_oracle(out, got_lse, q, k, v, visible, is_causal=True, lse_tolerance=1e-5)
-    takes_causal_calls = lse != "with gradient"
-    assert any(causal_calls) == takes_causal_calls, causal_calls
-    if mask == "one head short" and takes_causal_calls:
-        assert not all(causal_calls), "the short head's rows took a causal call"
+        out, got_lse = blockattn.attention(q, k, v, keep, block, return_lse=True, **kwargs)
+        check_against_oracle(out, got_lse, q, k, v, visible, is_causal=causal, lse_tolerance=1e-5)
+    # a whole call: more than one head (a head of rows that keep everything, alone, is another path's), each
+    # with its query heads' whole padded sequences (causal) or its row head's query blocks
+    stack = heads // kv_heads if mask == "shared" else 1
+    whole_length = nq * block[0] * (1 if causal else stack)
+    whole_calls = [shape[0] for is_causal, shape in calls
+                   if shape[0] > 1 and shape[2] == whole_length and is_causal == causal]
+    if lse == "with gradient":
+        assert whole_calls == [], calls
+    else:
+        row_heads = batch * heads // stack - (mask == "one head short")
+        assert whole_calls == [row_heads * (stack if causal else 1)], calls
     if gradient:
         grad_out = torch.randn(out.shape, generator=torch.Generator(device=DEVICE).manual_seed(4), device=DEVICE)
         if lse == "with gradient":
             grads = torch.autograd.grad(output_and_lse_loss(out, got_lse, grad_out), (q, k, v))
         else:
             grads = torch.autograd.grad(out, (q, k, v), grad_out)
-        assert_output_and_gradients(out, grads, q, k, v, visible, grad_out, tolerance=1e-5, is_causal=True,
+        assert_output_and_gradients(out, grads, q, k, v, visible, grad_out, tolerance=1e-5, is_causal=causal,
                                     through_lse=lse == "with gradient")
 
 
