@@ -35,7 +35,7 @@ def main():
     for dim in args.dims:
         k = torch.randn(1, args.kv_heads, args.seq, dim, device="cuda", dtype=torch.bfloat16)
         want = torch.linalg.vector_norm(k.float(), dim=-1).amax(-1)                       # [B, Hkv]
-        variants = ["package"] + [(parts, keys, warps, stages) for parts in (32, 128) for keys in (32, 64, 128)
+        variants = ["package"] + [(parts, keys, warps, stages) for parts in (32, 128) for keys in (64, 128)
                                   for warps in (4, 8) for stages in (1, 3)]
         for name in variants:
             if name == "package":
