@@ -251,8 +251,10 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
         lses.append(None if lse is None else lse.reshape(-1, stacked_q))
     order = torch.cat([order, (whole_head_rows[:, None] * nq + torch.arange(nq, device=device)).flatten()])
 
-    # back to (batch, head, query block) order: the sort's inverse permutation, then the stacked heads apart
-    inverse = None if in_place else torch.empty_like(order).scatter_(0, order, torch.arange(rows, device=device))
+    # back to (batch, head, query block) order: the sort's inverse permutation (none where the rows stayed in place,
+    # or all came in whole heads, in order), then the stacked heads apart
+    inverse = (None if in_place or not lengths else
+               torch.empty_like(order).scatter_(0, order, torch.arange(rows, device=device)))
 
     def unsorted(parts, columns):
         whole = torch.cat(parts)
