@@ -154,6 +154,9 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
         # would zero the whole tensor once for each)
         k_heads, v_heads = k.flatten(0, 1).unbind(0), v.flatten(0, 1).unbind(0)
         query_heads = q_blocks.view(batch * row_heads, nq, stacked_q * dim).unbind(0)
+        # each key's position in its head [Sk], and each batch's real keys [B, Sk] under kv_valid
+        head_key_pos = torch.arange(seq_kv, device=device)
+        real_keys = None if kv_valid is None else head_key_pos % block_kv < kv_valid[:, head_key_pos // block_kv]
     # without autograd each chunk gathers into the memory the one before used (_gathered)
     reused = None if differentiable else {}
     outs, lses = [], []
@@ -195,7 +198,6 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     if gathered < len(lengths):
         # each (batch, row head)'s rows that keep everything, consecutive in the sorted order
         head_rows, sizes = torch.unique_consecutive(order[gathered:] // nq, return_counts=True)
-        key_pos = torch.arange(seq_kv, device=device)
         # rows a call: all of a head's, unless a per-element mask or the scores would outgrow the budget
         most = rows if score_rows == 1 else max(1, budget // (stacked_q * seq_kv * element_bytes))
         start = gathered
@@ -203,9 +205,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
             b, row_h = divmod(head_row, row_heads)
             keys = k_heads[head_row // per_kv].to(compute)[None]                          # [1, Sk, D]
             values = v_heads[head_row // per_kv].to(compute)[None]                        # [1, Sk, Dv]
-            visible = None
-            if kv_valid is not None:
-                visible = (key_pos % block_kv < kv_valid[b, key_pos // block_kv])[None, None]  # [1, 1, Sk]
+            visible = None if real_keys is None else real_keys[b][None, None]            # [1, 1, Sk]
             step = min(size, most)
             for first, last in ((i, min(i + step, start + size)) for i in range(start, start + size, step)):
                 blocks_here = row_block[first:last]                                       # [m] query blocks
@@ -215,7 +215,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
                 query_pos = (blocks_here[:, None] * block_q + offsets_q).flatten()        # [m * sq]
                 here = visible
                 if is_causal:
-                    causal = key_pos[None, None, :] <= query_pos[None, :, None]
+                    causal = head_key_pos[None, None, :] <= query_pos[None, :, None]
                     here = causal if here is None else here & causal
                 if token_mask is not None:
                     token_heads = (row_h * stack + head_in_row).repeat(last - first)
@@ -235,11 +235,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
         queries = torch.stack([query_heads[head_row] for head_row in head_rows]).view(len(head_rows), -1, dim)
         keys, values = (torch.stack([per_head[head_row // per_kv] for head_row in head_rows])
                         for per_head in (k_heads, v_heads))
-        visible = None
-        if kv_valid is not None:
-            key_pos = torch.arange(seq_kv, device=device)
-            valid = kv_valid[whole_head_rows // row_heads]                                # [h, nk]
-            visible = (key_pos % block_kv < valid[:, key_pos // block_kv])[:, None]       # [h, 1, Sk]
+        visible = None if real_keys is None else real_keys[whole_head_rows // row_heads][:, None]  # [h, 1, Sk]
         if is_causal:
             queries = queries.view(-1, nq, stack, block_q, dim).transpose(1, 2).reshape(-1, nq * block_q, dim)
             keys, values = keys.repeat_interleave(stack, 0), values.repeat_interleave(stack, 0)
