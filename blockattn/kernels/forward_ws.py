@@ -30,11 +30,12 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
 from . import autotune, launch
-from .bounds import BF16_HEADROOM, FP16_HEADROOM, KEY_NORM_PARTS, key_norm_parts
+from .bounds import BF16_HEADROOM, FP16_HEADROOM, KEY_NORM_PARTS, RISE_LIMIT, key_norm_parts
 
 # A TMA copy from global into shared memory: async_load from Triton 3.9 on, where the older name raises; Triton 3.6
 # has only async_copy_global_to_shared (same arguments: descriptor, coordinates, barrier, destination).
@@ -78,15 +79,23 @@ OVERLAPPED = {128: True, 64: False}
 # fixed cost a program weighs more; from S8192 on this kernel ran 6-11% faster at d=0.5 and the Triton forward 5-23%
 # at d=0.1 (even at S32k). The density is not known on the host without reading the lists, so Sk decides.
 MIN_KEYS = {64: 8192}
-# Head dims whose walk keeps each row's exponent offset fixed after its first key tile, where a bound shows that no
-# later score exceeds it by more than bounds.FIXED_HEADROOM (log2 units): then the later tiles take no row maxima and
-# no rescale of the accumulator (_walk_in_turn, _walk_overlapped; kernels/README.md, "Fixed offsets"). D=64: 1.04-1.09x
+# Head dims whose walk keeps each row's exponent offset fixed after its first key tile: then the later tiles take no
+# row maxima and no rescale of the accumulator (_walk_in_turn, _walk_overlapped; kernels/README.md, "Fixed offsets").
+# They stay where a bound shows that no later score exceeds them by more than bounds.FIXED_HEADROOM (log2 units), or
+# for the dtypes in RISE_CHECKED_DTYPES wherever every row of a warpgroup has a key in its first tile. D=64: 1.04-1.09x
 # as fast at d=0.5 and 0.25, 1.00-1.03x at d=0.1 (BENCHMARKS.md, forty-third session). D=128 (forty-sixth session,
 # `benchmarks/ws_forward.py --cases design --fixed-offsets`, B1 H24 S32k): 128x64 1.18x / 1.10x / 1.10x / 1.08x as
 # fast at d=1 / 0.5 / 0.25 / 0.1, 128x128 1.09x / 1.04x at d=1 / 0.5 and 0.99x at 0.25 and 0.1. Never the causal walk
 # with the overlap inside a warpgroup (D=128's): compiled by Triton 3.6, the H200 machine's, its consumers spill
 # 24-32 bytes with fixed offsets (forty-fourth session, offline; Triton 3.9 spills nothing).
 FIXED_OFFSET_DIMS: tuple = (64, 128)
+# Dtypes whose fixed offsets need no bound: they stay wherever every row of a warpgroup has a key in its first tile,
+# and the rise is checked after the walk (CHECK_RISE: a warpgroup whose rows' sums passed 2^bounds.RISE_LIMIT, or
+# whose accumulator overflowed, is walked again with running maxima, _walk_again). So these take no pass over k for
+# the key norms, and keep the offsets where real data's norms leave the bound too loose. bf16 only could: its P
+# reaches 2^128, while fp16's overflows past 65504. None until its GPU tests have run (written with no GPU, forty-
+# ninth session; compiled for sm_90 by Triton 3.6 and 3.9, no loop spills).
+RISE_CHECKED_DTYPES: tuple = ()
 # Ring stages per head dim: as many as Hopper's 227 KiB of shared memory per program allows. At D=128 Q takes 32 KiB
 # and a stage 64 KiB (3 stages measured 5.22 ms against 5.88 with 2). At D=64 a 256-key stage is 64 KiB too (2
 # stages measured the same in benchmarks/exp_gluon_fwd.py; with 128-key tiles, 4 stages of 32 KiB had run 1-8%
@@ -142,6 +151,10 @@ _LOG2E = gl.constexpr(1.4426950408889634)
 _HEADROOM_BF16 = gl.constexpr(BF16_HEADROOM)
 _HEADROOM_FP16 = gl.constexpr(FP16_HEADROOM)
 _PARTS = gl.constexpr(KEY_NORM_PARTS)
+_SUM_LIMIT = gl.constexpr(2.0 ** RISE_LIMIT)
+# Keys a step of _walk_again, the cold walk with running maxima (K^T and V tiles in registers: 32 keys keep the
+# consumer within its registers).
+_AGAIN_KEYS = gl.constexpr(16)
 
 
 @gluon.jit
@@ -152,7 +165,8 @@ def _program(shared, BLOCK_Q: gl.constexpr, CAUSAL: gl.constexpr):
     run first, so that the short ones fill the grid's tail."""
     (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
      KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
-     stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh) = shared
+     stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh, K, V, stride_kb, stride_kh,
+     stride_ks, stride_vb, stride_vh, stride_vs) = shared
     pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)
     off_b = pid_bh // heads
     kv_heads = heads // group_size
@@ -337,15 +351,17 @@ def _keeps_offsets(bound, m_i, dtype: gl.constexpr):
 @gluon.jit
 def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
               TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
-              EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr, FIXED_OFFSETS: gl.constexpr):
+              EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr, FIXED_OFFSETS: gl.constexpr,
+              CHECK_RISE: gl.constexpr):
     """Query rows HALF*64 .. HALF*64+63 of the program's tile: the online softmax over the kv list (CAUSAL: keys
     up to each row's own position only), then Out [B, H, Sq, D] and Lse fp32 [B, H, Sq] (natural log; -inf and
     zeros for a row with no key). shared: the kernel's arguments and buffers, as attention_fwd_ws_kernel packs
     them. OVERLAP: each key tile's Q K^T issued with the previous tile's P V (see OVERLAPPED). FIXED_OFFSETS: see
-    FIXED_OFFSET_DIMS."""
+    FIXED_OFFSET_DIMS; CHECK_RISE: see RISE_CHECKED_DTYPES."""
     (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
      KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
-     stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh) = shared
+     stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh, K, V, stride_kb, stride_kh,
+     stride_ks, stride_vb, stride_vh, stride_vs) = shared
     off_b, off_h, off_hkv, start_m, index_row, count = _program(shared, BLOCK_Q, CAUSAL)
     PARTS: gl.constexpr = TILE_N // SUB_N
     sub_tiles = count * (BLOCK_KV // SUB_N)
@@ -363,7 +379,6 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     m_i = gl.full([_ROWS], float("-inf"), gl.float32, row_s)  # running max of scaled scores, log2 units
     l_i = gl.zeros([_ROWS], gl.float32, row_s)
@@ -375,24 +390,33 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
     mbarrier.wait(q_ready, 0)
     walk = (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
             scale_log2)
+    # CHECK_RISE (RISE_CHECKED_DTYPES): the offsets stay wherever every row has a key in the first tile, and the
+    # walk's rise is checked after it; else only where the rows' bounds hold the rise
+    CHECKED: gl.constexpr = FIXED_OFFSETS and CHECK_RISE
+    again = total < 0  # whether the rows' walk rose too far and must be done again (CHECKED), a runtime False here
     if not OVERLAP:
         # products, then softmax, tile by tile (the other consumer's turns fill the gaps)
         if FIXED_OFFSETS:
-            # the rows' bounds before the first tile, whose work hides their loads; after it, the offsets it leaves
-            bound = _score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2, o_layout, row_s)
+            if not CHECKED:  # the rows' bounds before the first tile, whose work hides their loads
+                bound = _score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2, o_layout,
+                                      row_s)
             acc, m_i, l_i = _walk_in_turn(walk, 0, gl.minimum(total, 1), acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES,
                                           CAUSAL, EMULATE_EXP2, False)
-            if _keeps_offsets(bound, m_i, dtype):
+            # after the first tile, the offsets it leaves
+            keep = _all_seen(m_i) if CHECKED else _keeps_offsets(bound, m_i, dtype)
+            if keep:
                 acc, m_i, l_i = _walk_in_turn(walk, 1, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
                                               EMULATE_EXP2, True)
             else:
                 acc, m_i, l_i = _walk_in_turn(walk, 1, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
                                               EMULATE_EXP2, False)
+            if CHECKED:  # (whichever walk ran: the running maxima's stay in range on finite inputs)
+                again = ~_sums_within(l_i, acc)
         else:
             acc, m_i, l_i = _walk_in_turn(walk, 0, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
                                           EMULATE_EXP2, False)
     elif total > 0:
-        if FIXED_OFFSETS:  # (as in the loop without the overlap, above)
+        if FIXED_OFFSETS and not CHECKED:  # (as in the loop without the overlap, above)
             bound = _score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2, o_layout, row_s)
         mbarrier.wait(k_ready.index(0), 0)
         qk = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -403,7 +427,8 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
         l_i = gl.sum(p, 1)
         p_prev = gl.convert_layout(p.to(dtype), p_layout)
         if FIXED_OFFSETS:
-            if _keeps_offsets(bound, m_i, dtype):
+            keep = _all_seen(m_i) if CHECKED else _keeps_offsets(bound, m_i, dtype)
+            if keep:
                 acc, m_i, l_i, p_prev = _walk_overlapped(walk, acc, m_i, l_i, p_prev, BLOCK_KV, SUB_N, STAGES,
                                                          CAUSAL, EMULATE_EXP2, True)
             else:
@@ -417,7 +442,30 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
         acc = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
         mbarrier.arrive(kv_empty.index(last), count=1)
+        if CHECKED:  # (as above)
+            again = ~_sums_within(l_i, acc)
 
+    if CHECKED:
+        if again:  # cold: a score rose more than 2^RISE_LIMIT past its row's offset (kernels/README.md)
+            _walk_again(shared, HALF, BLOCK_Q, BLOCK_KV, CAUSAL, O_THROUGH_TMA)
+        else:
+            _finish(acc, m_i, l_i, shared, q, HALF, off_b, off_h, first_row, rows_s, O_THROUGH_TMA)
+    else:
+        _finish(acc, m_i, l_i, shared, q, HALF, off_b, off_h, first_row, rows_s, O_THROUGH_TMA)
+
+
+@gluon.jit
+def _finish(acc, m_i, l_i, shared, q, HALF: gl.constexpr, off_b, off_h, first_row, rows_s,
+            O_THROUGH_TMA: gl.constexpr):
+    """A consumer's rows first_row .. first_row+63 of Out and Lse from its walk's accumulator acc [64, D] and its
+    rows' offsets and sums m_i, l_i [64] (rows_s: the rows' indices, in m_i's layout): zeros and -inf for a row with
+    no key. q: its Q tile in shared memory. (shared: as _consumer's.)"""
+    (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
+     KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
+     stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh, K, V, stride_kb, stride_kh,
+     stride_ks, stride_vb, stride_vh, stride_vs) = shared
+    o_layout: gl.constexpr = acc.type.layout
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     seen = l_i > 0
     l_safe = gl.where(seen, l_i, 1.0)
     out = acc / gl.convert_layout(l_safe, row_o)[:, None]
@@ -425,18 +473,86 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
     if O_THROUGH_TMA:
         # this consumer's half of Q is free (its last score product is done, and nothing loads Q again): the rows go
         # there and out with one TMA copy, which leaves out rows past Sq, instead of 64 scattered stores a thread
-        q.store(out.to(dtype))
+        q.store(out.to(q.dtype))
         fence_async_shared()
         tma_store(O_DESC, [off_b, off_h, first_row, 0], q_smem.index(HALF))
         tma.store_wait(0)  # before the program's shared memory goes
     else:
         rows_o = first_row + gl.arange(0, _ROWS, row_o)
-        cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
+        cols = gl.arange(0, acc.shape[1], gl.SliceLayout(0, o_layout))
         o_ptrs = (Out + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
                   + rows_o.to(gl.int64)[:, None] * stride_os + cols[None, :])
         gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(rows_o < seq_q)[:, None])
     gl.store(Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows_s, lse,
              mask=rows_s < seq_q)
+
+
+@gluon.jit
+def _all_seen(m_i):
+    """Whether every row of a warpgroup has seen a key, its offset m_i [64] finite (CHECKED: the condition for
+    keeping the offsets). A scalar over the warpgroup, whose products are shared."""
+    return gl.min(((m_i > float("-inf")) & (m_i < float("inf"))).to(gl.int32), 0) > 0
+
+
+@gluon.jit
+def _sums_within(l_i, acc):
+    """Whether a walk with fixed offsets stayed in range (CHECKED): every row's sum l_i [64] at most 2^RISE_LIMIT
+    (so no P passed it: bf16 reaches 2^128) and its accumulator row acc [64, D] finite; false for NaN too. Rows past
+    the sequence's end are zeros of Q, whose scores are 0 and stay in range. A scalar over the warpgroup."""
+    row = gl.sum(acc, 1)
+    finite = gl.min(((row > float("-inf")) & (row < float("inf"))).to(gl.int32), 0)
+    return (gl.min((l_i <= _SUM_LIMIT).to(gl.int32), 0) + finite) == 2
+
+
+@gluon.jit(noinline=True)
+def _walk_again(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, CAUSAL: gl.constexpr,
+                O_THROUGH_TMA: gl.constexpr):
+    """A consumer's rows walked again with running maxima, and stored, where its walk with fixed offsets rose too far
+    (CHECKED): the whole kv list, under CAUSAL with the test key <= query. Cold, and alone: the loader has moved on
+    and the ring's stages may still be the other consumer's, so K and V come by pointer loads straight into
+    registers for the Ampere products (mma_v2), _AGAIN_KEYS keys a step, and no conversion goes through shared
+    memory (none is left). It finds its program's place and list again (_program) rather than keep them through
+    the walk, which held no registers for it. (Parameters as _consumer's.)"""
+    (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
+     KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
+     stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh, K, V, stride_kb, stride_kh,
+     stride_ks, stride_vb, stride_vh, stride_vs) = shared
+    off_b, off_h, off_hkv, start_m, index_row, count = _program(shared, BLOCK_Q, CAUSAL)
+    first_row = start_m + HALF * _ROWS
+    q = q_smem.index(HALF).reshape([_ROWS, Q_DESC.block_type.shape[3]])
+    k_head = K + off_b.to(gl.int64) * stride_kb + off_hkv.to(gl.int64) * stride_kh
+    v_head = V + off_b.to(gl.int64) * stride_vb + off_hkv.to(gl.int64) * stride_vh
+    HEAD_DIM: gl.constexpr = q.shape[1]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    row: gl.constexpr = gl.SliceLayout(1, mma)
+    rows = first_row + gl.arange(0, _ROWS, row)
+    keys_k = gl.arange(0, _AGAIN_KEYS, gl.SliceLayout(0, b_op))  # K^T [D, keys]: a column a key
+    dims_k = gl.arange(0, HEAD_DIM, gl.SliceLayout(1, b_op))
+    keys_v = gl.arange(0, _AGAIN_KEYS, gl.SliceLayout(1, b_op))  # V [keys, D]: a row a key
+    dims_v = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, b_op))
+    keys_s = gl.arange(0, _AGAIN_KEYS, gl.SliceLayout(0, mma))
+    m_i = gl.full([_ROWS], float("-inf"), gl.float32, row)
+    l_i = gl.zeros([_ROWS], gl.float32, row)
+    acc = gl.zeros([_ROWS, HEAD_DIM], gl.float32, mma)
+    s_zero = gl.zeros([_ROWS, _AGAIN_KEYS], gl.float32, mma)
+    STEPS: gl.constexpr = BLOCK_KV // _AGAIN_KEYS
+    for step in range(count * STEPS):
+        start = gl.load(index_row + step // STEPS) * BLOCK_KV + (step % STEPS) * _AGAIN_KEYS
+        k_t = gl.load(k_head + (start + keys_k).to(gl.int64)[None, :] * stride_ks + dims_k[:, None])
+        qk = mma_v2(q.load(a_op), k_t, s_zero)  # (Q from shared memory each step: fewer registers held)
+        if CAUSAL:
+            qk = gl.where((start + keys_s)[None, :] <= rows[:, None], qk, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, 1) * scale_log2)
+        offset = _exp_offset(m_new, CAUSAL)
+        p = gl.exp2(qk * scale_log2 - offset[:, None])
+        alpha = gl.exp2(m_i - offset)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        v = gl.load(v_head + (start + keys_v).to(gl.int64)[:, None] * stride_vs + dims_v[None, :])
+        acc = mma_v2(gl.convert_layout(p.to(q.dtype), a_op), v, acc * alpha[:, None])
+        m_i = m_new
+    _finish(acc, m_i, l_i, shared, q, HALF, off_b, off_h, first_row, rows, O_THROUGH_TMA)
 
 
 @gluon.jit
@@ -446,7 +562,8 @@ def _loader(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.cons
     consumers have released it. (Parameters as _consumer's, those the loader needs.)"""
     (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
      KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
-     stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh) = shared
+     stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh, K, V, stride_kb, stride_kh,
+     stride_ks, stride_vb, stride_vh, stride_vs) = shared
     off_b, off_h, off_hkv, start_m, index_row, count = _program(shared, BLOCK_Q, CAUSAL)
     SUBS_PER_BLOCK: gl.constexpr = BLOCK_KV // SUB_N
     PARTS: gl.constexpr = TILE_N // SUB_N
@@ -472,21 +589,23 @@ def _loader(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.cons
 @gluon.jit
 def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2,
                             seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
-                            stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh,
+                            stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh, K, V,
+                            stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                             BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
                             TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr = True,
                             EMULATE_EXP2: gl.constexpr = False, O_THROUGH_TMA: gl.constexpr = False,
-                            FIXED_OFFSETS: gl.constexpr = False):
+                            FIXED_OFFSETS: gl.constexpr = False, CHECK_RISE: gl.constexpr = False):
     """Grid (cdiv(Sq, 128), launch.batch_head_axes(B, H)). Q_DESC / K_DESC / V_DESC: Gluon host descriptors of
     q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with boxes [1, 1, 64, D] / [1, 1, SUB_N, D]; KV_COUNT int32
     [Bm, Hm, nq], KV_INDEX int32 [Bm, Hm, nq, L] (size-1 mask dims with stride 0), every listed block's keys below
     Sk (CAUSAL: the lists of BlockSparsity.causal(), ascending); Out [B, H, Sq, D] (last dim contiguous), Lse
     fp32 [B, H, Sq] (last dim contiguous); O_DESC: when O_THROUGH_TMA, a descriptor of Out with Q_DESC's boxes,
     through which the rows go (else None, and Out's pointer takes them). TILE_N: keys a tile (TILE_KEYS), a
-    multiple of SUB_N; OVERLAP: see OVERLAPPED; EMULATE_EXP2: see _exp2. FIXED_OFFSETS:
-    KEY_NORMS fp32 [B, Hkv, KEY_NORM_PARTS] (last dim contiguous, key_norm_parts), whose maximum over the parts bounds
-    a kv head's key norms (see FIXED_OFFSET_DIMS); else None."""
+    multiple of SUB_N; OVERLAP: see OVERLAPPED; EMULATE_EXP2: see _exp2. FIXED_OFFSETS (see FIXED_OFFSET_DIMS)
+    without CHECK_RISE (RISE_CHECKED_DTYPES): KEY_NORMS fp32 [B, Hkv, KEY_NORM_PARTS] (last dim contiguous,
+    key_norm_parts), whose maximum over the parts bounds a kv head's key norms; else None. K and V: k and v's
+    pointers (strides stride_k* / stride_v*, last dim contiguous), which only CHECK_RISE's cold walk again reads."""
     q_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2] + Q_DESC.block_type.shape, Q_DESC.layout)
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
     # a stage: one [TILE_N, D] key tile, which the loader fills with TILE_N // SUB_N boxes of SUB_N keys (_sub_tile)
@@ -507,12 +626,13 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     SECOND: gl.constexpr = 1
     shared = (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
               KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib,
-              stride_ih, stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh)
+              stride_ih, stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh, K, V,
+              stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs)
     gl.warp_specialize([
         (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                     O_THROUGH_TMA, FIXED_OFFSETS)),
+                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)),
         (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                     O_THROUGH_TMA, FIXED_OFFSETS)),
+                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)),
         (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -621,9 +741,11 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
             scale_log2=scale_log2, seq_q=seq_q, heads=heads, group_size=heads // k.shape[1],
             # the lists' size-1 batch and head dims broadcast: stride 0
             **stride_args("c", kv_count, "bh"), **stride_args("i", kv_index, "bhq"), **stride_args("o", out, "bhs"),
-            **stride_args("l", lse, "bh"), **stride_args("n", key_norms, "bh"), BLOCK_Q=block_q, BLOCK_KV=block_kv,
+            **stride_args("l", lse, "bh"), **stride_args("n", key_norms, "bh"), **stride_args("k", k, "bhs"),
+            **stride_args("v", v, "bhs"), BLOCK_Q=block_q, BLOCK_KV=block_kv,
             SUB_N=chosen.sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap, STAGES=STAGES[dim],
             EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, CAUSAL=chosen.causal, FIXED_OFFSETS=chosen.fixed_offsets,
+            CHECK_RISE=check_rise,
             CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, O_THROUGH_TMA=O_THROUGH_TMA)
         if key_norms is None:
             static["KEY_NORMS"] = None
@@ -633,16 +755,18 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
         else:
             static["O_DESC"] = None
         return (triton.cdiv(seq_q, TILE_Q), *launch.batch_head_axes(batch, heads)), descriptors, static
-    tensors = dict(Q_DESC=q, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index)
-    # the largest key norms of each kv head's parts, which bound its scores (FIXED_OFFSET_DIMS): one pass over k
-    key_norms = key_norm_parts(k) if chosen.fixed_offsets else None
+    # K and V by pointer too, for the cold walk again with running maxima of a walk whose rise was too large
+    tensors = dict(Q_DESC=q, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index, K=k, V=v)
+    check_rise = chosen.fixed_offsets and q.dtype in RISE_CHECKED_DTYPES
+    # the other fixed offsets' bound (FIXED_OFFSET_DIMS): the largest key norms of each kv head's parts, one pass over k
+    key_norms = key_norm_parts(k) if chosen.fixed_offsets and not check_rise else None
     if key_norms is not None:
         tensors["KEY_NORMS"] = key_norms
     if O_THROUGH_TMA:
         tensors["O_DESC"] = out
     launch_warp_specialized(attention_fwd_ws_kernel,
                             (block_q, block_kv, scale_log2, chosen, STAGES[dim], dim in EMULATED_EXP2_DIMS,
-                             O_THROUGH_TMA), tensors, arguments)
+                             O_THROUGH_TMA, check_rise), tensors, arguments)
 
 
 def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
@@ -665,11 +789,11 @@ def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
 
 def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                  dim: int = HEAD_DIM, emulate_exp2: Optional[bool] = None, o_through_tma: Optional[bool] = None,
-                 fixed_offsets: Optional[bool] = None):
+                 fixed_offsets: Optional[bool] = None, check_rise: Optional[bool] = None):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for lists at (block_q, block_kv) and head dim `dim`, with the launch's tile choice (plan()), stages and
-    register settings; emulate_exp2, o_through_tma and fixed_offsets None: as a launch at `dim` would
-    (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS)."""
+    register settings; emulate_exp2, o_through_tma, fixed_offsets and check_rise None: as a launch at `dim` and
+    dtype would (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     chosen = _plan(block_kv, dim, causal)
@@ -684,7 +808,10 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
                      O_THROUGH_TMA=O_THROUGH_TMA if o_through_tma is None else o_through_tma)
     if not constants["O_THROUGH_TMA"]:
         constants["O_DESC"] = None  # as a launch passes it
-    if not chosen.fixed_offsets:
+    if check_rise is None:
+        check_rise = chosen.fixed_offsets and dtype in RISE_CHECKED_DTYPES
+    constants["CHECK_RISE"] = check_rise
+    if not chosen.fixed_offsets or check_rise:
         constants["KEY_NORMS"] = None
     signature = {}
     for param in attention_fwd_ws_kernel.params:
@@ -694,7 +821,7 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
             signature[param.name] = descriptor_signature(dtype, CONSUMER_ROWS if param.name in ("Q_DESC", "O_DESC")
                                                          else sub_n, dim)
         else:
-            signature[param.name] = {"Out": f"*{name}", "Lse": "*fp32", "KV_COUNT": "*i32", "KV_INDEX": "*i32",
+            signature[param.name] = {"Out": f"*{name}", "K": f"*{name}", "V": f"*{name}", "Lse": "*fp32", "KV_COUNT": "*i32", "KV_INDEX": "*i32",
                                      "KEY_NORMS": "*fp32", "scale_log2": "fp32"}.get(param.name, "i32")
     source = GluonASTSource(attention_fwd_ws_kernel, signature, constants)
     # with the options every launch passes (autotune.COMPILE_OPTIONS), so that what compiles here is what runs
