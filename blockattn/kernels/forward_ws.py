@@ -152,8 +152,8 @@ _HEADROOM_BF16 = gl.constexpr(BF16_HEADROOM)
 _HEADROOM_FP16 = gl.constexpr(FP16_HEADROOM)
 _PARTS = gl.constexpr(KEY_NORM_PARTS)
 _SUM_LIMIT = gl.constexpr(2.0 ** RISE_LIMIT)
-# Keys a step of _walk_again, the cold walk with running maxima (K^T and V tiles in registers: 32 keys keep the
-# consumer within its registers).
+# Keys a step of _walk_again, the cold walk with running maxima (K^T and V tiles in registers): at 16 neither Triton
+# spills in a loop (kernels/README.md, "Fixed offsets"); 64 spilled 120-136 bytes.
 _AGAIN_KEYS = gl.constexpr(16)
 
 
