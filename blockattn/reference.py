@@ -48,6 +48,8 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     attend as whole heads, all in one call (causal: skipping the upper triangle), unless a token mask applies. Rows
     that see no key are given one harmless key and zeroed afterwards, so neither the output nor the gradients see
     a NaN."""
+    if is_causal:  # no gather of the blocks wholly above the diagonal, which the causal test would hide anyway
+        blocks = blocks.causal()
     batch, heads, seq_q, _ = q.shape
     kv_heads, seq_kv = k.shape[1], k.shape[2]
     group = heads // kv_heads

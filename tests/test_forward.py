@@ -330,6 +330,36 @@ def test_torch_backend_takes_whole_heads_in_one_call(monkeypatch, seq_kv, block,
                                     through_lse=lse == "with gradient")
 
 
+@pytest.mark.parametrize("block, stack", [((32, 32), "per head"), ((64, 32), "per head"), ((32, 64), "shared")])
+def test_torch_backend_gathers_no_block_above_the_diagonal(monkeypatch, block, stack):
+    """Under is_causal the PyTorch backend walks BlockSparsity.causal()'s lists: a key block that lies wholly past a
+    row's last query is never gathered (the causal test would hide all of it), and the result still matches the
+    fp64 oracle. Every gather of a chunk's keys is paired with the gather of its query rows (uneven lists: the rows
+    are sorted, so their queries are gathered too)."""
+    from blockattn import reference
+    seq_q, seq_kv, batch, heads = 200, 230, 2, 4
+    gathers = []  # (name, index) of every gather
+
+    def spy(table, index, *args, **kwargs):
+        gathers.append((kwargs.get("name", args[2] if len(args) > 2 else ""), index.clone()))
+        return original(table, index, *args, **kwargs)
+    original = reference._gathered
+    monkeypatch.setattr(reference, "_gathered", spy)
+    kv_heads = heads // 2 if stack == "shared" else heads
+    q, k, v = qkv(batch, heads, seq_q, 32, kv_heads=kv_heads, seq_kv=seq_kv, seed=8)
+    keep = random_keep(1 if stack == "shared" else batch, 1 if stack == "shared" else heads, seq_q, seq_kv, block,
+                       density=0.6, seed=9)
+    out, lse = blockattn.attention(q, k, v, keep, block, is_causal=True, return_lse=True, backend="torch")
+    check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=True)
+    nq, nk = math.ceil(seq_q / block[0]), math.ceil(seq_kv / block[1])
+    keys = [index for name, index in gathers if name == "k"]
+    rows = [index for name, index in gathers if name == "q"]
+    assert keys and len(keys) == len(rows)
+    for kv_rows, here in zip(keys, rows):
+        last_query = torch.clamp((here % nq + 1) * block[0], max=seq_q) - 1                  # [n]
+        assert ((kv_rows % nk) * block[1] <= last_query[:, None]).all()
+
+
 def test_torch_backend_chunks_rows_by_list_length():
     """reference._chunks: rows sorted by list length go in chunks of like lengths (within _LENGTH_SPREAD of the
     first, plus one), empty rows apart, as many rows as the scores' budget allows (one at least)."""
