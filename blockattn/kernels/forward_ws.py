@@ -93,9 +93,12 @@ FIXED_OFFSET_DIMS: tuple = (64, 128)
 # and the rise is checked after the walk (CHECK_RISE: a warpgroup whose rows' sums passed 2^bounds.RISE_LIMIT, or
 # whose accumulator overflowed, is walked again with running maxima, _walk_again). So these take no pass over k for
 # the key norms, and keep the offsets where real data's norms leave the bound too loose. bf16 only could: its P
-# reaches 2^128, while fp16's overflows past 65504. None until its GPU tests have run (written with no GPU, forty-
-# ninth session; compiled for sm_90 by Triton 3.6 and 3.9, no loop spills).
-RISE_CHECKED_DTYPES: tuple = ()
+# reaches 2^128, while fp16's overflows past 65504. Forty-ninth session, on an H100 (the H200 was not to be had):
+# its GPU tests pass, the cold walk again included (tests/test_forward_ws.py, "bound 160"); its hot loops are the
+# bounded walk's, instruction for instruction but for order (offline SASS, Triton 3.6); against the bound, B1 H24
+# S32k d=0.1 ran 1.004x / 1.011x as fast at D=128 (128x128 / 128x64) and 1.038x / 1.045x at D=64, the other
+# densities 0.88-1.07x, within that run's noise (`benchmarks/ws_forward.py --cases design d64 --rise-checked`).
+RISE_CHECKED_DTYPES: tuple = (torch.bfloat16, )
 # Ring stages per head dim: as many as Hopper's 227 KiB of shared memory per program allows. At D=128 Q takes 32 KiB
 # and a stage 64 KiB (3 stages measured 5.22 ms against 5.88 with 2). At D=64 a 256-key stage is 64 KiB too (2
 # stages measured the same in benchmarks/exp_gluon_fwd.py; with 128-key tiles, 4 stages of 32 KiB had run 1-8%
