@@ -824,8 +824,9 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
             signature[param.name] = descriptor_signature(dtype, CONSUMER_ROWS if param.name in ("Q_DESC", "O_DESC")
                                                          else sub_n, dim)
         else:
-            signature[param.name] = {"Out": f"*{name}", "K": f"*{name}", "V": f"*{name}", "Lse": "*fp32", "KV_COUNT": "*i32", "KV_INDEX": "*i32",
-                                     "KEY_NORMS": "*fp32", "scale_log2": "fp32"}.get(param.name, "i32")
+            signature[param.name] = {"Out": f"*{name}", "K": f"*{name}", "V": f"*{name}", "Lse": "*fp32",
+                                     "KV_COUNT": "*i32", "KV_INDEX": "*i32", "KEY_NORMS": "*fp32",
+                                     "scale_log2": "fp32"}.get(param.name, "i32")
     source = GluonASTSource(attention_fwd_ws_kernel, signature, constants)
     # with the options every launch passes (autotune.COMPILE_OPTIONS), so that what compiles here is what runs
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
