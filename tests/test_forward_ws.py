@@ -427,7 +427,7 @@ FIXED_OFFSET_CASES = {
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("inputs", ["bound 13.5", "bound 28.8", "bound 160", "large norms"])
 @pytest.mark.parametrize("case, checked", [(case, False) for case in FIXED_OFFSET_CASES]
-                         + [(case, True) for case in FIXED_OFFSET_CASES if FIXED_OFFSET_CASES[case][6] == torch.bfloat16])
+                         + [(case, True) for case, spec in FIXED_OFFSET_CASES.items() if spec[6] == torch.bfloat16])
 def test_fixed_offsets_against_the_oracle(case, checked, inputs, monkeypatch, poisoned, warp_specialized_calls):
     """The walk with fixed offsets (FIXED_OFFSET_DIMS, here at D=64 and 128) on scores that rise past each list's
     first key tile by nearly the rows' bounds (aligned_scores: 13.5, 28.8 or 160 log2 units, so P reaches 2^12,
