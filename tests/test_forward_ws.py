@@ -378,10 +378,10 @@ def test_head_dim_64_against_the_oracle(case, emulate, tiling, monkeypatch, pois
 def _fixed_offset_walks(q, k, keep, block, causal: bool, tile_n: int, checked: bool):
     """What the kernel's fixed offsets meet on these inputs (FIXED_OFFSET_DIMS): (the share of consumer tiles, 64
     query rows with a kv list, whose walk keeps them fixed, the most by which a later score of such a tile rises
-    above its row's offset, in log2 units). An fp16 tile keeps them when for each of its rows the bound scale *
-    log2(e) * |q_row| * (the kv head's largest |k|) exceeds the row's largest scaled score in the walk's first key
-    tile (its first tile_n listed keys, the offset) by at most FIXED_HEADROOM[dtype]; with the rise checked after
-    the walk instead (RISE_CHECKED_DTYPES: checked), when each of its rows has a key there."""
+    above its row's offset, in log2 units). With the bound, a tile keeps them when for each of its rows the bound
+    scale * log2(e) * |q_row| * (the kv head's largest |k|) exceeds the row's largest scaled score in the walk's
+    first key tile (its first tile_n listed keys, the offset) by at most FIXED_HEADROOM[dtype]; with the rise
+    checked after the walk instead (RISE_CHECKED_DTYPES: checked), when each of its rows has a key there."""
     batch, heads, seq_q, dim = q.shape
     group = heads // k.shape[1]
     c = dim ** -0.5 * math.log2(math.e)
