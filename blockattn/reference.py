@@ -130,6 +130,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
                                       is_causal=causal, scale=scale)
             out, lse = out[:, 0], lse[:, 0, :, None]
         else:
+            queries, keys, values = (_aligned(x) for x in (queries, keys, values))
             out = torch.nn.functional.scaled_dot_product_attention(
                 queries[:, None], keys[:, None], values[:, None],
                 attn_mask=None if visible is None else visible[:, None], is_causal=causal, scale=scale)[:, 0]
@@ -278,6 +279,13 @@ def _keeps_causal_reach(count: torch.Tensor, index: torch.Tensor, nq: int, nk: i
     reach = torch.clamp(last_query // block_kv + 1, max=nk)                                # 1 .. nk
     entry = index.gather(1, (reach - 1)[:, None].long())[:, 0]
     return (count >= reach) & (entry == reach - 1)
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """x, or on a GPU its copy where x starts off a 16-byte boundary. A whole head of k or v is a view into the
+    caller's memory (a slice of wider rows may start anywhere), and PyTorch's memory-efficient CUDA kernel, which
+    takes fp32 with a mask, checks the strides' alignment but not the start's: it faults (misaligned address)."""
+    return x.clone() if x.device.type != "cpu" and x.data_ptr() % 16 else x
 
 
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:

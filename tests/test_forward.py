@@ -8,7 +8,8 @@ import torch
 
 import blockattn
 from conftest import (DEVICE, ON_GPU, assert_one_ulp, assert_output_and_gradients, check_against_oracle, expand,
-                      kernel, mostly_whole_kv_valid, output_and_lse_loss, qkv, random_keep, real_keys)
+                      kernel, make_generator, mostly_whole_kv_valid, oracle, output_and_lse_loss, qkv, randn,
+                      random_keep, real_keys)
 
 BACKENDS = ("torch", "triton")
 
@@ -328,6 +329,33 @@ def test_torch_backend_takes_whole_heads_in_one_call(monkeypatch, seq_kv, block,
             grads = torch.autograd.grad(out, (q, k, v), grad_out)
         assert_output_and_gradients(out, grads, q, k, v, visible, grad_out, tolerance=1e-5, is_causal=causal,
                                     through_lse=lse == "with gradient")
+
+
+@pytest.mark.parametrize("lse", ["none", "with gradient"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_backend_takes_inputs_that_start_off_alignment(causal, lse):
+    """fp32 q, k and v that are views into wider rows, starting 3 elements (12 bytes) in, with a mask that keeps
+    everything: whole heads and whole rows attend to their kv head's keys where they lie, with no gather, and the
+    GPU's memory-efficient kernel (which fp32 with a mask takes) faults on a start off a 16-byte boundary unless
+    the backend copies it. Output, LSE and gradients against the fp64 oracle."""
+    batch, heads, kv_heads, seq_q, seq_kv, dim, block = 1, 2, 1, 139, 150, 32, (128, 100)
+    wide = [randn(batch, h, seq, dim + 8, dtype=torch.float32, gen=make_generator(20 + i))
+            for i, (h, seq) in enumerate(((heads, seq_q), (kv_heads, seq_kv), (kv_heads, seq_kv)))]
+    q, k, v = (x[..., 3:3 + dim].requires_grad_(lse != "none") for x in wide)
+    assert k.storage_offset() * k.element_size() % 16 != 0
+    keep = torch.ones(math.ceil(seq_q / block[0]), math.ceil(seq_kv / block[1]), dtype=torch.bool, device=DEVICE)
+    visible = expand(keep, block, seq_q, seq_kv)
+    if lse == "none":
+        out = blockattn.attention(q, k, v, keep, block, is_causal=causal, backend="torch")
+        torch.testing.assert_close(out, oracle(q, k, v, visible, is_causal=causal)[0].to(out.dtype),
+                                   atol=1e-5, rtol=1e-5)
+        return
+    out, got_lse = blockattn.attention(q, k, v, keep, block, is_causal=causal, return_lse=True, backend="torch")
+    check_against_oracle(out, got_lse, q, k, v, visible, is_causal=causal, lse_tolerance=1e-5)
+    grad_out = torch.randn(out.shape, generator=make_generator(23), device=DEVICE)
+    grads = torch.autograd.grad(output_and_lse_loss(out, got_lse, grad_out), (q, k, v))
+    assert_output_and_gradients(out, grads, q, k, v, visible, grad_out, tolerance=1e-5, is_causal=causal,
+                                through_lse=True)
 
 
 @pytest.mark.parametrize("block, stack", [((32, 32), "per head"), ((64, 32), "per head"), ((32, 64), "shared")])
