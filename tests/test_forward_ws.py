@@ -442,6 +442,7 @@ def test_fixed_offsets_against_the_oracle(case, checked, inputs, monkeypatch, po
     monkeypatch.setattr(forward_ws, "MIN_KEYS", {})
     monkeypatch.setattr(forward_ws, "FIXED_OFFSET_DIMS", (64, 128))
     monkeypatch.setattr(forward_ws, "RISE_CHECKED_DTYPES", (torch.bfloat16, ) if checked else ())
+    monkeypatch.setattr(forward_ws, "RISE_CHECKED_DIMS", (64, 128))
     batch, heads, kv_heads, seq_q, seq_kv, block, dtype, causal, dim = FIXED_OFFSET_CASES[case]
     heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
     # (under the interpreter too: keys past the first tile, and under is_causal rows that see them)

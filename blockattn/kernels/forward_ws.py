@@ -89,16 +89,21 @@ MIN_KEYS = {64: 8192}
 # with the overlap inside a warpgroup (D=128's): compiled by Triton 3.6, the H200 machine's, its consumers spill
 # 24-32 bytes with fixed offsets (forty-fourth session, offline; Triton 3.9 spills nothing).
 FIXED_OFFSET_DIMS: tuple = (64, 128)
-# Dtypes whose fixed offsets need no bound: they stay wherever every row of a warpgroup has a key in its first tile,
-# and the rise is checked after the walk (CHECK_RISE: a warpgroup whose rows' sums passed 2^bounds.RISE_LIMIT, or
-# whose accumulator overflowed, is walked again with running maxima, _walk_again). So these take no pass over k for
-# the key norms, and keep the offsets where real data's norms leave the bound too loose. bf16 only could: its P
-# reaches 2^128, while fp16's overflows past 65504. Forty-ninth session, on an H100 (the H200 was not to be had):
-# its GPU tests pass, the cold walk again included (tests/test_forward_ws.py, "bound 160"); its hot loops are the
-# bounded walk's, instruction for instruction but for order (offline SASS, Triton 3.6); against the bound, B1 H24
-# S32k d=0.1 ran 1.004x / 1.011x as fast at D=128 (128x128 / 128x64) and 1.038x / 1.045x at D=64, the other
-# densities 0.88-1.07x, within that run's noise (`benchmarks/ws_forward.py --cases design d64 --rise-checked`).
+# Dtypes whose fixed offsets need no bound, at the head dims in RISE_CHECKED_DIMS: they stay wherever every row of a
+# warpgroup has a key in its first tile, and the rise is checked after the walk (CHECK_RISE: a warpgroup whose rows'
+# sums passed 2^bounds.RISE_LIMIT, or whose accumulator overflowed, is walked again with running maxima,
+# _walk_again). So these take no pass over k for the key norms, and keep the offsets where real data's norms leave
+# the bound too loose. bf16 only could: its P reaches 2^128, while fp16's overflows past 65504. Its GPU tests pass,
+# the cold walk again included (tests/test_forward_ws.py, "bound 160"); its hot loops are the bounded walk's,
+# instruction for instruction but for order (offline SASS, Triton 3.6).
 RISE_CHECKED_DTYPES: tuple = (torch.bfloat16, )
+# Head dims where the rise is checked (RISE_CHECKED_DTYPES); the others keep the bound. Fiftieth session (BENCHMARKS.md;
+# `benchmarks/rise_ab.py`, the two settings in turns, B1 H24 S32k bf16): D=128 128x128 d=0.1 1.04x as fast checked
+# (H100; 1.08-1.15x on the H200 where the bound fails, `ws_forward.py --query-scale 8`), but D=64 0.92x / 0.95x /
+# 0.96x at d=0.5 / 0.25 / 0.1 (128x128) and 0.96x / 1.02x / 0.97x (128x64), with the same hot loops: what slows it is
+# not known (only its causal walk ran faster, 1.07x). On the H200 the checked D=64 forward ran 6.95-7.13 ms at d=0.5
+# against 6.32 for the bounded one in the forty-sixth session.
+RISE_CHECKED_DIMS: tuple = (128, )
 # Ring stages per head dim: as many as Hopper's 227 KiB of shared memory per program allows. At D=128 Q takes 32 KiB
 # and a stage 64 KiB (3 stages measured 5.22 ms against 5.88 with 2). At D=64 a 256-key stage is 64 KiB too (2
 # stages measured the same in benchmarks/exp_gluon_fwd.py; with 128-key tiles, 4 stages of 32 KiB had run 1-8%
@@ -760,7 +765,7 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
         return (triton.cdiv(seq_q, TILE_Q), *launch.batch_head_axes(batch, heads)), descriptors, static
     # K and V by pointer too, for the cold walk again with running maxima of a walk whose rise was too large
     tensors = dict(Q_DESC=q, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index, K=k, V=v)
-    check_rise = chosen.fixed_offsets and q.dtype in RISE_CHECKED_DTYPES
+    check_rise = chosen.fixed_offsets and q.dtype in RISE_CHECKED_DTYPES and dim in RISE_CHECKED_DIMS
     # the other fixed offsets' bound (FIXED_OFFSET_DIMS): the largest key norms of each kv head's parts, one pass over k
     key_norms = key_norm_parts(k) if chosen.fixed_offsets and not check_rise else None
     if key_norms is not None:
@@ -796,7 +801,7 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for lists at (block_q, block_kv) and head dim `dim`, with the launch's tile choice (plan()), stages and
     register settings; emulate_exp2, o_through_tma, fixed_offsets and check_rise None: as a launch at `dim` and
-    dtype would (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES)."""
+    dtype would (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES and _DIMS)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     chosen = _plan(block_kv, dim, causal)
@@ -812,7 +817,7 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     if not constants["O_THROUGH_TMA"]:
         constants["O_DESC"] = None  # as a launch passes it
     if check_rise is None:
-        check_rise = chosen.fixed_offsets and dtype in RISE_CHECKED_DTYPES
+        check_rise = chosen.fixed_offsets and dtype in RISE_CHECKED_DTYPES and dim in RISE_CHECKED_DIMS
     constants["CHECK_RISE"] = check_rise
     if not chosen.fixed_offsets or check_rise:
         constants["KEY_NORMS"] = None
