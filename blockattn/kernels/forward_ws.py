@@ -97,12 +97,13 @@ FIXED_OFFSET_DIMS: tuple = (64, 128)
 # the cold walk again included (tests/test_forward_ws.py, "bound 160"); its hot loops are the bounded walk's,
 # instruction for instruction but for order (offline SASS, Triton 3.6).
 RISE_CHECKED_DTYPES: tuple = (torch.bfloat16, )
-# Head dims where the rise is checked (RISE_CHECKED_DTYPES); the others keep the bound. Fiftieth session (BENCHMARKS.md;
-# `benchmarks/rise_ab.py`, the two settings in turns, B1 H24 S32k bf16): D=128 128x128 d=0.1 1.04x as fast checked
-# (H100; 1.08-1.15x on the H200 where the bound fails, `ws_forward.py --query-scale 8`), but D=64 0.92x / 0.95x /
-# 0.96x at d=0.5 / 0.25 / 0.1 (128x128) and 0.96x / 1.02x / 0.97x (128x64), with the same hot loops: what slows it is
-# not known (only its causal walk ran faster, 1.07x). On the H200 the checked D=64 forward ran 6.95-7.13 ms at d=0.5
-# against 6.32 for the bounded one in the forty-sixth session.
+# Head dims where the rise is checked (RISE_CHECKED_DTYPES); the others keep the bound. Fiftieth session
+# (BENCHMARKS.md; `benchmarks/ws_forward_ab.py`, the two settings in turns, B1 H24 S32k bf16): D=128 128x128 d=0.1
+# 1.04x as fast checked (H100; 1.08-1.15x on the H200 where the bound fails, `ws_forward.py --query-scale 8`), but
+# D=64 0.92x / 0.95x / 0.96x at d=0.5 / 0.25 / 0.1 (128x128) and 0.96x / 1.02x / 0.97x (128x64); only its causal walk
+# ran faster, 1.07x. On the H200 the checked D=64 forward ran 6.95-7.13 ms at d=0.5 against 6.32 for the bounded one
+# in the forty-sixth session. The two D=64 builds' fixed loops hold the same instructions; ptxas orders them
+# differently, packing P after the wait for V in the checked build (see EARLY_V_WAIT_DIMS).
 RISE_CHECKED_DIMS: tuple = (128, )
 # Ring stages per head dim: as many as Hopper's 227 KiB of shared memory per program allows. At D=128 Q takes 32 KiB
 # and a stage 64 KiB (3 stages measured 5.22 ms against 5.88 with 2). At D=64 a 256-key stage is 64 KiB too (2
@@ -128,6 +129,15 @@ LAUNCH_PLANS = True
 # loop is bound by its exponentials, it measured 4-10% slower (the extra FMA-pipe instructions cost more than the
 # special function unit's share they save).
 EMULATED_EXP2_DIMS: tuple = ()
+# Head dims whose walk in turn (OVERLAPPED off: D=64's) waits for a tile's V while the tile's Q K^T runs, instead of
+# after its softmax. Same work, and the same PTX but for the wait's place; what moves is ptxas's schedule (offline
+# sm_90 SASS, Triton 3.6, fiftieth session; kernels/README.md, "Where the walk in turn waits for V"): with the wait
+# after the softmax, ptxas packs a tile's P to 16 bits (64 F2FP a thread) after the wait in three of D=64's four
+# loops (the running walk's always, the fixed walk's under CHECK_RISE), serially before P V: 87-119 instructions
+# after the last exponential, against 12-15 in the bounded fixed walk, the build measured fastest. With the wait
+# early every loop's tail is 5-10 instructions. Not yet timed on a GPU, so off (`benchmarks/ws_forward_ab.py
+# --setting early-v-wait` times it).
+EARLY_V_WAIT_DIMS: tuple = ()
 
 _ROWS = gl.constexpr(CONSUMER_ROWS)
 # 2^x for four fp32 values held by one thread: three by ex2.approx.ftz (what gl.exp2 emits), the fourth as
@@ -279,11 +289,13 @@ def _exp2(x, EMULATE: gl.constexpr):
 
 @gluon.jit
 def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr):
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr,
+                  EARLY_V_WAIT: gl.constexpr):
     """Key tiles start .. end-1 of a consumer's walk, each one's products and softmax in turn: (acc, m_i, l_i) after
     them, from the accumulator fp32 [64, D] and the rows' offsets and sums [64] before. walk: the consumer's Q tile,
     rings, barriers, zeroed scores and list (as _consumer packs them). FIXED: the offsets m_i stay (finite, and no
-    score above m_i + headroom: FIXED_OFFSET_DIMS), so a tile takes no row maxima and the accumulator no rescale."""
+    score above m_i + headroom: FIXED_OFFSET_DIMS), so a tile takes no row maxima and the accumulator no rescale.
+    EARLY_V_WAIT: a tile's V is waited for while its Q K^T runs, else after its softmax (EARLY_V_WAIT_DIMS)."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
      scale_log2) = walk
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
@@ -292,6 +304,8 @@ def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N
         stage = j % STAGES
         mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
         qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if EARLY_V_WAIT:
+            mbarrier.wait(v_ready.index(stage), (j // STAGES) & 1)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
         qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N, CAUSAL)
         p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2, FIXED)
@@ -299,7 +313,8 @@ def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             m_i = m_new
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
-        mbarrier.wait(v_ready.index(stage), (j // STAGES) & 1)
+        if not EARLY_V_WAIT:
+            mbarrier.wait(v_ready.index(stage), (j // STAGES) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         mbarrier.arrive(kv_empty.index(stage), count=1)
@@ -360,12 +375,12 @@ def _keeps_offsets(bound, m_i, dtype: gl.constexpr):
 def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
               TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
               EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr, FIXED_OFFSETS: gl.constexpr,
-              CHECK_RISE: gl.constexpr):
+              CHECK_RISE: gl.constexpr, EARLY_V_WAIT: gl.constexpr):
     """Query rows HALF*64 .. HALF*64+63 of the program's tile: the online softmax over the kv list (CAUSAL: keys
     up to each row's own position only), then Out [B, H, Sq, D] and Lse fp32 [B, H, Sq] (natural log; -inf and
     zeros for a row with no key). shared: the kernel's arguments and buffers, as attention_fwd_ws_kernel packs
     them. OVERLAP: each key tile's Q K^T issued with the previous tile's P V (see OVERLAPPED). FIXED_OFFSETS: see
-    FIXED_OFFSET_DIMS; CHECK_RISE: see RISE_CHECKED_DTYPES."""
+    FIXED_OFFSET_DIMS; CHECK_RISE: see RISE_CHECKED_DTYPES; EARLY_V_WAIT: see EARLY_V_WAIT_DIMS."""
     (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
      KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
      stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh, K, V, stride_kb, stride_kh,
@@ -409,20 +424,20 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
                 bound = _score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2, o_layout,
                                       row_s)
             acc, m_i, l_i = _walk_in_turn(walk, 0, gl.minimum(total, 1), acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES,
-                                          CAUSAL, EMULATE_EXP2, False)
+                                          CAUSAL, EMULATE_EXP2, False, EARLY_V_WAIT)
             # after the first tile, the offsets it leaves
             keep = _all_seen(m_i) if CHECKED else _keeps_offsets(bound, m_i, dtype)
             if keep:
                 acc, m_i, l_i = _walk_in_turn(walk, 1, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                              EMULATE_EXP2, True)
+                                              EMULATE_EXP2, True, EARLY_V_WAIT)
             else:
                 acc, m_i, l_i = _walk_in_turn(walk, 1, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                              EMULATE_EXP2, False)
+                                              EMULATE_EXP2, False, EARLY_V_WAIT)
             if CHECKED:  # (whichever walk ran: the running maxima's stay in range on finite inputs)
                 again = ~_sums_within(l_i, acc)
         else:
             acc, m_i, l_i = _walk_in_turn(walk, 0, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                          EMULATE_EXP2, False)
+                                          EMULATE_EXP2, False, EARLY_V_WAIT)
     elif total > 0:
         if FIXED_OFFSETS and not CHECKED:  # (as in the loop without the overlap, above)
             bound = _score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2, o_layout, row_s)
@@ -603,17 +618,19 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
                             TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr = True,
                             EMULATE_EXP2: gl.constexpr = False, O_THROUGH_TMA: gl.constexpr = False,
-                            FIXED_OFFSETS: gl.constexpr = False, CHECK_RISE: gl.constexpr = False):
+                            FIXED_OFFSETS: gl.constexpr = False, CHECK_RISE: gl.constexpr = False,
+                            EARLY_V_WAIT: gl.constexpr = False):
     """Grid (cdiv(Sq, 128), launch.batch_head_axes(B, H)). Q_DESC / K_DESC / V_DESC: Gluon host descriptors of
     q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with boxes [1, 1, 64, D] / [1, 1, SUB_N, D]; KV_COUNT int32
     [Bm, Hm, nq], KV_INDEX int32 [Bm, Hm, nq, L] (size-1 mask dims with stride 0), every listed block's keys below
     Sk (CAUSAL: the lists of BlockSparsity.causal(), ascending); Out [B, H, Sq, D] (last dim contiguous), Lse
     fp32 [B, H, Sq] (last dim contiguous); O_DESC: when O_THROUGH_TMA, a descriptor of Out with Q_DESC's boxes,
     through which the rows go (else None, and Out's pointer takes them). TILE_N: keys a tile (TILE_KEYS), a
-    multiple of SUB_N; OVERLAP: see OVERLAPPED; EMULATE_EXP2: see _exp2. FIXED_OFFSETS (see FIXED_OFFSET_DIMS)
-    without CHECK_RISE (RISE_CHECKED_DTYPES): KEY_NORMS fp32 [B, Hkv, KEY_NORM_PARTS] (last dim contiguous,
-    key_norm_parts), whose maximum over the parts bounds a kv head's key norms; else None. K and V: k and v's
-    pointers (strides stride_k* / stride_v*, last dim contiguous), which only CHECK_RISE's cold walk again reads."""
+    multiple of SUB_N; OVERLAP: see OVERLAPPED; EMULATE_EXP2: see _exp2; EARLY_V_WAIT: see EARLY_V_WAIT_DIMS.
+    FIXED_OFFSETS (see FIXED_OFFSET_DIMS) without CHECK_RISE (RISE_CHECKED_DTYPES): KEY_NORMS fp32 [B, Hkv,
+    KEY_NORM_PARTS] (last dim contiguous, key_norm_parts), whose maximum over the parts bounds a kv head's key norms;
+    else None. K and V: k and v's pointers (strides stride_k* / stride_v*, last dim contiguous), which only
+    CHECK_RISE's cold walk again reads."""
     q_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2] + Q_DESC.block_type.shape, Q_DESC.layout)
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
     # a stage: one [TILE_N, D] key tile, which the loader fills with TILE_N // SUB_N boxes of SUB_N keys (_sub_tile)
@@ -638,9 +655,9 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
               stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs)
     gl.warp_specialize([
         (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)),
+                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, EARLY_V_WAIT)),
         (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)),
+                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, EARLY_V_WAIT)),
         (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -753,7 +770,7 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
             **stride_args("v", v, "bhs"), BLOCK_Q=block_q, BLOCK_KV=block_kv,
             SUB_N=chosen.sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap, STAGES=STAGES[dim],
             EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, CAUSAL=chosen.causal, FIXED_OFFSETS=chosen.fixed_offsets,
-            CHECK_RISE=check_rise,
+            CHECK_RISE=check_rise, EARLY_V_WAIT=dim in EARLY_V_WAIT_DIMS,
             CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, O_THROUGH_TMA=O_THROUGH_TMA)
         if key_norms is None:
             static["KEY_NORMS"] = None
@@ -797,11 +814,13 @@ def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
 
 def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                  dim: int = HEAD_DIM, emulate_exp2: Optional[bool] = None, o_through_tma: Optional[bool] = None,
-                 fixed_offsets: Optional[bool] = None, check_rise: Optional[bool] = None):
+                 fixed_offsets: Optional[bool] = None, check_rise: Optional[bool] = None,
+                 early_v_wait: Optional[bool] = None):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for lists at (block_q, block_kv) and head dim `dim`, with the launch's tile choice (plan()), stages and
-    register settings; emulate_exp2, o_through_tma, fixed_offsets and check_rise None: as a launch at `dim` and
-    dtype would (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES and _DIMS)."""
+    register settings; emulate_exp2, o_through_tma, fixed_offsets, check_rise and early_v_wait None: as a launch at
+    `dim` and dtype would (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES and _DIMS,
+    EARLY_V_WAIT_DIMS)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     chosen = _plan(block_kv, dim, causal)
@@ -813,7 +832,8 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
                      STAGES=STAGES[dim], CAUSAL=causal,
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, FIXED_OFFSETS=chosen.fixed_offsets,
                      EMULATE_EXP2=dim in EMULATED_EXP2_DIMS if emulate_exp2 is None else emulate_exp2,
-                     O_THROUGH_TMA=O_THROUGH_TMA if o_through_tma is None else o_through_tma)
+                     O_THROUGH_TMA=O_THROUGH_TMA if o_through_tma is None else o_through_tma,
+                     EARLY_V_WAIT=dim in EARLY_V_WAIT_DIMS if early_v_wait is None else early_v_wait)
     if not constants["O_THROUGH_TMA"]:
         constants["O_DESC"] = None  # as a launch passes it
     if check_rise is None:

@@ -1,0 +1,76 @@
+"""The warp-specialized forward with one of its settings each way, timed in turns (A, B, A, B, ...) so that drift
+on the machine falls on both ways alike. One-off runs of `ws_forward.py --rise-checked` at D=64 disagreed by up to
+12% in either direction between runs; this says which way is faster with the rounds beside each other.
+
+Settings (module attributes of blockattn.kernels.forward_ws, set for the case's head dim):
+  rise-checked    bf16's fixed offsets with the rise checked after the walk, or bounded by the key norms
+                  (RISE_CHECKED_DTYPES and RISE_CHECKED_DIMS)
+  early-v-wait    the walk in turn waiting for a tile's V while its Q K^T runs, or after its softmax
+                  (EARLY_V_WAIT_DIMS; D=64's walk)
+
+    cd benchmarks && python ws_forward_ab.py --setting rise-checked --rounds 3
+    cd benchmarks && python ws_forward_ab.py --setting early-v-wait --also rise-checked   # the other with both on
+"""
+
+import argparse
+import statistics
+
+import torch
+
+import blockattn
+from blockattn.bench import Case, _flops, _inputs, _time_ms, block_mask
+from blockattn.kernels import forward_ws
+
+CASES = ([Case(dim=64, block=block, density=d) for block in ((128, 128), (128, 64)) for d in (0.5, 0.25, 0.1)]
+         + [Case(dim=64, pattern="causal", density=0.5), Case(block=(128, 128), density=0.1)])
+SETTINGS = {"rise-checked": ("RISE_CHECKED_DIMS", "checked", "bounded"),
+            "early-v-wait": ("EARLY_V_WAIT_DIMS", "early", "late")}
+
+
+def set_setting(name: str, dim: int, on: bool) -> None:
+    """forward_ws's setting `name` on or off at head dim dim (rise-checked: for bf16)."""
+    attribute = SETTINGS[name][0]
+    dims = set(getattr(forward_ws, attribute)) - {dim}
+    setattr(forward_ws, attribute, tuple(sorted(dims | ({dim} if on else set()))))
+    if name == "rise-checked":
+        forward_ws.RISE_CHECKED_DTYPES = (torch.bfloat16, )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--setting", choices=sorted(SETTINGS), default="rise-checked")
+    parser.add_argument("--also", choices=sorted(SETTINGS), action="append", default=[],
+                        help="another setting, on for both ways")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    saved = {name: getattr(forward_ws, attribute) for name, (attribute, _, _) in SETTINGS.items()}
+    saved_dtypes = forward_ws.RISE_CHECKED_DTYPES
+    _, on_name, off_name = SETTINGS[args.setting]
+    device = torch.device("cuda")
+    print(f"{args.setting} each way{', with ' + ', '.join(args.also) + ' on' if args.also else ''}")
+    print(f"| case | {on_name} ms (each round) | {off_name} ms (each round) | {off_name} / {on_name} (medians) |")
+    print("| --- | --- | --- | --- |")
+    for case in CASES:
+        keep = block_mask(case, device)
+        blocks = blockattn.BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
+        q, k, v = _inputs(case, device, requires_grad=False)
+        causal = case.pattern == "causal"
+        for name in args.also:
+            set_setting(name, case.dim, True)
+        times = {True: [], False: []}
+        for _ in range(args.rounds):
+            for on in (True, False):
+                set_setting(args.setting, case.dim, on)
+                times[on].append(_time_ms(lambda: blockattn.attention(q, k, v, blocks, is_causal=causal)))
+        for name, (attribute, _, _) in SETTINGS.items():
+            setattr(forward_ws, attribute, saved[name])
+        forward_ws.RISE_CHECKED_DTYPES = saved_dtypes
+        med = {key: statistics.median(value) for key, value in times.items()}
+        flops = _flops(case, blocks.density())
+        print(f"| {case.label} | {' / '.join(f'{t:.3f}' for t in times[True])} ({flops / med[True] / 1e9:.0f}) | "
+              f"{' / '.join(f'{t:.3f}' for t in times[False])} ({flops / med[False] / 1e9:.0f}) | "
+              f"{med[False] / med[True]:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
