@@ -63,7 +63,10 @@ def _sass_fingerprint(cubin_bytes: bytes, tool) -> str:
         cubin.write(cubin_bytes)
         cubin.flush()
         sass = tool("nvdisasm", cubin.name, "-c")
-    lines = [re.sub(r"/\*[0-9a-f]+\*/", "", line).strip() for line in sass.splitlines()]
+    # (a called function's mangled name spells its argument types, which a regrouping of its arguments changes
+    # without changing an instruction: names count as one, and so does any run of spaces, whose padding follows them)
+    lines = [" ".join(re.sub(r"\$[^\s,;()`]+", "$name", re.sub(r"/\*[0-9a-f]+\*/", "", line)).split())
+             for line in sass.splitlines()]
     lines = [line for line in lines if line and not line.startswith(("//", "."))]
     return f"{len(lines)} instructions, {hashlib.sha1(chr(10).join(lines).encode()).hexdigest()[:12]}"
 

@@ -176,15 +176,13 @@ _AGAIN_KEYS = gl.constexpr(16)
 
 
 @gluon.jit
-def _program(shared, BLOCK_Q: gl.constexpr, CAUSAL: gl.constexpr):
+def _program(lists, BLOCK_Q: gl.constexpr, CAUSAL: gl.constexpr):
     """(off_b, off_h, off_hkv, start_m, index_row, count) of this program: its place, with the head order
     of primitives.query_tile_program (consecutive programs take different kv heads), and its kv list (the pointer
-    to its first entry, and its count of key blocks). CAUSAL: the last query tiles, whose lists are the longest,
-    run first, so that the short ones fill the grid's tail."""
-    (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
-     KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
-     stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh, K, V, stride_kb, stride_kh,
-     stride_ks, stride_vb, stride_vh, stride_vs) = shared
+    to its first entry, and its count of key blocks). lists: the kernel's lists and head counts, as
+    attention_fwd_ws_kernel packs them. CAUSAL: the last query tiles, whose lists are the longest, run first, so
+    that the short ones fill the grid's tail."""
+    KV_COUNT, KV_INDEX, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq = lists
     pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)
     off_b = pid_bh // heads
     kv_heads = heads // group_size
@@ -378,14 +376,14 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
               CHECK_RISE: gl.constexpr, EARLY_V_WAIT: gl.constexpr):
     """Query rows HALF*64 .. HALF*64+63 of the program's tile: the online softmax over the kv list (CAUSAL: keys
     up to each row's own position only), then Out [B, H, Sq, D] and Lse fp32 [B, H, Sq] (natural log; -inf and
-    zeros for a row with no key). shared: the kernel's arguments and buffers, as attention_fwd_ws_kernel packs
-    them. OVERLAP: each key tile's Q K^T issued with the previous tile's P V (see OVERLAPPED). FIXED_OFFSETS: see
+    zeros for a row with no key). shared: the kernel's arguments and buffers, grouped as attention_fwd_ws_kernel
+    packs them. OVERLAP: each key tile's Q K^T issued with the previous tile's P V (see OVERLAPPED). FIXED_OFFSETS: see
     FIXED_OFFSET_DIMS; CHECK_RISE: see RISE_CHECKED_DTYPES; EARLY_V_WAIT: see EARLY_V_WAIT_DIMS."""
-    (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
-     KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
-     stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh, K, V, stride_kb, stride_kh,
-     stride_ks, stride_vb, stride_vh, stride_vs) = shared
-    off_b, off_h, off_hkv, start_m, index_row, count = _program(shared, BLOCK_Q, CAUSAL)
+    descs, ring, lists, outputs, norms, kv, scale_log2 = shared
+    Q_DESC = descs[0]
+    q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty = ring
+    KEY_NORMS, stride_nb, stride_nh = norms
+    off_b, off_h, off_hkv, start_m, index_row, count = _program(lists, BLOCK_Q, CAUSAL)
     PARTS: gl.constexpr = TILE_N // SUB_N
     sub_tiles = count * (BLOCK_KV // SUB_N)
     # key tiles of TILE_N keys, PARTS sub tiles each; the last holds fewer when PARTS does not divide sub_tiles
@@ -483,10 +481,10 @@ def _finish(acc, m_i, l_i, shared, q, HALF: gl.constexpr, off_b, off_h, first_ro
     """A consumer's rows first_row .. first_row+63 of Out and Lse from its walk's accumulator acc [64, D] and its
     rows' offsets and sums m_i, l_i [64] (rows_s: the rows' indices, in m_i's layout): zeros and -inf for a row with
     no key. q: its Q tile in shared memory. (shared: as _consumer's.)"""
-    (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
-     KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
-     stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh, K, V, stride_kb, stride_kh,
-     stride_ks, stride_vb, stride_vh, stride_vs) = shared
+    descs, ring, lists, outputs, norms, kv, scale_log2 = shared
+    O_DESC = descs[3]
+    q_smem = ring[0]
+    Out, Lse, seq_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh = outputs
     o_layout: gl.constexpr = acc.type.layout
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     seen = l_i > 0
@@ -536,13 +534,12 @@ def _walk_again(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.
     registers for the Ampere products (mma_v2), _AGAIN_KEYS keys a step, and no conversion goes through shared
     memory (none is left). It finds its program's place and list again (_program) rather than keep them through
     the walk, which held no registers for it. (Parameters as _consumer's.)"""
-    (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
-     KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
-     stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh, K, V, stride_kb, stride_kh,
-     stride_ks, stride_vb, stride_vh, stride_vs) = shared
-    off_b, off_h, off_hkv, start_m, index_row, count = _program(shared, BLOCK_Q, CAUSAL)
+    descs, ring, lists, outputs, norms, kv, scale_log2 = shared
+    q_smem = ring[0]
+    K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs = kv
+    off_b, off_h, off_hkv, start_m, index_row, count = _program(lists, BLOCK_Q, CAUSAL)
     first_row = start_m + HALF * _ROWS
-    q = q_smem.index(HALF).reshape([_ROWS, Q_DESC.block_type.shape[3]])
+    q = q_smem.index(HALF).reshape([_ROWS, descs[0].block_type.shape[3]])
     k_head = K + off_b.to(gl.int64) * stride_kb + off_hkv.to(gl.int64) * stride_kh
     v_head = V + off_b.to(gl.int64) * stride_vb + off_hkv.to(gl.int64) * stride_vh
     HEAD_DIM: gl.constexpr = q.shape[1]
@@ -583,11 +580,10 @@ def _loader(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.cons
             TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """One warp: the tile's two halves of Q, then each kept key tile's K and V into the ring, a stage once both
     consumers have released it. (Parameters as _consumer's, those the loader needs.)"""
-    (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
-     KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih,
-     stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh, K, V, stride_kb, stride_kh,
-     stride_ks, stride_vb, stride_vh, stride_vs) = shared
-    off_b, off_h, off_hkv, start_m, index_row, count = _program(shared, BLOCK_Q, CAUSAL)
+    descs, ring, lists, outputs, norms, kv, scale_log2 = shared
+    Q_DESC, K_DESC, V_DESC, O_DESC = descs
+    q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty = ring
+    off_b, off_h, off_hkv, start_m, index_row, count = _program(lists, BLOCK_Q, CAUSAL)
     SUBS_PER_BLOCK: gl.constexpr = BLOCK_KV // SUB_N
     PARTS: gl.constexpr = TILE_N // SUB_N
     sub_tiles = count * SUBS_PER_BLOCK
@@ -649,10 +645,13 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     fence_async_shared()
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
-    shared = (Q_DESC, K_DESC, V_DESC, O_DESC, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, Out, Lse,
-              KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2, seq_q, heads, group_size, stride_cb, stride_ch, stride_ib,
-              stride_ih, stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh, K, V,
-              stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs)
+    # the partitions' arguments, grouped by what reads them: descriptors, the ring and its barriers, the kv lists
+    # (_program), out and Lse (_finish), the key norms' bound, and k and v by pointer (_walk_again)
+    shared = ((Q_DESC, K_DESC, V_DESC, O_DESC), (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty),
+              (KV_COUNT, KV_INDEX, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq),
+              (Out, Lse, seq_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh),
+              (KEY_NORMS, stride_nb, stride_nh), (K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs),
+              scale_log2)
     gl.warp_specialize([
         (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
                      O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, EARLY_V_WAIT)),
