@@ -50,6 +50,8 @@ GLUON_VARIANTS = [
     ("forward_ws", dict(block_q=128, block_kv=128, dim=64)), ("forward_ws", dict(block_q=128, block_kv=64, dim=64)),
     ("forward_ws", dict(block_q=128, block_kv=128, dim=64, causal=True)),
     ("forward_ws", dict(block_q=128, block_kv=128, dim=64, fixed_offsets=False)),
+    ("forward_ws", dict(block_q=128, block_kv=128, dim=64, check_rise=True)),
+    ("forward_ws", dict(block_q=128, block_kv=64, dim=64, early_v_wait=True)),
     ("backward_ws", dict(block_q=128, block_kv=128)), ("backward_ws", dict(block_q=128, block_kv=64)),
     ("backward_ws", dict(block_q=128, block_kv=128, causal=True)),
     ("backward_ws", dict(block_q=128, block_kv=64, grouped=True, kv_split=4)),
