@@ -7,9 +7,11 @@ Settings (module attributes of blockattn.kernels.forward_ws, set for the case's 
                   (RISE_CHECKED_DTYPES and RISE_CHECKED_DIMS)
   early-v-wait    the walk in turn waiting for a tile's V while its Q K^T runs, or after its softmax
                   (EARLY_V_WAIT_DIMS; D=64's walk)
+  peel-last       the walk in turn taking its last key tile after the loop, or in it (PEELED_LAST_TILE_DIMS)
 
     cd benchmarks && python ws_forward_ab.py --setting rise-checked --rounds 3
     cd benchmarks && python ws_forward_ab.py --setting early-v-wait --also rise-checked   # the other with both on
+    cd benchmarks && python ws_forward_ab.py --setting peel-last --also early-v-wait
 """
 
 import argparse
@@ -24,7 +26,8 @@ from blockattn.kernels import forward_ws
 CASES = ([Case(dim=64, block=block, density=d) for block in ((128, 128), (128, 64)) for d in (0.5, 0.25, 0.1)]
          + [Case(dim=64, pattern="causal", density=0.5), Case(block=(128, 128), density=0.1)])
 SETTINGS = {"rise-checked": ("RISE_CHECKED_DIMS", "checked", "bounded"),
-            "early-v-wait": ("EARLY_V_WAIT_DIMS", "early", "late")}
+            "early-v-wait": ("EARLY_V_WAIT_DIMS", "early", "late"),
+            "peel-last": ("PEELED_LAST_TILE_DIMS", "peeled", "in the loop")}
 
 
 def set_setting(name: str, dim: int, on: bool) -> None:

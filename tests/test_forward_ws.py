@@ -211,13 +211,16 @@ def test_compiles_with_the_rise_checked(blocks, causal, dim):
                      "fixed_offsets=True, check_rise=True)")
 
 
-@pytest.mark.parametrize("checked", [False, True])
-def test_compiles_with_the_early_v_wait(checked):
+@pytest.mark.parametrize("blocks, checked, peel", [((128, 128), False, False), ((128, 128), True, False),
+                                                   ((128, 128), True, True), ((128, 64), True, True)])
+def test_compiles_with_the_early_v_wait(blocks, checked, peel):
     """D=64's walk in turn waiting for V while Q K^T runs (EARLY_V_WAIT_DIMS), bf16 with the rise bounded or
-    checked: as _assert_compiles asks. (At 128x64 and under is_causal, Triton 3.9's build spills 32-40 bytes, some
-    in the loops; Triton 3.6's 8-16, outside them: not asserted while the setting is an experiment.)"""
-    _assert_compiles(f"forward_ws.compile_sm90(128, 128, torch.bfloat16, dim=64, check_rise={checked}, "
-                     "early_v_wait=True)")
+    checked, and with the last tile peeled off the loop (PEELED_LAST_TILE_DIMS): as _assert_compiles asks.
+    (Triton 3.9 spills 32-40 bytes, some in the loops, with the early wait at 128x64 or under is_causal, and with
+    both settings and the bound; Triton 3.6 spills none in a loop: not asserted while the settings are
+    experiments.)"""
+    _assert_compiles(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.bfloat16, dim=64, "
+                     f"check_rise={checked}, early_v_wait=True, peel_last={peel})")
 
 
 # ---------------------------------------------------------------- against the oracle
@@ -386,13 +389,17 @@ def test_head_dim_64_against_the_oracle(case, emulate, tiling, monkeypatch, pois
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=causal)
 
 
+@pytest.mark.parametrize("settings", ["early V wait", "last tile peeled", "both"])
 @pytest.mark.parametrize("case, checked", [(case, False) for case in HEAD_DIM_64_CASES]
                          + [(case, True) for case, spec in HEAD_DIM_64_CASES.items() if spec[6] == torch.bfloat16])
-def test_early_v_wait_against_the_oracle(case, checked, monkeypatch, poisoned, warp_specialized_calls):
-    """D=64's walk in turn waiting for each tile's V while its Q K^T runs (EARLY_V_WAIT_DIMS), with the rise of
-    bf16's fixed offsets bounded or checked after the walk (RISE_CHECKED_DIMS): the cases above against the
-    oracle."""
-    monkeypatch.setattr(forward_ws, "EARLY_V_WAIT_DIMS", (64, ))
+def test_walk_in_turn_settings_against_the_oracle(case, checked, settings, monkeypatch, poisoned,
+                                                  warp_specialized_calls):
+    """D=64's walk in turn waiting for each tile's V while its Q K^T runs (EARLY_V_WAIT_DIMS), taking its last
+    tile after the loop (PEELED_LAST_TILE_DIMS; the cases' lists, of random counts, leave that tile partly or
+    wholly filled), or both, with the rise of bf16's fixed offsets bounded or checked after the walk
+    (RISE_CHECKED_DIMS): the cases above against the oracle."""
+    monkeypatch.setattr(forward_ws, "EARLY_V_WAIT_DIMS", (64, ) if settings != "last tile peeled" else ())
+    monkeypatch.setattr(forward_ws, "PEELED_LAST_TILE_DIMS", (64, ) if settings != "early V wait" else ())
     monkeypatch.setattr(forward_ws, "RISE_CHECKED_DIMS", (64, 128) if checked else (128, ))
     monkeypatch.setattr(forward_ws, "MIN_KEYS", {})
     batch, heads, kv_heads, seq_q, seq_kv, block, dtype, causal = HEAD_DIM_64_CASES[case]

@@ -138,6 +138,17 @@ EMULATED_EXP2_DIMS: tuple = ()
 # early every loop's tail is 5-10 instructions. Not yet timed on a GPU, so off (`benchmarks/ws_forward_ab.py
 # --setting early-v-wait` times it).
 EARLY_V_WAIT_DIMS: tuple = ()
+# Head dims whose walk in turn takes its last key tile after the loop (_walk_in_turn's PEEL_LAST). At D=64 a key tile
+# of 256 keys takes two 128-key sub tiles (four of 64 with 128x64 blocks), and a list of an odd count leaves the last
+# tile's second half to repeat its first, masked off by _scores_masked. That test is a runtime one, and the compiler
+# makes it selects that every tile runs: 64 FSEL a thread and some 70 other instructions a 256-key tile. Taking the
+# last tile apart leaves the loop without them (offline sm_90 SASS, Triton 3.6, fiftieth session: D=64's fixed loop
+# 671 -> 535 instructions a tile, the running one 846 -> 711, the causal ones 1010 -> 875 and 1189 -> 1055), at the
+# cost of a second copy of the tile's code. Alone it moves P's packing after the late wait for V in every loop
+# (EARLY_V_WAIT_DIMS); with the early wait every loop is short and spills nothing. Triton 3.9 then spills in one
+# consumer's loops with the bound (the checked build does not). Not yet timed on a GPU, so off
+# (`benchmarks/ws_forward_ab.py --setting peel-last --also early-v-wait`).
+PEELED_LAST_TILE_DIMS: tuple = ()
 
 _ROWS = gl.constexpr(CONSUMER_ROWS)
 # 2^x for four fp32 values held by one thread: three by ex2.approx.ftz (what gl.exp2 emits), the fourth as
@@ -216,15 +227,16 @@ def _first_tested_tile(index_row, count, start_m, BLOCK_KV: gl.constexpr, SUB_N:
 
 @gluon.jit
 def _scores_masked(qk, j, tiles, sub_tiles, first_tested, index_row, rows, BLOCK_KV: gl.constexpr,
-                   SUB_N: gl.constexpr, CAUSAL: gl.constexpr):
+                   SUB_N: gl.constexpr, CAUSAL: gl.constexpr, MAYBE_LAST: gl.constexpr = True):
     """Key tile j's scores qk fp32 [64, TILE_N] with -inf where no key is: the repeated sub tiles that fill out the
-    last tile when the sub tiles do not fill it, and under CAUSAL (from first_tested on) the keys past each query row
-    (rows int32 [64])."""
+    last tile when the sub tiles do not fill it (MAYBE_LAST: only where j may be that tile), and under CAUSAL (from
+    first_tested on) the keys past each query row (rows int32 [64])."""
     TILE_N: gl.constexpr = qk.shape[1]
     cols = gl.arange(0, TILE_N, gl.SliceLayout(0, qk.type.layout))
     filled = sub_tiles % (TILE_N // SUB_N)  # sub tiles of the last tile that hold keys of their own (0: all)
-    if filled != 0 and j == tiles - 1:
-        qk = gl.where(cols[None, :] >= filled * SUB_N, float("-inf"), qk)
+    if MAYBE_LAST:
+        if filled != 0 and j == tiles - 1:
+            qk = gl.where(cols[None, :] >= filled * SUB_N, float("-inf"), qk)
     if CAUSAL:
         if j >= first_tested:
             # each column's key, from its sub tile's list entry (as the loader placed it)
@@ -288,34 +300,57 @@ def _exp2(x, EMULATE: gl.constexpr):
 @gluon.jit
 def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr,
-                  EARLY_V_WAIT: gl.constexpr):
+                  EARLY_V_WAIT: gl.constexpr, PEEL_LAST: gl.constexpr):
     """Key tiles start .. end-1 of a consumer's walk, each one's products and softmax in turn: (acc, m_i, l_i) after
     them, from the accumulator fp32 [64, D] and the rows' offsets and sums [64] before. walk: the consumer's Q tile,
     rings, barriers, zeroed scores and list (as _consumer packs them). FIXED: the offsets m_i stay (finite, and no
     score above m_i + headroom: FIXED_OFFSET_DIMS), so a tile takes no row maxima and the accumulator no rescale.
-    EARLY_V_WAIT: a tile's V is waited for while its Q K^T runs, else after its softmax (EARLY_V_WAIT_DIMS)."""
+    EARLY_V_WAIT: a tile's V is waited for while its Q K^T runs, else after its softmax (EARLY_V_WAIT_DIMS).
+    PEEL_LAST: the range's last tile is taken after the loop, so that the loop's tiles skip the test for the walk's
+    last tile (PEELED_LAST_TILE_DIMS)."""
+    if PEEL_LAST:
+        for j in range(start, end - 1):  # (none of these is the walk's last tile, total - 1)
+            acc, m_i, l_i = _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2,
+                                          FIXED, EARLY_V_WAIT, False)
+        if end > start:
+            acc, m_i, l_i = _tile_in_turn(walk, end - 1, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
+                                          EMULATE_EXP2, FIXED, EARLY_V_WAIT, True)
+    else:
+        for j in range(start, end):
+            acc, m_i, l_i = _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2,
+                                          FIXED, EARLY_V_WAIT, True)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr, STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr, EARLY_V_WAIT: gl.constexpr,
+                  MAYBE_LAST: gl.constexpr):
+    """Key tile j of a consumer's walk in turn (_walk_in_turn's, whose arguments these are): its products and
+    softmax, (acc, m_i, l_i) after it. MAYBE_LAST: j may be the walk's last tile, whose sub tiles past its own
+    keys are masked when the sub tiles do not fill it (_scores_masked); else that test is left out."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
      scale_log2) = walk
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    for j in range(start, end):
-        stage = j % STAGES
-        mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
-        qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if EARLY_V_WAIT:
-            mbarrier.wait(v_ready.index(stage), (j // STAGES) & 1)
-        qk = warpgroup_mma_wait(0, deps=(qk, ))
-        qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N, CAUSAL)
-        p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2, FIXED)
-        if not FIXED:
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            m_i = m_new
-        p_op = gl.convert_layout(p.to(q.dtype), p_layout)
-        if not EARLY_V_WAIT:
-            mbarrier.wait(v_ready.index(stage), (j // STAGES) & 1)
-        acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-        mbarrier.arrive(kv_empty.index(stage), count=1)
+    stage = j % STAGES
+    mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+    qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if EARLY_V_WAIT:
+        mbarrier.wait(v_ready.index(stage), (j // STAGES) & 1)
+    qk = warpgroup_mma_wait(0, deps=(qk, ))
+    qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N, CAUSAL,
+                        MAYBE_LAST)
+    p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2, FIXED)
+    if not FIXED:
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        m_i = m_new
+    p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+    if not EARLY_V_WAIT:
+        mbarrier.wait(v_ready.index(stage), (j // STAGES) & 1)
+    acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
+    acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+    mbarrier.arrive(kv_empty.index(stage), count=1)
     return acc, m_i, l_i
 
 
@@ -373,12 +408,13 @@ def _keeps_offsets(bound, m_i, dtype: gl.constexpr):
 def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
               TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
               EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr, FIXED_OFFSETS: gl.constexpr,
-              CHECK_RISE: gl.constexpr, EARLY_V_WAIT: gl.constexpr):
+              CHECK_RISE: gl.constexpr, EARLY_V_WAIT: gl.constexpr, PEEL_LAST: gl.constexpr):
     """Query rows HALF*64 .. HALF*64+63 of the program's tile: the online softmax over the kv list (CAUSAL: keys
     up to each row's own position only), then Out [B, H, Sq, D] and Lse fp32 [B, H, Sq] (natural log; -inf and
     zeros for a row with no key). shared: the kernel's arguments and buffers, grouped as attention_fwd_ws_kernel
     packs them. OVERLAP: each key tile's Q K^T issued with the previous tile's P V (see OVERLAPPED). FIXED_OFFSETS: see
-    FIXED_OFFSET_DIMS; CHECK_RISE: see RISE_CHECKED_DTYPES; EARLY_V_WAIT: see EARLY_V_WAIT_DIMS."""
+    FIXED_OFFSET_DIMS; CHECK_RISE: see RISE_CHECKED_DTYPES; EARLY_V_WAIT: see EARLY_V_WAIT_DIMS; PEEL_LAST: see
+    PEELED_LAST_TILE_DIMS."""
     descs, ring, lists, outputs, norms, kv, scale_log2 = shared
     Q_DESC = descs[0]
     q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty = ring
@@ -422,20 +458,20 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
                 bound = _score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2, o_layout,
                                       row_s)
             acc, m_i, l_i = _walk_in_turn(walk, 0, gl.minimum(total, 1), acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES,
-                                          CAUSAL, EMULATE_EXP2, False, EARLY_V_WAIT)
+                                          CAUSAL, EMULATE_EXP2, False, EARLY_V_WAIT, PEEL_LAST)
             # after the first tile, the offsets it leaves
             keep = _all_seen(m_i) if CHECKED else _keeps_offsets(bound, m_i, dtype)
             if keep:
                 acc, m_i, l_i = _walk_in_turn(walk, 1, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                              EMULATE_EXP2, True, EARLY_V_WAIT)
+                                              EMULATE_EXP2, True, EARLY_V_WAIT, PEEL_LAST)
             else:
                 acc, m_i, l_i = _walk_in_turn(walk, 1, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                              EMULATE_EXP2, False, EARLY_V_WAIT)
+                                              EMULATE_EXP2, False, EARLY_V_WAIT, PEEL_LAST)
             if CHECKED:  # (whichever walk ran: the running maxima's stay in range on finite inputs)
                 again = ~_sums_within(l_i, acc)
         else:
             acc, m_i, l_i = _walk_in_turn(walk, 0, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                          EMULATE_EXP2, False, EARLY_V_WAIT)
+                                          EMULATE_EXP2, False, EARLY_V_WAIT, PEEL_LAST)
     elif total > 0:
         if FIXED_OFFSETS and not CHECKED:  # (as in the loop without the overlap, above)
             bound = _score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2, o_layout, row_s)
@@ -615,14 +651,15 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr = True,
                             EMULATE_EXP2: gl.constexpr = False, O_THROUGH_TMA: gl.constexpr = False,
                             FIXED_OFFSETS: gl.constexpr = False, CHECK_RISE: gl.constexpr = False,
-                            EARLY_V_WAIT: gl.constexpr = False):
+                            EARLY_V_WAIT: gl.constexpr = False, PEEL_LAST: gl.constexpr = False):
     """Grid (cdiv(Sq, 128), launch.batch_head_axes(B, H)). Q_DESC / K_DESC / V_DESC: Gluon host descriptors of
     q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with boxes [1, 1, 64, D] / [1, 1, SUB_N, D]; KV_COUNT int32
     [Bm, Hm, nq], KV_INDEX int32 [Bm, Hm, nq, L] (size-1 mask dims with stride 0), every listed block's keys below
     Sk (CAUSAL: the lists of BlockSparsity.causal(), ascending); Out [B, H, Sq, D] (last dim contiguous), Lse
     fp32 [B, H, Sq] (last dim contiguous); O_DESC: when O_THROUGH_TMA, a descriptor of Out with Q_DESC's boxes,
     through which the rows go (else None, and Out's pointer takes them). TILE_N: keys a tile (TILE_KEYS), a
-    multiple of SUB_N; OVERLAP: see OVERLAPPED; EMULATE_EXP2: see _exp2; EARLY_V_WAIT: see EARLY_V_WAIT_DIMS.
+    multiple of SUB_N; OVERLAP: see OVERLAPPED; EMULATE_EXP2: see _exp2; EARLY_V_WAIT: see EARLY_V_WAIT_DIMS;
+    PEEL_LAST: see PEELED_LAST_TILE_DIMS.
     FIXED_OFFSETS (see FIXED_OFFSET_DIMS) without CHECK_RISE (RISE_CHECKED_DTYPES): KEY_NORMS fp32 [B, Hkv,
     KEY_NORM_PARTS] (last dim contiguous, key_norm_parts), whose maximum over the parts bounds a kv head's key norms;
     else None. K and V: k and v's pointers (strides stride_k* / stride_v*, last dim contiguous), which only
@@ -650,13 +687,13 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     shared = ((Q_DESC, K_DESC, V_DESC, O_DESC), (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty),
               (KV_COUNT, KV_INDEX, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq),
               (Out, Lse, seq_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh),
-              (KEY_NORMS, stride_nb, stride_nh), (K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs),
-              scale_log2)
+              (KEY_NORMS, stride_nb, stride_nh),
+              (K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs), scale_log2)
     gl.warp_specialize([
         (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, EARLY_V_WAIT)),
+                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, EARLY_V_WAIT, PEEL_LAST)),
         (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, EARLY_V_WAIT)),
+                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, EARLY_V_WAIT, PEEL_LAST)),
         (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -769,7 +806,7 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
             **stride_args("v", v, "bhs"), BLOCK_Q=block_q, BLOCK_KV=block_kv,
             SUB_N=chosen.sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap, STAGES=STAGES[dim],
             EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, CAUSAL=chosen.causal, FIXED_OFFSETS=chosen.fixed_offsets,
-            CHECK_RISE=check_rise, EARLY_V_WAIT=dim in EARLY_V_WAIT_DIMS,
+            CHECK_RISE=check_rise, EARLY_V_WAIT=dim in EARLY_V_WAIT_DIMS, PEEL_LAST=dim in PEELED_LAST_TILE_DIMS,
             CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, O_THROUGH_TMA=O_THROUGH_TMA)
         if key_norms is None:
             static["KEY_NORMS"] = None
@@ -814,12 +851,12 @@ def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
 def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                  dim: int = HEAD_DIM, emulate_exp2: Optional[bool] = None, o_through_tma: Optional[bool] = None,
                  fixed_offsets: Optional[bool] = None, check_rise: Optional[bool] = None,
-                 early_v_wait: Optional[bool] = None):
+                 early_v_wait: Optional[bool] = None, peel_last: Optional[bool] = None):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for lists at (block_q, block_kv) and head dim `dim`, with the launch's tile choice (plan()), stages and
-    register settings; emulate_exp2, o_through_tma, fixed_offsets, check_rise and early_v_wait None: as a launch at
-    `dim` and dtype would (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES and _DIMS,
-    EARLY_V_WAIT_DIMS)."""
+    register settings; emulate_exp2, o_through_tma, fixed_offsets, check_rise, early_v_wait and peel_last None: as a
+    launch at `dim` and dtype would (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES and
+    _DIMS, EARLY_V_WAIT_DIMS, PEELED_LAST_TILE_DIMS)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     chosen = _plan(block_kv, dim, causal)
@@ -832,7 +869,8 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, FIXED_OFFSETS=chosen.fixed_offsets,
                      EMULATE_EXP2=dim in EMULATED_EXP2_DIMS if emulate_exp2 is None else emulate_exp2,
                      O_THROUGH_TMA=O_THROUGH_TMA if o_through_tma is None else o_through_tma,
-                     EARLY_V_WAIT=dim in EARLY_V_WAIT_DIMS if early_v_wait is None else early_v_wait)
+                     EARLY_V_WAIT=dim in EARLY_V_WAIT_DIMS if early_v_wait is None else early_v_wait,
+                     PEEL_LAST=dim in PEELED_LAST_TILE_DIMS if peel_last is None else peel_last)
     if not constants["O_THROUGH_TMA"]:
         constants["O_DESC"] = None  # as a launch passes it
     if check_rise is None:
