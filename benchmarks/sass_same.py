@@ -53,6 +53,7 @@ GLUON_VARIANTS = [
     ("forward_ws", dict(block_q=128, block_kv=128, dim=64, check_rise=True)),
     ("forward_ws", dict(block_q=128, block_kv=64, dim=64, early_v_wait=True)),
     ("forward_ws", dict(block_q=128, block_kv=128, dim=64, early_v_wait=True, peel_last=True)),
+    ("forward_ws", dict(block_q=128, block_kv=64, causal=True, split_causal=True)),
     ("backward_ws", dict(block_q=128, block_kv=128)), ("backward_ws", dict(block_q=128, block_kv=64)),
     ("backward_ws", dict(block_q=128, block_kv=128, causal=True)),
     ("backward_ws", dict(block_q=128, block_kv=64, grouped=True, kv_split=4)),

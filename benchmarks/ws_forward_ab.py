@@ -8,10 +8,13 @@ Settings (module attributes of blockattn.kernels.forward_ws, set for the case's 
   early-v-wait    the walk in turn waiting for a tile's V while its Q K^T runs, or after its softmax
                   (EARLY_V_WAIT_DIMS; D=64's walk)
   peel-last       the walk in turn taking its last key tile after the loop, or in it (PEELED_LAST_TILE_DIMS)
+  split-causal    the causal walk's untested tiles in a loop of their own, or every tile in one
+                  (SPLIT_CAUSAL_DIMS)
 
     cd benchmarks && python ws_forward_ab.py --setting rise-checked --rounds 3
     cd benchmarks && python ws_forward_ab.py --setting early-v-wait --also rise-checked   # the other with both on
     cd benchmarks && python ws_forward_ab.py --setting peel-last --also early-v-wait
+    cd benchmarks && python ws_forward_ab.py --setting split-causal --cases causal
 """
 
 import argparse
@@ -23,11 +26,16 @@ import blockattn
 from blockattn.bench import Case, _flops, _inputs, _time_ms, block_mask
 from blockattn.kernels import forward_ws
 
-CASES = ([Case(dim=64, block=block, density=d) for block in ((128, 128), (128, 64)) for d in (0.5, 0.25, 0.1)]
-         + [Case(dim=64, pattern="causal", density=0.5), Case(block=(128, 128), density=0.1)])
+SUITES = {"design": [Case(dim=64, block=block, density=d) for block in ((128, 128), (128, 64))
+                     for d in (0.5, 0.25, 0.1)]
+          + [Case(dim=64, pattern="causal", density=0.5), Case(block=(128, 128), density=0.1)],
+          "causal": [Case(pattern="causal", block=block, density=0.5) for block in ((128, 128), (128, 64))]
+          + [Case(dim=64, pattern="causal", block=block, density=0.5) for block in ((128, 128), (128, 64))]
+          + [Case(batch=8, heads=16, kv_heads=16, seq=4096, pattern="causal", density=0.5)]}
 SETTINGS = {"rise-checked": ("RISE_CHECKED_DIMS", "checked", "bounded"),
             "early-v-wait": ("EARLY_V_WAIT_DIMS", "early", "late"),
-            "peel-last": ("PEELED_LAST_TILE_DIMS", "peeled", "in the loop")}
+            "peel-last": ("PEELED_LAST_TILE_DIMS", "peeled", "in the loop"),
+            "split-causal": ("SPLIT_CAUSAL_DIMS", "split", "one loop")}
 
 
 def set_setting(name: str, dim: int, on: bool) -> None:
@@ -45,6 +53,7 @@ def main():
     parser.add_argument("--also", choices=sorted(SETTINGS), action="append", default=[],
                         help="another setting, on for both ways")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cases", choices=sorted(SUITES), default="design")
     args = parser.parse_args()
     saved = {name: getattr(forward_ws, attribute) for name, (attribute, _, _) in SETTINGS.items()}
     saved_dtypes = forward_ws.RISE_CHECKED_DTYPES
@@ -53,7 +62,7 @@ def main():
     print(f"{args.setting} each way{', with ' + ', '.join(args.also) + ' on' if args.also else ''}")
     print(f"| case | {on_name} ms (each round) | {off_name} ms (each round) | {off_name} / {on_name} (medians) |")
     print("| --- | --- | --- | --- |")
-    for case in CASES:
+    for case in SUITES[args.cases]:
         keep = block_mask(case, device)
         blocks = blockattn.BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
         q, k, v = _inputs(case, device, requires_grad=False)
