@@ -337,17 +337,15 @@ def _tiles_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_
                    EARLY_V_WAIT: gl.constexpr, PEEL_LAST: gl.constexpr, TESTED: gl.constexpr):
     """_walk_in_turn's tiles start .. end-1, in one loop (PEEL_LAST: the last after it). TESTED: under CAUSAL, the
     tiles take the causal test (from first_tested on); else none of them needs it."""
+    # PEEL_LAST: the loop stops a tile short, and none of its tiles is the walk's last (total - 1)
+    PEELED: gl.constexpr = 1 if PEEL_LAST else 0
+    for j in range(start, end - PEELED):
+        acc, m_i, l_i = _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2, FIXED,
+                                      EARLY_V_WAIT, not PEEL_LAST, TESTED)
     if PEEL_LAST:
-        for j in range(start, end - 1):  # (none of these is the walk's last tile, total - 1)
-            acc, m_i, l_i = _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2,
-                                          FIXED, EARLY_V_WAIT, False, TESTED)
         if end > start:
             acc, m_i, l_i = _tile_in_turn(walk, end - 1, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
                                           EMULATE_EXP2, FIXED, EARLY_V_WAIT, True, TESTED)
-    else:
-        for j in range(start, end):
-            acc, m_i, l_i = _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2,
-                                          FIXED, EARLY_V_WAIT, True, TESTED)
     return acc, m_i, l_i
 
 
