@@ -396,6 +396,36 @@ def test_warp_specialized_launchers_pass_every_parameter_by_name(monkeypatch, pl
     assert options == ({"num_ctas": 1, "num_stages": 3, "enable_fp_fusion": True} if plans else {}), options
 
 
+@pytest.mark.parametrize("setting, constexpr, value", [
+    ("EMULATED_EXP2_DIMS", "EMULATE_EXP2", (128, )), ("O_THROUGH_TMA", "O_THROUGH_TMA", True),
+    ("EARLY_V_WAIT_DIMS", "EARLY_V_WAIT", (128, )), ("PEELED_LAST_TILE_DIMS", "PEEL_LAST", (128, )),
+    ("SPLIT_CAUSAL_DIMS", "SPLIT_CAUSAL", (128, ))])
+def test_a_changed_forward_setting_reaches_the_planned_launch(monkeypatch, setting, constexpr, value):
+    """forward_ws's module settings are the kernel's constexprs, so they are part of its launch plan's key: a call
+    after one of them changed does not relaunch the plan the call before made (benchmarks and tests switch them
+    within a process). Checked on meta tensors, launch.run replaced by a plan cache keyed as its own is by the
+    site key (the tensors' layouts are the same in both calls), so no GPU is needed."""
+    from blockattn.kernels import forward_ws
+    monkeypatch.setattr(forward_ws, "LAUNCH_PLANS", True)
+    specs, calls = {}, []
+
+    def planned_run(kernel_fn, site_key, tensors, build, fresh=(), seen=None):
+        if site_key not in specs:  # a plan miss builds the launch; a hit relaunches what was built
+            specs[site_key] = build()
+        calls.append(specs[site_key].static)
+    monkeypatch.setattr(launch, "run", planned_run)
+
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, device="meta", dtype=dtype)
+    q, kv = meta(2, 4, 256, 128), meta(2, 2, 256, 128)
+    lists = (meta(1, 4, 2, dtype=torch.int32), meta(1, 4, 2, 2, dtype=torch.int32))
+    for _ in range(2):
+        forward_ws.attention_forward_ws(q, kv, kv, *lists, 128, 128, 0.1, q, meta(2, 4, 256, dtype=torch.float32),
+                                        forward_ws.Plan(128, causal=True))
+        monkeypatch.setattr(forward_ws, setting, value)
+    assert [call[constexpr] for call in calls] == [False, True]
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_warp_specialized_kernels_relaunch_exactly(poisoned, monkeypatch, is_causal):
     """The Gluon forward and backward (D=128 bf16, 128x128 blocks, GQA 4/2, the descriptor-work floor lowered so a

@@ -856,14 +856,12 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
             **stride_args("l", lse, "bh"), **stride_args("n", key_norms, "bh"), **stride_args("k", k, "bhs"),
             **stride_args("v", v, "bhs"), BLOCK_Q=block_q, BLOCK_KV=block_kv,
             SUB_N=chosen.sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap, STAGES=STAGES[dim],
-            EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, CAUSAL=chosen.causal, FIXED_OFFSETS=chosen.fixed_offsets,
-            CHECK_RISE=check_rise, EARLY_V_WAIT=dim in EARLY_V_WAIT_DIMS, PEEL_LAST=dim in PEELED_LAST_TILE_DIMS,
-            SPLIT_CAUSAL=dim in SPLIT_CAUSAL_DIMS,
-            CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, O_THROUGH_TMA=O_THROUGH_TMA)
+            CAUSAL=chosen.causal, FIXED_OFFSETS=chosen.fixed_offsets, CONSUMER_REGS=CONSUMER_REGS,
+            LOADER_REGS=LOADER_REGS, **settings)
         if key_norms is None:
             static["KEY_NORMS"] = None
         # O_DESC only when out goes through the TMA unit; else None: no descriptor to build or encode on relaunches
-        if O_THROUGH_TMA:
+        if settings["O_THROUGH_TMA"]:
             descriptors["O_DESC"] = host_descriptor(out, CONSUMER_ROWS)
         else:
             static["O_DESC"] = None
@@ -871,15 +869,18 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
     # K and V by pointer too, for the cold walk again with running maxima of a walk whose rise was too large
     tensors = dict(Q_DESC=q, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index, K=k, V=v)
     check_rise = chosen.fixed_offsets and q.dtype in RISE_CHECKED_DTYPES and dim in RISE_CHECKED_DIMS
+    # the module's settings as this call takes them: constexprs of the kernel, and so part of its launch plan's key
+    settings = dict(EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, O_THROUGH_TMA=O_THROUGH_TMA, CHECK_RISE=check_rise,
+                    EARLY_V_WAIT=dim in EARLY_V_WAIT_DIMS, PEEL_LAST=dim in PEELED_LAST_TILE_DIMS,
+                    SPLIT_CAUSAL=dim in SPLIT_CAUSAL_DIMS)
     # the other fixed offsets' bound (FIXED_OFFSET_DIMS): the largest key norms of each kv head's parts, one pass over k
     key_norms = key_norm_parts(k) if chosen.fixed_offsets and not check_rise else None
     if key_norms is not None:
         tensors["KEY_NORMS"] = key_norms
-    if O_THROUGH_TMA:
+    if settings["O_THROUGH_TMA"]:
         tensors["O_DESC"] = out
-    launch_warp_specialized(attention_fwd_ws_kernel,
-                            (block_q, block_kv, scale_log2, chosen, STAGES[dim], dim in EMULATED_EXP2_DIMS,
-                             O_THROUGH_TMA, check_rise), tensors, arguments)
+    launch_warp_specialized(attention_fwd_ws_kernel, (block_q, block_kv, scale_log2, chosen, STAGES[dim],
+                                                      *settings.values()), tensors, arguments)
 
 
 def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
