@@ -5,16 +5,15 @@ on the machine falls on both ways alike. One-off runs of `ws_forward.py --rise-c
 Settings (module attributes of blockattn.kernels.forward_ws, set for the case's head dim):
   rise-checked    bf16's fixed offsets with the rise checked after the walk, or bounded by the key norms
                   (RISE_CHECKED_DTYPES and RISE_CHECKED_DIMS)
-  early-v-wait    the walk in turn waiting for a tile's V while its Q K^T runs, or after its softmax
-                  (EARLY_V_WAIT_DIMS; D=64's walk)
-  peel-last       the walk in turn taking its last key tile after the loop, or in it (PEELED_LAST_TILE_DIMS)
-  split-causal    the causal walk's untested tiles in a loop of their own, or every tile in one
-                  (SPLIT_CAUSAL_DIMS)
+  emulated-exp2   one exponential in four from the FMA units' polynomial, or all from the special function unit
+                  (EMULATED_EXP2_DIMS)
 
-    cd benchmarks && python ws_forward_ab.py --setting rise-checked --rounds 3
-    cd benchmarks && python ws_forward_ab.py --setting early-v-wait --also rise-checked   # the other with both on
-    cd benchmarks && python ws_forward_ab.py --setting peel-last --also early-v-wait
-    cd benchmarks && python ws_forward_ab.py --setting split-causal --cases causal
+    cd benchmarks && python ws_forward_ab.py --setting rise-checked --rounds 5
+    cd benchmarks && python ws_forward_ab.py --setting emulated-exp2 --also rise-checked   # with the other on
+    cd benchmarks && python ws_forward_ab.py --setting rise-checked --cases causal
+
+The fifty-first session timed the walk in turn's wait for V, its last tile peeled off the loop and the causal walk's
+split this way (BENCHMARKS.md) and kept the two that won, which have no switch since.
 """
 
 import argparse
@@ -33,9 +32,7 @@ SUITES = {"design": [Case(dim=64, block=block, density=d) for block in ((128, 12
           + [Case(dim=64, pattern="causal", block=block, density=0.5) for block in ((128, 128), (128, 64))]
           + [Case(batch=8, heads=16, kv_heads=16, seq=4096, pattern="causal", density=0.5)]}
 SETTINGS = {"rise-checked": ("RISE_CHECKED_DIMS", "checked", "bounded"),
-            "early-v-wait": ("EARLY_V_WAIT_DIMS", "early", "late"),
-            "peel-last": ("PEELED_LAST_TILE_DIMS", "peeled", "in the loop"),
-            "split-causal": ("SPLIT_CAUSAL_DIMS", "split", "one loop")}
+            "emulated-exp2": ("EMULATED_EXP2_DIMS", "emulated", "special function unit")}
 
 
 def set_setting(name: str, dim: int, on: bool) -> None:

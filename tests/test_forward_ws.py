@@ -176,6 +176,11 @@ def test_switched_off_or_off_hopper_it_declines(monkeypatch):
 # where ptxas stores two of the prologue's values once and reloads them as each partition starts, outside every loop
 # (nvdisasm), since the cold walk again (_walk_again, a call of its own) came in. The budget catches any real spill.
 SPILL_BUDGET = 16
+# D=64 bf16 with 128x128 blocks and the key norms' bound, since the walk in turn takes its last tile after the loop
+# (fifty-first session): Triton 3.9 keeps 32 bytes of stack, of which the first consumer's two hot loops reload one
+# 4-byte value a tile (one LDL in 785 and 608 instructions; the second consumer's loops none), the rest outside the
+# loops (nvdisasm). Triton 3.6, the H200's, spills nothing there. The other variants stay within SPILL_BUDGET.
+SPILL_BUDGET_D64_PEELED = 32
 
 
 @pytest.mark.parametrize("blocks, dtype, causal, dim, emulate, o_through_tma, fixed", [
@@ -187,19 +192,22 @@ SPILL_BUDGET = 16
 def test_compiles_for_sm90_with_its_register_split(blocks, dtype, causal, dim, emulate, o_through_tma, fixed):
     """The launch's settings, and out through the TMA unit and fixed offsets either way (O_THROUGH_TMA,
     FIXED_OFFSET_DIMS): the register split, wgmma and TMA in the PTX, shared memory within Hopper's, and a stack
-    within SPILL_BUDGET."""
+    within SPILL_BUDGET (SPILL_BUDGET_D64_PEELED for D=64's bounded walk of 128-key blocks)."""
+    bounded_d64 = (dim == 64 and blocks == (128, 128) and dtype == "bfloat16" and fixed is None
+                   and 64 in forward_ws.FIXED_OFFSET_DIMS and 64 not in forward_ws.RISE_CHECKED_DIMS)
     _assert_compiles(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.{dtype}, causal={causal}, dim={dim}, "
-                     f"emulate_exp2={emulate}, o_through_tma={o_through_tma}, fixed_offsets={fixed})")
+                     f"emulate_exp2={emulate}, o_through_tma={o_through_tma}, fixed_offsets={fixed})",
+                     SPILL_BUDGET_D64_PEELED if bounded_d64 else SPILL_BUDGET)
 
 
-def _assert_compiles(call: str) -> None:
+def _assert_compiles(call: str, spill_budget: int = SPILL_BUDGET) -> None:
     """call (a forward_ws.compile_sm90 call, as sm90_report takes it) compiles with the register split, wgmma and
-    TMA in the PTX, shared memory within Hopper's, and a stack within SPILL_BUDGET."""
+    TMA in the PTX, shared memory within Hopper's, and at most spill_budget bytes of stack."""
     report = sm90_report(call)
     assert {forward_ws.CONSUMER_REGS, forward_ws.LOADER_REGS} <= set(report["registers"]), report
     assert report["wgmma"] and report["tma"], report
     assert report["shared"] <= 227 * 1024, report
-    assert "LOCAL:0" in report["usage"] and stack_bytes(report) <= SPILL_BUDGET, f"registers spill: {report['usage']}"
+    assert "LOCAL:0" in report["usage"] and stack_bytes(report) <= spill_budget, f"registers spill: {report['usage']}"
 
 
 @pytest.mark.parametrize("blocks, causal, dim", [((128, 128), False, 128), ((128, 64), False, 128),
@@ -209,27 +217,6 @@ def test_compiles_with_the_rise_checked(blocks, causal, dim):
     Ampere products (mma_v2) on pointer loads: as _assert_compiles asks."""
     _assert_compiles(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.bfloat16, causal={causal}, dim={dim}, "
                      "fixed_offsets=True, check_rise=True)")
-
-
-@pytest.mark.parametrize("blocks, checked, peel", [((128, 128), False, False), ((128, 128), True, False),
-                                                   ((128, 128), True, True), ((128, 64), True, True)])
-def test_compiles_with_the_early_v_wait(blocks, checked, peel):
-    """D=64's walk in turn waiting for V while Q K^T runs (EARLY_V_WAIT_DIMS), bf16 with the rise bounded or
-    checked, and with the last tile peeled off the loop (PEELED_LAST_TILE_DIMS): as _assert_compiles asks.
-    (Triton 3.9 spills 32-40 bytes, some in the loops, with the early wait at 128x64 or under is_causal, and with
-    both settings and the bound; Triton 3.6 spills none in a loop: not asserted while the settings are
-    experiments.)"""
-    _assert_compiles(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.bfloat16, dim=64, "
-                     f"check_rise={checked}, early_v_wait=True, peel_last={peel})")
-
-
-@pytest.mark.parametrize("blocks, dim", [((128, 128), 128), ((128, 64), 128), ((128, 64), 64)])
-def test_compiles_with_the_causal_walk_split(blocks, dim):
-    """The causal walk with its untested tiles in a loop of their own (SPLIT_CAUSAL_DIMS): as _assert_compiles
-    asks. (D=64 with the early wait and the last tile peeled as well spills under Triton 3.9, 48 bytes, and 8
-    outside the loops under 3.6: not asserted while the settings are experiments.)"""
-    _assert_compiles(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.bfloat16, causal=True, dim={dim}, "
-                     "split_causal=True)")
 
 
 # ---------------------------------------------------------------- against the oracle
@@ -303,13 +290,11 @@ def _case_inputs(cases: dict, case: str):
     return batch, heads, seq_q, seq_kv, block, q, k, v
 
 
-@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("case", list(CAUSAL_CASES))
-def test_causal_against_the_oracle(case, split, monkeypatch, poisoned, warp_specialized_calls):
+def test_causal_against_the_oracle(case, poisoned, warp_specialized_calls):
     """Causal calls, with rows that see no key inside a tile whose other rows do (the last query block keeps one
-    key block, which starts halfway down it) and a query block that keeps nothing; split: the tiles before the
-    first tested one in a loop of their own (SPLIT_CAUSAL_DIMS)."""
-    monkeypatch.setattr(forward_ws, "SPLIT_CAUSAL_DIMS", (128, ) if split else ())
+    key block, which starts halfway down it) and a query block that keeps nothing. (The walk runs the tiles before
+    its first tested one in a loop of their own, then the tested ones.)"""
     batch, heads, seq_q, seq_kv, block, q, k, v = _case_inputs(CAUSAL_CASES, case)
     keep = _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, 0.6, halfway_last=True)
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=True, backend="triton")
@@ -398,37 +383,6 @@ def test_head_dim_64_against_the_oracle(case, emulate, tiling, monkeypatch, pois
     sub_n = next(n for n in (tile_n, 128, 64) if block[1] % n == 0)
     plan = _plan(sub_n, causal, dim=64)
     assert warp_specialized_calls == _expected_calls(plan)
-    check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=causal)
-
-
-# the walk in turn's settings (EARLY_V_WAIT_DIMS, PEELED_LAST_TILE_DIMS, SPLIT_CAUSAL_DIMS) each test turns on
-WALK_SETTINGS = {"early V wait": ("early", ), "last tile peeled": ("peel", ), "both": ("early", "peel"),
-                 "causal split": ("split", ), "all three": ("early", "peel", "split")}
-
-
-@pytest.mark.parametrize("case, checked, settings", [
-    (case, checked, settings) for settings, on in WALK_SETTINGS.items()
-    for case, spec in HEAD_DIM_64_CASES.items() for checked in (False, True)
-    if (spec[7] or "split" not in on) and (spec[6] == torch.bfloat16 or not checked)])
-def test_walk_in_turn_settings_against_the_oracle(case, checked, settings, monkeypatch, poisoned,
-                                                  warp_specialized_calls):
-    """D=64's walk in turn waiting for each tile's V while its Q K^T runs (EARLY_V_WAIT_DIMS), taking its last
-    tile after the loop (PEELED_LAST_TILE_DIMS; the cases' lists, of random counts, leave that tile partly or
-    wholly filled), and under is_causal the tiles before the first tested one in a loop of their own
-    (SPLIT_CAUSAL_DIMS), alone and together, with the rise of bf16's fixed offsets bounded or checked after the walk
-    (RISE_CHECKED_DIMS): the cases above against the oracle."""
-    on = WALK_SETTINGS[settings]
-    for name, setting in (("early", "EARLY_V_WAIT_DIMS"), ("peel", "PEELED_LAST_TILE_DIMS"),
-                          ("split", "SPLIT_CAUSAL_DIMS")):
-        monkeypatch.setattr(forward_ws, setting, (64, ) if name in on else ())
-    monkeypatch.setattr(forward_ws, "RISE_CHECKED_DIMS", (64, 128) if checked else (128, ))
-    monkeypatch.setattr(forward_ws, "MIN_KEYS", {})
-    batch, heads, kv_heads, seq_q, seq_kv, block, dtype, causal = HEAD_DIM_64_CASES[case]
-    heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
-    q, k, v = qkv(batch, heads, seq_q, 64, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
-    keep = _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, 0.4, halfway_last=causal)
-    out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=causal, backend="triton")
-    assert len(warp_specialized_calls) == len(_expected_calls(None))
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=causal)
 
 

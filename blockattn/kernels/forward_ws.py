@@ -103,7 +103,8 @@ RISE_CHECKED_DTYPES: tuple = (torch.bfloat16, )
 # D=64 0.92x / 0.95x / 0.96x at d=0.5 / 0.25 / 0.1 (128x128) and 0.96x / 1.02x / 0.97x (128x64); only its causal walk
 # ran faster, 1.07x. On the H200 the checked D=64 forward ran 6.95-7.13 ms at d=0.5 against 6.32 for the bounded one
 # in the forty-sixth session. The two D=64 builds' fixed loops hold the same instructions; ptxas orders them
-# differently, packing P after the wait for V in the checked build (see EARLY_V_WAIT_DIMS).
+# differently, packing P after the wait for V in the checked build (kernels/README.md, "Where the walk in turn waits
+# for V").
 RISE_CHECKED_DIMS: tuple = (128, )
 # Ring stages per head dim: as many as Hopper's 227 KiB of shared memory per program allows. At D=128 Q takes 32 KiB
 # and a stage 64 KiB (3 stages measured 5.22 ms against 5.88 with 2). At D=64 a 256-key stage is 64 KiB too (2
@@ -129,34 +130,6 @@ LAUNCH_PLANS = True
 # loop is bound by its exponentials, it measured 4-10% slower (the extra FMA-pipe instructions cost more than the
 # special function unit's share they save).
 EMULATED_EXP2_DIMS: tuple = ()
-# Head dims whose walk in turn (OVERLAPPED off: D=64's) waits for a tile's V while the tile's Q K^T runs, instead of
-# after its softmax. Same work, and the same PTX but for the wait's place; what moves is ptxas's schedule (offline
-# sm_90 SASS, Triton 3.6, fiftieth session; kernels/README.md, "Where the walk in turn waits for V"): with the wait
-# after the softmax, ptxas packs a tile's P to 16 bits (64 F2FP a thread) after the wait in three of D=64's four
-# loops (the running walk's always, the fixed walk's under CHECK_RISE), serially before P V: 87-119 instructions
-# after the last exponential, against 12-15 in the bounded fixed walk, the build measured fastest. With the wait
-# early every loop's tail is 5-10 instructions. Not yet timed on a GPU, so off (`benchmarks/ws_forward_ab.py
-# --setting early-v-wait` times it).
-EARLY_V_WAIT_DIMS: tuple = ()
-# Head dims whose walk in turn takes its last key tile after the loop (_walk_in_turn's PEEL_LAST). At D=64 a key tile
-# of 256 keys takes two 128-key sub tiles (four of 64 with 128x64 blocks), and a list of an odd count leaves the last
-# tile's second half to repeat its first, masked off by _scores_masked. That test is a runtime one, and the compiler
-# makes it selects that every tile runs: 64 FSEL a thread and some 70 other instructions a 256-key tile. Taking the
-# last tile apart leaves the loop without them (offline sm_90 SASS, Triton 3.6, fiftieth session: D=64's fixed loop
-# 671 -> 535 instructions a tile, the running one 846 -> 711, the causal ones 1010 -> 875 and 1189 -> 1055), at the
-# cost of a second copy of the tile's code. Alone it moves P's packing after the late wait for V in every loop
-# (EARLY_V_WAIT_DIMS); with the early wait every loop is short and spills nothing. Triton 3.9 then spills in one
-# consumer's loops with the bound (the checked build does not). Not yet timed on a GPU, so off
-# (`benchmarks/ws_forward_ab.py --setting peel-last --also early-v-wait`).
-PEELED_LAST_TILE_DIMS: tuple = ()
-# Head dims whose causal walk runs the key tiles before its first tested one (_first_tested_tile) in a loop of their
-# own, without the causal test. The test is meant for the tiles from first_tested on, but it is a runtime condition,
-# and the compiler makes it selects every tile runs, a list entry's load among them: D=128's running loop takes 635
-# instructions a tile causal against 471 without the test (offline sm_90 SASS, Triton 3.6, fiftieth session), and
-# D=64's fixed loop 1010 against 671. At S=32k a causal program walks about 128 key tiles, of which the last one or
-# two need the test. Costs a second copy of the walk's code. Not yet timed on a GPU, so off
-# (`benchmarks/ws_forward_ab.py --setting split-causal`).
-SPLIT_CAUSAL_DIMS: tuple = ()
 
 _ROWS = gl.constexpr(CONSUMER_ROWS)
 # 2^x for four fp32 values held by one thread: three by ex2.approx.ftz (what gl.exp2 emits), the fourth as
@@ -307,52 +280,47 @@ def _exp2(x, EMULATE: gl.constexpr):
 
 @gluon.jit
 def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr,
-                  EARLY_V_WAIT: gl.constexpr, PEEL_LAST: gl.constexpr, SPLIT_CAUSAL: gl.constexpr):
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr):
     """Key tiles start .. end-1 of a consumer's walk, each one's products and softmax in turn: (acc, m_i, l_i) after
     them, from the accumulator fp32 [64, D] and the rows' offsets and sums [64] before. walk: the consumer's Q tile,
     rings, barriers, zeroed scores and list (as _consumer packs them). FIXED: the offsets m_i stay (finite, and no
     score above m_i + headroom: FIXED_OFFSET_DIMS), so a tile takes no row maxima and the accumulator no rescale.
-    EARLY_V_WAIT: a tile's V is waited for while its Q K^T runs, else after its softmax (EARLY_V_WAIT_DIMS).
-    PEEL_LAST: the range's last tile is taken after the loop, so that the loop's tiles skip the test for the walk's
-    last tile (PEELED_LAST_TILE_DIMS). SPLIT_CAUSAL: under CAUSAL, the tiles before the first tested one
-    (first_tested) run in a loop of their own, without the causal test (SPLIT_CAUSAL_DIMS)."""
+    Under CAUSAL the tiles before the first tested one (first_tested) run in a loop of their own, without the causal
+    test (kernels/README.md, "The causal walk split")."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
      scale_log2) = walk
-    if CAUSAL and SPLIT_CAUSAL:
+    if CAUSAL:
         middle = gl.minimum(gl.maximum(first_tested, start), end)
         acc, m_i, l_i = _tiles_in_turn(walk, start, middle, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                       EMULATE_EXP2, FIXED, EARLY_V_WAIT, PEEL_LAST, False)
+                                       EMULATE_EXP2, FIXED, False)
         acc, m_i, l_i = _tiles_in_turn(walk, middle, end, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                       EMULATE_EXP2, FIXED, EARLY_V_WAIT, PEEL_LAST, True)
+                                       EMULATE_EXP2, FIXED, True)
     else:
         acc, m_i, l_i = _tiles_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                       EMULATE_EXP2, FIXED, EARLY_V_WAIT, PEEL_LAST, True)
+                                       EMULATE_EXP2, FIXED, True)
     return acc, m_i, l_i
 
 
 @gluon.jit
 def _tiles_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr,
-                   EARLY_V_WAIT: gl.constexpr, PEEL_LAST: gl.constexpr, TESTED: gl.constexpr):
-    """_walk_in_turn's tiles start .. end-1, in one loop (PEEL_LAST: the last after it). TESTED: under CAUSAL, the
-    tiles take the causal test (from first_tested on); else none of them needs it."""
-    # PEEL_LAST: the loop stops a tile short, and none of its tiles is the walk's last (total - 1)
-    PEELED: gl.constexpr = 1 if PEEL_LAST else 0
-    for j in range(start, end - PEELED):
+                   TESTED: gl.constexpr):
+    """_walk_in_turn's tiles start .. end-1: all but the last in one loop, the last after it, so that the loop's
+    tiles skip the test for the walk's last tile (kernels/README.md, "The last tile peeled off the loop"). TESTED:
+    under CAUSAL, the tiles take the causal test (from first_tested on); else none of them needs it."""
+    for j in range(start, end - 1):  # none of these is the walk's last tile (total - 1)
         acc, m_i, l_i = _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2, FIXED,
-                                      EARLY_V_WAIT, not PEEL_LAST, TESTED)
-    if PEEL_LAST:
-        if end > start:
-            acc, m_i, l_i = _tile_in_turn(walk, end - 1, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                          EMULATE_EXP2, FIXED, EARLY_V_WAIT, True, TESTED)
+                                      False, TESTED)
+    if end > start:
+        acc, m_i, l_i = _tile_in_turn(walk, end - 1, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2,
+                                      FIXED, True, TESTED)
     return acc, m_i, l_i
 
 
 @gluon.jit
 def _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr, EARLY_V_WAIT: gl.constexpr,
-                  MAYBE_LAST: gl.constexpr, TESTED: gl.constexpr):
+                  CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr, MAYBE_LAST: gl.constexpr,
+                  TESTED: gl.constexpr):
     """Key tile j of a consumer's walk in turn (_walk_in_turn's, whose arguments these are): its products and
     softmax, (acc, m_i, l_i) after it. MAYBE_LAST: j may be the walk's last tile, whose sub tiles past its own
     keys are masked when the sub tiles do not fill it (_scores_masked); else that test is left out. TESTED: as
@@ -364,8 +332,6 @@ def _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.cons
     stage = j % STAGES
     mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
     qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    if EARLY_V_WAIT:
-        mbarrier.wait(v_ready.index(stage), (j // STAGES) & 1)
     qk = warpgroup_mma_wait(0, deps=(qk, ))
     qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N,
                         CAUSAL and TESTED, MAYBE_LAST)
@@ -374,8 +340,8 @@ def _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.cons
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         m_i = m_new
     p_op = gl.convert_layout(p.to(q.dtype), p_layout)
-    if not EARLY_V_WAIT:
-        mbarrier.wait(v_ready.index(stage), (j // STAGES) & 1)
+    # (waiting for V while Q K^T runs instead measured 3-10% slower at D=64: kernels/README.md)
+    mbarrier.wait(v_ready.index(stage), (j // STAGES) & 1)
     acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(kv_empty.index(stage), count=1)
@@ -384,14 +350,13 @@ def _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.cons
 
 @gluon.jit
 def _walk_overlapped(walk, acc, m_i, l_i, p_prev, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
-                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr,
-                     SPLIT_CAUSAL: gl.constexpr):
+                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr):
     """Key tiles 1 .. total-1 of a consumer's walk with the overlap inside the warpgroup: each tile's Q K^T issued
     with the previous tile's P V, whose P (p_prev, the dot operand) comes in from tile 0 and goes out for the last
-    tile's P V. (acc, m_i, l_i, p_prev) after them; FIXED and SPLIT_CAUSAL: as _walk_in_turn's."""
+    tile's P V. (acc, m_i, l_i, p_prev) after them; FIXED and the causal split: as _walk_in_turn's."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
      scale_log2) = walk
-    if CAUSAL and SPLIT_CAUSAL:
+    if CAUSAL:
         middle = gl.minimum(gl.maximum(first_tested, 1), total)
         acc, m_i, l_i, p_prev = _tiles_overlapped(walk, 1, middle, acc, m_i, l_i, p_prev, BLOCK_KV, SUB_N, STAGES,
                                                   CAUSAL, EMULATE_EXP2, FIXED, False)
@@ -457,14 +422,12 @@ def _keeps_offsets(bound, m_i, dtype: gl.constexpr):
 def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
               TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
               EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr, FIXED_OFFSETS: gl.constexpr,
-              CHECK_RISE: gl.constexpr, EARLY_V_WAIT: gl.constexpr, PEEL_LAST: gl.constexpr,
-              SPLIT_CAUSAL: gl.constexpr):
+              CHECK_RISE: gl.constexpr):
     """Query rows HALF*64 .. HALF*64+63 of the program's tile: the online softmax over the kv list (CAUSAL: keys
     up to each row's own position only), then Out [B, H, Sq, D] and Lse fp32 [B, H, Sq] (natural log; -inf and
     zeros for a row with no key). shared: the kernel's arguments and buffers, grouped as attention_fwd_ws_kernel
     packs them. OVERLAP: each key tile's Q K^T issued with the previous tile's P V (see OVERLAPPED). FIXED_OFFSETS: see
-    FIXED_OFFSET_DIMS; CHECK_RISE: see RISE_CHECKED_DTYPES; EARLY_V_WAIT: see EARLY_V_WAIT_DIMS; PEEL_LAST: see
-    PEELED_LAST_TILE_DIMS; SPLIT_CAUSAL: see SPLIT_CAUSAL_DIMS."""
+    FIXED_OFFSET_DIMS; CHECK_RISE: see RISE_CHECKED_DTYPES."""
     descs, ring, lists, outputs, norms, kv, scale_log2 = shared
     Q_DESC = descs[0]
     q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty = ring
@@ -508,20 +471,20 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
                 bound = _score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2, o_layout,
                                       row_s)
             acc, m_i, l_i = _walk_in_turn(walk, 0, gl.minimum(total, 1), acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES,
-                                          CAUSAL, EMULATE_EXP2, False, EARLY_V_WAIT, PEEL_LAST, SPLIT_CAUSAL)
+                                          CAUSAL, EMULATE_EXP2, False)
             # after the first tile, the offsets it leaves
             keep = _all_seen(m_i) if CHECKED else _keeps_offsets(bound, m_i, dtype)
             if keep:
                 acc, m_i, l_i = _walk_in_turn(walk, 1, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                              EMULATE_EXP2, True, EARLY_V_WAIT, PEEL_LAST, SPLIT_CAUSAL)
+                                              EMULATE_EXP2, True)
             else:
                 acc, m_i, l_i = _walk_in_turn(walk, 1, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                              EMULATE_EXP2, False, EARLY_V_WAIT, PEEL_LAST, SPLIT_CAUSAL)
+                                              EMULATE_EXP2, False)
             if CHECKED:  # (whichever walk ran: the running maxima's stay in range on finite inputs)
                 again = ~_sums_within(l_i, acc)
         else:
             acc, m_i, l_i = _walk_in_turn(walk, 0, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                          EMULATE_EXP2, False, EARLY_V_WAIT, PEEL_LAST, SPLIT_CAUSAL)
+                                          EMULATE_EXP2, False)
     elif total > 0:
         if FIXED_OFFSETS and not CHECKED:  # (as in the loop without the overlap, above)
             bound = _score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2, o_layout, row_s)
@@ -537,13 +500,13 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
             keep = _all_seen(m_i) if CHECKED else _keeps_offsets(bound, m_i, dtype)
             if keep:
                 acc, m_i, l_i, p_prev = _walk_overlapped(walk, acc, m_i, l_i, p_prev, BLOCK_KV, SUB_N, STAGES,
-                                                         CAUSAL, EMULATE_EXP2, True, SPLIT_CAUSAL)
+                                                         CAUSAL, EMULATE_EXP2, True)
             else:
                 acc, m_i, l_i, p_prev = _walk_overlapped(walk, acc, m_i, l_i, p_prev, BLOCK_KV, SUB_N, STAGES,
-                                                         CAUSAL, EMULATE_EXP2, False, SPLIT_CAUSAL)
+                                                         CAUSAL, EMULATE_EXP2, False)
         else:
             acc, m_i, l_i, p_prev = _walk_overlapped(walk, acc, m_i, l_i, p_prev, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                                     EMULATE_EXP2, False, SPLIT_CAUSAL)
+                                                     EMULATE_EXP2, False)
         last = (total - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((total - 1) // STAGES) & 1)
         acc = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
@@ -700,17 +663,14 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
                             TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr = True,
                             EMULATE_EXP2: gl.constexpr = False, O_THROUGH_TMA: gl.constexpr = False,
-                            FIXED_OFFSETS: gl.constexpr = False, CHECK_RISE: gl.constexpr = False,
-                            EARLY_V_WAIT: gl.constexpr = False, PEEL_LAST: gl.constexpr = False,
-                            SPLIT_CAUSAL: gl.constexpr = False):
+                            FIXED_OFFSETS: gl.constexpr = False, CHECK_RISE: gl.constexpr = False):
     """Grid (cdiv(Sq, 128), launch.batch_head_axes(B, H)). Q_DESC / K_DESC / V_DESC: Gluon host descriptors of
     q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with boxes [1, 1, 64, D] / [1, 1, SUB_N, D]; KV_COUNT int32
     [Bm, Hm, nq], KV_INDEX int32 [Bm, Hm, nq, L] (size-1 mask dims with stride 0), every listed block's keys below
     Sk (CAUSAL: the lists of BlockSparsity.causal(), ascending); Out [B, H, Sq, D] (last dim contiguous), Lse
     fp32 [B, H, Sq] (last dim contiguous); O_DESC: when O_THROUGH_TMA, a descriptor of Out with Q_DESC's boxes,
     through which the rows go (else None, and Out's pointer takes them). TILE_N: keys a tile (TILE_KEYS), a
-    multiple of SUB_N; OVERLAP: see OVERLAPPED; EMULATE_EXP2: see _exp2; EARLY_V_WAIT: see EARLY_V_WAIT_DIMS;
-    PEEL_LAST: see PEELED_LAST_TILE_DIMS; SPLIT_CAUSAL: see SPLIT_CAUSAL_DIMS.
+    multiple of SUB_N; OVERLAP: see OVERLAPPED; EMULATE_EXP2: see _exp2.
     FIXED_OFFSETS (see FIXED_OFFSET_DIMS) without CHECK_RISE (RISE_CHECKED_DTYPES): KEY_NORMS fp32 [B, Hkv,
     KEY_NORM_PARTS] (last dim contiguous, key_norm_parts), whose maximum over the parts bounds a kv head's key norms;
     else None. K and V: k and v's pointers (strides stride_k* / stride_v*, last dim contiguous), which only
@@ -742,9 +702,9 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
               (K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs), scale_log2)
     gl.warp_specialize([
         (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, EARLY_V_WAIT, PEEL_LAST, SPLIT_CAUSAL)),
+                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)),
         (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, EARLY_V_WAIT, PEEL_LAST, SPLIT_CAUSAL)),
+                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)),
         (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -870,9 +830,7 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
     tensors = dict(Q_DESC=q, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index, K=k, V=v)
     check_rise = chosen.fixed_offsets and q.dtype in RISE_CHECKED_DTYPES and dim in RISE_CHECKED_DIMS
     # the module's settings as this call takes them: constexprs of the kernel, and so part of its launch plan's key
-    settings = dict(EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, O_THROUGH_TMA=O_THROUGH_TMA, CHECK_RISE=check_rise,
-                    EARLY_V_WAIT=dim in EARLY_V_WAIT_DIMS, PEEL_LAST=dim in PEELED_LAST_TILE_DIMS,
-                    SPLIT_CAUSAL=dim in SPLIT_CAUSAL_DIMS)
+    settings = dict(EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, O_THROUGH_TMA=O_THROUGH_TMA, CHECK_RISE=check_rise)
     # the other fixed offsets' bound (FIXED_OFFSET_DIMS): the largest key norms of each kv head's parts, one pass over k
     key_norms = key_norm_parts(k) if chosen.fixed_offsets and not check_rise else None
     if key_norms is not None:
@@ -903,14 +861,11 @@ def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
 
 def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                  dim: int = HEAD_DIM, emulate_exp2: Optional[bool] = None, o_through_tma: Optional[bool] = None,
-                 fixed_offsets: Optional[bool] = None, check_rise: Optional[bool] = None,
-                 early_v_wait: Optional[bool] = None, peel_last: Optional[bool] = None,
-                 split_causal: Optional[bool] = None):
+                 fixed_offsets: Optional[bool] = None, check_rise: Optional[bool] = None):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for lists at (block_q, block_kv) and head dim `dim`, with the launch's tile choice (plan()), stages and
-    register settings; emulate_exp2, o_through_tma, fixed_offsets, check_rise, early_v_wait, peel_last and
-    split_causal None: as a launch at `dim` and dtype would (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS,
-    RISE_CHECKED_DTYPES and _DIMS, EARLY_V_WAIT_DIMS, PEELED_LAST_TILE_DIMS, SPLIT_CAUSAL_DIMS)."""
+    register settings; emulate_exp2, o_through_tma, fixed_offsets and check_rise None: as a launch at `dim` and
+    dtype would (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES and _DIMS)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     chosen = _plan(block_kv, dim, causal)
@@ -922,10 +877,7 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
                      STAGES=STAGES[dim], CAUSAL=causal,
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, FIXED_OFFSETS=chosen.fixed_offsets,
                      EMULATE_EXP2=dim in EMULATED_EXP2_DIMS if emulate_exp2 is None else emulate_exp2,
-                     O_THROUGH_TMA=O_THROUGH_TMA if o_through_tma is None else o_through_tma,
-                     EARLY_V_WAIT=dim in EARLY_V_WAIT_DIMS if early_v_wait is None else early_v_wait,
-                     PEEL_LAST=dim in PEELED_LAST_TILE_DIMS if peel_last is None else peel_last,
-                     SPLIT_CAUSAL=dim in SPLIT_CAUSAL_DIMS if split_causal is None else split_causal)
+                     O_THROUGH_TMA=O_THROUGH_TMA if o_through_tma is None else o_through_tma)
     if not constants["O_THROUGH_TMA"]:
         constants["O_DESC"] = None  # as a launch passes it
     if check_rise is None:
