@@ -7,10 +7,13 @@ Settings (module attributes of blockattn.kernels.forward_ws, set for the case's 
                   (RISE_CHECKED_DTYPES and RISE_CHECKED_DIMS)
   emulated-exp2   one exponential in four from the FMA units' polynomial, or all from the special function unit
                   (EMULATED_EXP2_DIMS)
+  persistent      a persistent grid, a program an SM taking query tiles in turn, or a program a query tile
+                  (PERSISTENT_DIMS)
 
     cd benchmarks && python ws_forward_ab.py --setting rise-checked --rounds 5
     cd benchmarks && python ws_forward_ab.py --setting emulated-exp2 --also rise-checked   # with the other on
     cd benchmarks && python ws_forward_ab.py --setting rise-checked --cases causal
+    cd benchmarks && python ws_forward_ab.py --setting persistent --cases grid
 
 The fifty-first session timed the walk in turn's wait for V, its last tile peeled off the loop and the causal walk's
 split this way (BENCHMARKS.md) and kept the two that won, which have no switch since.
@@ -30,9 +33,16 @@ SUITES = {"design": [Case(dim=64, block=block, density=d) for block in ((128, 12
           + [Case(dim=64, pattern="causal", density=0.5), Case(block=(128, 128), density=0.1)],
           "causal": [Case(pattern="causal", block=block, density=0.5) for block in ((128, 128), (128, 64))]
           + [Case(dim=64, pattern="causal", block=block, density=0.5) for block in ((128, 128), (128, 64))]
-          + [Case(batch=8, heads=16, kv_heads=16, seq=4096, pattern="causal", density=0.5)]}
+          + [Case(batch=8, heads=16, kv_heads=16, seq=4096, pattern="causal", density=0.5)],
+          # the grid's shape: densities 1 and 0.1 (target 3), short lists, causal, many short calls' programs
+          "grid": [Case(block=(128, 128), density=d) for d in (1.0, 0.1)] + [Case(block=(128, 64), density=0.1)]
+          + [Case(dim=64, block=(128, 128), density=d) for d in (0.5, 0.1)]
+          + [Case(dim=64, block=(128, 64), density=0.1)]
+          + [Case(pattern="causal", block=(128, 64), density=0.5), Case(dim=64, pattern="causal", density=0.5)]
+          + [Case(batch=8, heads=16, kv_heads=16, seq=s, density=0.5) for s in (2048, 4096)]}
 SETTINGS = {"rise-checked": ("RISE_CHECKED_DIMS", "checked", "bounded"),
-            "emulated-exp2": ("EMULATED_EXP2_DIMS", "emulated", "special function unit")}
+            "emulated-exp2": ("EMULATED_EXP2_DIMS", "emulated", "special function unit"),
+            "persistent": ("PERSISTENT_DIMS", "persistent", "a program a tile")}
 
 
 def set_setting(name: str, dim: int, on: bool) -> None:

@@ -130,6 +130,14 @@ LAUNCH_PLANS = True
 # loop is bound by its exponentials, it measured 4-10% slower (the extra FMA-pipe instructions cost more than the
 # special function unit's share they save).
 EMULATED_EXP2_DIMS: tuple = ()
+# Head dims whose kernel runs a persistent grid: one program an SM (or PERSISTENT_PROGRAMS, where set: the tests
+# take a few, so that each program walks many items), each taking work items (query tiles of a head) in turn,
+# instead of a program an item. The loader then loads the next item's Q
+# while the consumers store the last item's rows, and its first key tiles while they finish the last item's,
+# where a program an item starts with an empty ring and ends with the store. Fifty-first session, to be timed
+# (`benchmarks/ws_forward_ab.py --setting persistent`).
+PERSISTENT_DIMS: tuple = ()
+PERSISTENT_PROGRAMS: Optional[int] = None
 
 _ROWS = gl.constexpr(CONSUMER_ROWS)
 # 2^x for four fp32 values held by one thread: three by ex2.approx.ftz (what gl.exp2 emits), the fourth as
@@ -168,26 +176,33 @@ _AGAIN_KEYS = gl.constexpr(16)
 
 
 @gluon.jit
-def _program(lists, BLOCK_Q: gl.constexpr, CAUSAL: gl.constexpr):
-    """(off_b, off_h, off_hkv, start_m, index_row, count) of this program: its place, with the head order
-    of primitives.query_tile_program (consecutive programs take different kv heads), and its kv list (the pointer
-    to its first entry, and its count of key blocks). lists: the kernel's lists and head counts, as
-    attention_fwd_ws_kernel packs them. CAUSAL: the last query tiles, whose lists are the longest, run first, so
-    that the short ones fill the grid's tail."""
-    KV_COUNT, KV_INDEX, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq = lists
-    pid_bh = gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)
+def _program(lists, item, BLOCK_Q: gl.constexpr, CAUSAL: gl.constexpr):
+    """(off_b, off_h, off_hkv, start_m, index_row, count) of work item `item` (a query tile of one head; _grid_item):
+    its place, with the head order of primitives.query_tile_program (consecutive (batch, head) pairs take different
+    kv heads), and its kv list (the pointer to its first entry, and its count of key blocks). lists: the kernel's
+    lists and counts, as attention_fwd_ws_kernel packs them. CAUSAL: the last query tiles, whose lists are the
+    longest, come first, so that the short ones fill the grid's tail."""
+    KV_COUNT, KV_INDEX, heads, group_size, q_tiles, items, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq = lists
+    pid_bh = item // q_tiles
     off_b = pid_bh // heads
     kv_heads = heads // group_size
     slot = pid_bh % heads
     off_h = (slot % kv_heads) * group_size + slot // kv_heads
-    pid_m = gl.program_id(0)
+    pid_m = item % q_tiles
     if CAUSAL:
-        pid_m = gl.num_programs(0) - 1 - pid_m
+        pid_m = q_tiles - 1 - pid_m
     start_m = pid_m * (2 * _ROWS)
     q_block = start_m // BLOCK_Q
     count = gl.load(KV_COUNT + off_b * stride_cb + off_h * stride_ch + q_block)
     index_row = KV_INDEX + off_b.to(gl.int64) * stride_ib + off_h.to(gl.int64) * stride_ih + q_block * stride_iq
     return off_b, off_h, off_h // group_size, start_m, index_row, count
+
+
+@gluon.jit
+def _grid_item():
+    """The work item of this program when each program takes one (PERSISTENT off): its query tile along grid axis
+    0 (cdiv(Sq, 128) programs), its (batch, head) pair along axes 1 and 2 (launch.batch_head_axes)."""
+    return gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.program_id(2) * gl.num_programs(1))
 
 
 @gluon.jit
@@ -288,7 +303,7 @@ def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N
     Under CAUSAL the tiles before the first tested one (first_tested) run in a loop of their own, without the causal
     test (kernels/README.md, "The causal walk split")."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
-     scale_log2) = walk
+     scale_log2, base) = walk
     if CAUSAL:
         middle = gl.minimum(gl.maximum(first_tested, start), end)
         acc, m_i, l_i = _tiles_in_turn(walk, start, middle, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
@@ -326,11 +341,12 @@ def _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.cons
     keys are masked when the sub tiles do not fill it (_scores_masked); else that test is left out. TESTED: as
     _tiles_in_turn's."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
-     scale_log2) = walk
+     scale_log2, base) = walk
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    stage = j % STAGES
-    mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+    stage = (base + j) % STAGES
+    phase = ((base + j) // STAGES) & 1
+    mbarrier.wait(k_ready.index(stage), phase)
     qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     qk = warpgroup_mma_wait(0, deps=(qk, ))
     qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N,
@@ -341,7 +357,7 @@ def _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.cons
         m_i = m_new
     p_op = gl.convert_layout(p.to(q.dtype), p_layout)
     # (waiting for V while Q K^T runs instead measured 3-10% slower at D=64: kernels/README.md)
-    mbarrier.wait(v_ready.index(stage), (j // STAGES) & 1)
+    mbarrier.wait(v_ready.index(stage), phase)
     acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(kv_empty.index(stage), count=1)
@@ -355,7 +371,7 @@ def _walk_overlapped(walk, acc, m_i, l_i, p_prev, BLOCK_KV: gl.constexpr, SUB_N:
     with the previous tile's P V, whose P (p_prev, the dot operand) comes in from tile 0 and goes out for the last
     tile's P V. (acc, m_i, l_i, p_prev) after them; FIXED and the causal split: as _walk_in_turn's."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
-     scale_log2) = walk
+     scale_log2, base) = walk
     if CAUSAL:
         middle = gl.minimum(gl.maximum(first_tested, 1), total)
         acc, m_i, l_i, p_prev = _tiles_overlapped(walk, 1, middle, acc, m_i, l_i, p_prev, BLOCK_KV, SUB_N, STAGES,
@@ -374,13 +390,13 @@ def _tiles_overlapped(walk, start, end, acc, m_i, l_i, p_prev, BLOCK_KV: gl.cons
                       TESTED: gl.constexpr):
     """_walk_overlapped's tiles start .. end-1 (start >= 1), in one loop. TESTED: as _tiles_in_turn's."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
-     scale_log2) = walk
+     scale_log2, base) = walk
     row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     for j in range(start, end):
-        stage = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        stage = (base + j) % STAGES
+        prev = (base + j - 1) % STAGES
+        mbarrier.wait(k_ready.index(stage), ((base + j) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((base + j - 1) // STAGES) & 1)
         qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
         qk = warpgroup_mma_wait(1, deps=(qk, ))  # this tile's scores; the previous tile's P V may still run
@@ -422,17 +438,39 @@ def _keeps_offsets(bound, m_i, dtype: gl.constexpr):
 def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
               TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
               EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr, FIXED_OFFSETS: gl.constexpr,
-              CHECK_RISE: gl.constexpr):
-    """Query rows HALF*64 .. HALF*64+63 of the program's tile: the online softmax over the kv list (CAUSAL: keys
-    up to each row's own position only), then Out [B, H, Sq, D] and Lse fp32 [B, H, Sq] (natural log; -inf and
-    zeros for a row with no key). shared: the kernel's arguments and buffers, grouped as attention_fwd_ws_kernel
-    packs them. OVERLAP: each key tile's Q K^T issued with the previous tile's P V (see OVERLAPPED). FIXED_OFFSETS: see
-    FIXED_OFFSET_DIMS; CHECK_RISE: see RISE_CHECKED_DTYPES."""
+              CHECK_RISE: gl.constexpr, PERSISTENT: gl.constexpr):
+    """A consumer warpgroup: query rows HALF*64 .. HALF*64+63 of its program's work items (_consumer_item), one
+    (_grid_item), or under PERSISTENT the items program_id(0) + n * num_programs(0) in turn, the ring's stages and
+    the barriers' phases going on from one item to the next. (Parameters as _consumer_item's.)"""
+    if PERSISTENT:
+        items = shared[2][5]
+        first = gl.program_id(0)
+        step = gl.num_programs(0)
+        base = first * 0  # ring position of the item's first key tile (the items' before it), an int32 scalar
+        for turn in range((items - first + step - 1) // step):
+            base = _consumer_item(shared, first + turn * step, turn, base, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N,
+                                  STAGES, CAUSAL, OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)
+    else:
+        _consumer_item(shared, _grid_item(), 0, 0, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP,
+                       EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)
+
+
+@gluon.jit
+def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr,
+                   SUB_N: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                   OVERLAP: gl.constexpr, EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr,
+                   FIXED_OFFSETS: gl.constexpr, CHECK_RISE: gl.constexpr):
+    """Query rows HALF*64 .. HALF*64+63 of work item `item` (its turn-th in the program; _program): the online
+    softmax over the kv list (CAUSAL: keys up to each row's own position only), then Out [B, H, Sq, D] and Lse
+    fp32 [B, H, Sq] (natural log; -inf and zeros for a row with no key). Returns the ring position after its key
+    tiles, from base before them. shared: the kernel's arguments and buffers, grouped as attention_fwd_ws_kernel
+    packs them. OVERLAP: each key tile's Q K^T issued with the previous tile's P V (see OVERLAPPED). FIXED_OFFSETS:
+    see FIXED_OFFSET_DIMS; CHECK_RISE: see RISE_CHECKED_DTYPES."""
     descs, ring, lists, outputs, norms, kv, scale_log2 = shared
     Q_DESC = descs[0]
-    q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty = ring
+    q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty = ring
     KEY_NORMS, stride_nb, stride_nh = norms
-    off_b, off_h, off_hkv, start_m, index_row, count = _program(lists, BLOCK_Q, CAUSAL)
+    off_b, off_h, off_hkv, start_m, index_row, count = _program(lists, item, BLOCK_Q, CAUSAL)
     PARTS: gl.constexpr = TILE_N // SUB_N
     sub_tiles = count * (BLOCK_KV // SUB_N)
     # key tiles of TILE_N keys, PARTS sub tiles each; the last holds fewer when PARTS does not divide sub_tiles
@@ -457,9 +495,9 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
     first_row = start_m + HALF * _ROWS
     rows_s = first_row + gl.arange(0, _ROWS, row_s)
     q = q_smem.index(HALF).reshape([_ROWS, HEAD_DIM])
-    mbarrier.wait(q_ready, 0)
+    mbarrier.wait(q_ready, turn & 1)
     walk = (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
-            scale_log2)
+            scale_log2, base)
     # CHECK_RISE (RISE_CHECKED_DTYPES): the offsets stay wherever every row has a key in the first tile, and the
     # walk's rise is checked after it; else only where the rows' bounds hold the rise
     CHECKED: gl.constexpr = FIXED_OFFSETS and CHECK_RISE
@@ -488,8 +526,8 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
     elif total > 0:
         if FIXED_OFFSETS and not CHECKED:  # (as in the loop without the overlap, above)
             bound = _score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2, o_layout, row_s)
-        mbarrier.wait(k_ready.index(0), 0)
-        qk = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(k_ready.index(base % STAGES), (base // STAGES) & 1)
+        qk = warpgroup_mma(q, k_smem.index(base % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
         qk = _scores_masked(qk, 0, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N, CAUSAL)
         m_i = gl.max(qk, 1) * scale_log2
@@ -507,8 +545,8 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
         else:
             acc, m_i, l_i, p_prev = _walk_overlapped(walk, acc, m_i, l_i, p_prev, BLOCK_KV, SUB_N, STAGES, CAUSAL,
                                                      EMULATE_EXP2, False)
-        last = (total - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((total - 1) // STAGES) & 1)
+        last = (base + total - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((base + total - 1) // STAGES) & 1)
         acc = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
         mbarrier.arrive(kv_empty.index(last), count=1)
@@ -517,11 +555,27 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
 
     if CHECKED:
         if again:  # cold: a score rose more than 2^RISE_LIMIT past its row's offset (kernels/README.md)
-            _walk_again(shared, HALF, BLOCK_Q, BLOCK_KV, CAUSAL, O_THROUGH_TMA)
+            _walk_again(shared, item, HALF, BLOCK_Q, BLOCK_KV, CAUSAL, O_THROUGH_TMA)
+            mbarrier.arrive(q_empty, count=1)
         else:
-            _finish(acc, m_i, l_i, shared, q, HALF, off_b, off_h, first_row, rows_s, O_THROUGH_TMA)
+            _release_and_finish(acc, m_i, l_i, shared, q, HALF, off_b, off_h, first_row, rows_s, O_THROUGH_TMA)
     else:
-        _finish(acc, m_i, l_i, shared, q, HALF, off_b, off_h, first_row, rows_s, O_THROUGH_TMA)
+        _release_and_finish(acc, m_i, l_i, shared, q, HALF, off_b, off_h, first_row, rows_s, O_THROUGH_TMA)
+    return base + total
+
+
+@gluon.jit
+def _release_and_finish(acc, m_i, l_i, shared, q, HALF: gl.constexpr, off_b, off_h, first_row, rows_s,
+                        O_THROUGH_TMA: gl.constexpr):
+    """A consumer's half of Q released to the loader for the next item (q_empty), and its rows stored (_finish,
+    whose arguments these are): the release first, so the next item's Q loads while the rows go out, unless they
+    go out through Q's buffer (O_THROUGH_TMA)."""
+    q_empty = shared[1][4]
+    if not O_THROUGH_TMA:
+        mbarrier.arrive(q_empty, count=1)
+    _finish(acc, m_i, l_i, shared, q, HALF, off_b, off_h, first_row, rows_s, O_THROUGH_TMA)
+    if O_THROUGH_TMA:
+        mbarrier.arrive(q_empty, count=1)
 
 
 @gluon.jit
@@ -575,8 +629,8 @@ def _sums_within(l_i, acc):
 
 
 @gluon.jit(noinline=True)
-def _walk_again(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, CAUSAL: gl.constexpr,
-                O_THROUGH_TMA: gl.constexpr):
+def _walk_again(shared, item, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr,
+                CAUSAL: gl.constexpr, O_THROUGH_TMA: gl.constexpr):
     """A consumer's rows walked again with running maxima, and stored, where its walk with fixed offsets rose too far
     (CHECKED): the whole kv list, under CAUSAL with the test key <= query. Cold, and alone: the loader has moved on
     and the ring's stages may still be the other consumer's, so K and V come by pointer loads straight into
@@ -586,7 +640,7 @@ def _walk_again(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.
     descs, ring, lists, outputs, norms, kv, scale_log2 = shared
     q_smem = ring[0]
     K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs = kv
-    off_b, off_h, off_hkv, start_m, index_row, count = _program(lists, BLOCK_Q, CAUSAL)
+    off_b, off_h, off_hkv, start_m, index_row, count = _program(lists, item, BLOCK_Q, CAUSAL)
     first_row = start_m + HALF * _ROWS
     q = q_smem.index(HALF).reshape([_ROWS, descs[0].block_type.shape[3]])
     k_head = K + off_b.to(gl.int64) * stride_kb + off_hkv.to(gl.int64) * stride_kh
@@ -625,24 +679,44 @@ def _walk_again(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.
 
 
 @gluon.jit
-def _loader(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
-            TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """One warp: the tile's two halves of Q, then each kept key tile's K and V into the ring, a stage once both
-    consumers have released it. (Parameters as _consumer's, those the loader needs.)"""
+def _loader(shared, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr, TILE_N: gl.constexpr,
+            STAGES: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+    """One warp: its program's work items' loads (_loader_item), in the consumers' order (_consumer)."""
+    if PERSISTENT:
+        items = shared[2][5]
+        first = gl.program_id(0)
+        step = gl.num_programs(0)
+        base = first * 0  # (as _consumer's)
+        for turn in range((items - first + step - 1) // step):
+            base = _loader_item(shared, first + turn * step, turn, base, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES,
+                                CAUSAL)
+    else:
+        _loader_item(shared, _grid_item(), 0, 0, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL)
+
+
+@gluon.jit
+def _loader_item(shared, item, turn, base, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
+                 TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Work item `item`'s loads (its turn-th in the program): the tile's two halves of Q once both consumers have
+    released the last item's, then each kept key tile's K and V into the ring from position base on, a stage once
+    both consumers have released it. Returns the ring position after them. (Parameters as _consumer_item's.)"""
     descs, ring, lists, outputs, norms, kv, scale_log2 = shared
     Q_DESC, K_DESC, V_DESC, O_DESC = descs
-    q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty = ring
-    off_b, off_h, off_hkv, start_m, index_row, count = _program(lists, BLOCK_Q, CAUSAL)
+    q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty = ring
+    off_b, off_h, off_hkv, start_m, index_row, count = _program(lists, item, BLOCK_Q, CAUSAL)
     SUBS_PER_BLOCK: gl.constexpr = BLOCK_KV // SUB_N
     PARTS: gl.constexpr = TILE_N // SUB_N
     sub_tiles = count * SUBS_PER_BLOCK
+    tiles = (sub_tiles + PARTS - 1) // PARTS
+    # a fresh barrier counts as released in the phase before its first: the first item's Q and the first round of
+    # stages go at once
+    mbarrier.wait(q_empty, (turn & 1) ^ 1)
     mbarrier.expect(q_ready, 2 * Q_DESC.block_type.nbytes)
     tma_load(Q_DESC, [off_b, off_h, start_m, 0], q_ready, q_smem.index(0))
     tma_load(Q_DESC, [off_b, off_h, start_m + _ROWS, 0], q_ready, q_smem.index(1))
-    for j in range((sub_tiles + PARTS - 1) // PARTS):
-        stage = j % STAGES
-        # a fresh barrier counts as released in the phase before its first: the first round of stages goes at once
-        mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
+    for j in range(tiles):
+        stage = (base + j) % STAGES
+        mbarrier.wait(kv_empty.index(stage), (((base + j) // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(stage), PARTS * K_DESC.block_type.nbytes)
         mbarrier.expect(v_ready.index(stage), PARTS * V_DESC.block_type.nbytes)
         for part in gl.static_range(PARTS):
@@ -652,19 +726,23 @@ def _loader(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.cons
                      _sub_tile(k_smem, stage, part, SUB_N))
             tma_load(V_DESC, [off_b, off_hkv, row, 0], v_ready.index(stage),
                      _sub_tile(v_smem, stage, part, SUB_N))
+    return base + tiles
 
 
 @gluon.jit
 def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2,
-                            seq_q, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
-                            stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh, K, V,
-                            stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                            seq_q, heads, group_size, q_tiles, items, stride_cb, stride_ch, stride_ib, stride_ih,
+                            stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh,
+                            K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                             BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
                             TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr = True,
                             EMULATE_EXP2: gl.constexpr = False, O_THROUGH_TMA: gl.constexpr = False,
-                            FIXED_OFFSETS: gl.constexpr = False, CHECK_RISE: gl.constexpr = False):
-    """Grid (cdiv(Sq, 128), launch.batch_head_axes(B, H)). Q_DESC / K_DESC / V_DESC: Gluon host descriptors of
+                            FIXED_OFFSETS: gl.constexpr = False, CHECK_RISE: gl.constexpr = False,
+                            PERSISTENT: gl.constexpr = False):
+    """Grid (cdiv(Sq, 128) = q_tiles, launch.batch_head_axes(B, H)), a program a work item (a query tile of a head);
+    under PERSISTENT (see PERSISTENT_DIMS) (programs, 1, 1), each taking the items program_id(0) + n * programs
+    of the items = q_tiles * B * H in turn. Q_DESC / K_DESC / V_DESC: Gluon host descriptors of
     q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with boxes [1, 1, 64, D] / [1, 1, SUB_N, D]; KV_COUNT int32
     [Bm, Hm, nq], KV_INDEX int32 [Bm, Hm, nq, L] (size-1 mask dims with stride 0), every listed block's keys below
     Sk (CAUSAL: the lists of BlockSparsity.causal(), ascending); Out [B, H, Sq, D] (last dim contiguous), Lse
@@ -682,10 +760,12 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     k_smem = gl.allocate_shared_memory(K_DESC.dtype, [STAGES, TILE_N, HEAD_DIM], tile_layout)
     v_smem = gl.allocate_shared_memory(V_DESC.dtype, [STAGES, TILE_N, HEAD_DIM], tile_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=2)  # both consumers release their half of Q
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -695,17 +775,19 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     SECOND: gl.constexpr = 1
     # the partitions' arguments, grouped by what reads them: descriptors, the ring and its barriers, the kv lists
     # (_program), out and Lse (_finish), the key norms' bound, and k and v by pointer (_walk_again)
-    shared = ((Q_DESC, K_DESC, V_DESC, O_DESC), (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty),
-              (KV_COUNT, KV_INDEX, heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq),
+    shared = ((Q_DESC, K_DESC, V_DESC, O_DESC),
+              (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty),
+              (KV_COUNT, KV_INDEX, heads, group_size, q_tiles, items, stride_cb, stride_ch, stride_ib, stride_ih,
+               stride_iq),
               (Out, Lse, seq_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh),
               (KEY_NORMS, stride_nb, stride_nh),
               (K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs), scale_log2)
     gl.warp_specialize([
         (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)),
+                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT)),
         (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)),
-        (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL)),
+                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT)),
+        (_loader, (shared, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, PERSISTENT)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -805,12 +887,15 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
     """Run the kernel into out [B, H, Sq, D] and lse fp32 [B, H, Sq] (plan() said chosen)."""
     from .forward import stride_args  # (forward imports this module lazily: no cycle)
     batch, heads, seq_q, dim = q.shape
+    q_tiles = triton.cdiv(seq_q, TILE_Q)
+    items = q_tiles * batch * heads
 
     def arguments():
         descriptors = dict(Q_DESC=host_descriptor(q, CONSUMER_ROWS), K_DESC=host_descriptor(k, chosen.sub_n),
                            V_DESC=host_descriptor(v, chosen.sub_n))
         static = dict(
-            scale_log2=scale_log2, seq_q=seq_q, heads=heads, group_size=heads // k.shape[1],
+            scale_log2=scale_log2, seq_q=seq_q, heads=heads, group_size=heads // k.shape[1], q_tiles=q_tiles,
+            items=items,
             # the lists' size-1 batch and head dims broadcast: stride 0
             **stride_args("c", kv_count, "bh"), **stride_args("i", kv_index, "bhq"), **stride_args("o", out, "bhs"),
             **stride_args("l", lse, "bh"), **stride_args("n", key_norms, "bh"), **stride_args("k", k, "bhs"),
@@ -825,20 +910,27 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
             descriptors["O_DESC"] = host_descriptor(out, CONSUMER_ROWS)
         else:
             static["O_DESC"] = None
-        return (triton.cdiv(seq_q, TILE_Q), *launch.batch_head_axes(batch, heads)), descriptors, static
+        if settings["PERSISTENT"]:
+            programs = PERSISTENT_PROGRAMS or launch.device_properties(q.device).multi_processor_count
+            grid = (min(items, programs), 1, 1)
+        else:
+            grid = (q_tiles, *launch.batch_head_axes(batch, heads))
+        return grid, descriptors, static
     # K and V by pointer too, for the cold walk again with running maxima of a walk whose rise was too large
     tensors = dict(Q_DESC=q, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index, K=k, V=v)
     check_rise = chosen.fixed_offsets and q.dtype in RISE_CHECKED_DTYPES and dim in RISE_CHECKED_DIMS
     # the module's settings as this call takes them: constexprs of the kernel, and so part of its launch plan's key
-    settings = dict(EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, O_THROUGH_TMA=O_THROUGH_TMA, CHECK_RISE=check_rise)
+    settings = dict(EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, O_THROUGH_TMA=O_THROUGH_TMA, CHECK_RISE=check_rise,
+                    PERSISTENT=dim in PERSISTENT_DIMS)
     # the other fixed offsets' bound (FIXED_OFFSET_DIMS): the largest key norms of each kv head's parts, one pass over k
     key_norms = key_norm_parts(k) if chosen.fixed_offsets and not check_rise else None
     if key_norms is not None:
         tensors["KEY_NORMS"] = key_norms
     if settings["O_THROUGH_TMA"]:
         tensors["O_DESC"] = out
+    # (the persistent grid's size is arguments()'s too)
     launch_warp_specialized(attention_fwd_ws_kernel, (block_q, block_kv, scale_log2, chosen, STAGES[dim],
-                                                      *settings.values()), tensors, arguments)
+                                                      *settings.values(), PERSISTENT_PROGRAMS), tensors, arguments)
 
 
 def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
@@ -861,11 +953,13 @@ def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
 
 def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                  dim: int = HEAD_DIM, emulate_exp2: Optional[bool] = None, o_through_tma: Optional[bool] = None,
-                 fixed_offsets: Optional[bool] = None, check_rise: Optional[bool] = None):
+                 fixed_offsets: Optional[bool] = None, check_rise: Optional[bool] = None,
+                 persistent: Optional[bool] = None):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for lists at (block_q, block_kv) and head dim `dim`, with the launch's tile choice (plan()), stages and
-    register settings; emulate_exp2, o_through_tma, fixed_offsets and check_rise None: as a launch at `dim` and
-    dtype would (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES and _DIMS)."""
+    register settings; emulate_exp2, o_through_tma, fixed_offsets, check_rise and persistent None: as a launch at
+    `dim` and dtype would (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES and _DIMS,
+    PERSISTENT_DIMS)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     chosen = _plan(block_kv, dim, causal)
@@ -877,7 +971,8 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
                      STAGES=STAGES[dim], CAUSAL=causal,
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, FIXED_OFFSETS=chosen.fixed_offsets,
                      EMULATE_EXP2=dim in EMULATED_EXP2_DIMS if emulate_exp2 is None else emulate_exp2,
-                     O_THROUGH_TMA=O_THROUGH_TMA if o_through_tma is None else o_through_tma)
+                     O_THROUGH_TMA=O_THROUGH_TMA if o_through_tma is None else o_through_tma,
+                     PERSISTENT=dim in PERSISTENT_DIMS if persistent is None else persistent)
     if not constants["O_THROUGH_TMA"]:
         constants["O_DESC"] = None  # as a launch passes it
     if check_rise is None:
