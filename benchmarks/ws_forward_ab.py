@@ -13,7 +13,7 @@ Settings (module attributes of blockattn.kernels.forward_ws, set for the case's 
     cd benchmarks && python ws_forward_ab.py --setting rise-checked --rounds 5
     cd benchmarks && python ws_forward_ab.py --setting emulated-exp2 --also rise-checked   # with the other on
     cd benchmarks && python ws_forward_ab.py --setting rise-checked --cases causal
-    cd benchmarks && python ws_forward_ab.py --setting persistent --cases grid
+    cd benchmarks && python ws_forward_ab.py --setting persistent --cases grid skewed
 
 The fifty-first session timed the walk in turn's wait for V, its last tile peeled off the loop and the causal walk's
 split this way (BENCHMARKS.md) and kept the two that won, which have no switch since.
@@ -34,6 +34,9 @@ SUITES = {"design": [Case(dim=64, block=block, density=d) for block in ((128, 12
           "causal": [Case(pattern="causal", block=block, density=0.5) for block in ((128, 128), (128, 64))]
           + [Case(dim=64, pattern="causal", block=block, density=0.5) for block in ((128, 128), (128, 64))]
           + [Case(batch=8, heads=16, kv_heads=16, seq=4096, pattern="causal", density=0.5)],
+          # target 6 (a few query blocks keep everything, most little) against the uniform mask of the same density
+          "skewed": [Case(dim=dim, density=0.25, pattern=pattern) for dim in (128, 64)
+                     for pattern in ("skewed", "random")],
           # the grid's shape: densities 1 and 0.1 (target 3), short lists, causal, many short calls' programs
           "grid": [Case(block=(128, 128), density=d) for d in (1.0, 0.1)] + [Case(block=(128, 64), density=0.1)]
           + [Case(dim=64, block=(128, 128), density=d) for d in (0.5, 0.1)]
@@ -60,7 +63,7 @@ def main():
     parser.add_argument("--also", choices=sorted(SETTINGS), action="append", default=[],
                         help="another setting, on for both ways")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--cases", choices=sorted(SUITES), default="design")
+    parser.add_argument("--cases", choices=sorted(SUITES), nargs="+", default=["design"])
     args = parser.parse_args()
     saved = {name: getattr(forward_ws, attribute) for name, (attribute, _, _) in SETTINGS.items()}
     saved_dtypes = forward_ws.RISE_CHECKED_DTYPES
@@ -69,7 +72,7 @@ def main():
     print(f"{args.setting} each way{', with ' + ', '.join(args.also) + ' on' if args.also else ''}")
     print(f"| case | {on_name} ms (each round) | {off_name} ms (each round) | {off_name} / {on_name} (medians) |")
     print("| --- | --- | --- | --- |")
-    for case in SUITES[args.cases]:
+    for case in [case for name in args.cases for case in SUITES[name]]:
         keep = block_mask(case, device)
         blocks = blockattn.BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
         q, k, v = _inputs(case, device, requires_grad=False)

@@ -130,13 +130,17 @@ LAUNCH_PLANS = True
 # loop is bound by its exponentials, it measured 4-10% slower (the extra FMA-pipe instructions cost more than the
 # special function unit's share they save).
 EMULATED_EXP2_DIMS: tuple = ()
-# Head dims whose kernel runs a persistent grid: one program an SM (or PERSISTENT_PROGRAMS, where set: the tests
-# take a few, so that each program walks many items), each taking work items (query tiles of a head) in turn,
-# instead of a program an item. The loader then loads the next item's Q
-# while the consumers store the last item's rows, and its first key tiles while they finish the last item's,
-# where a program an item starts with an empty ring and ends with the store. Fifty-first session, to be timed
-# (`benchmarks/ws_forward_ab.py --setting persistent`).
-PERSISTENT_DIMS: tuple = ()
+# Head dims whose kernel runs a persistent grid when not causal: one program an SM (or PERSISTENT_PROGRAMS, where
+# set: the tests take a few, so that each program walks many items), each taking work items (query tiles of a head)
+# in turn, instead of a program an item. The loader then loads the next item's Q while the consumers store the last
+# item's rows, and its first key tiles while they finish the last item's, where a program an item starts with an
+# empty ring and ends with the store. Measured on an H100 (fifty-first session, `benchmarks/ws_forward_ab.py
+# --setting persistent --cases grid`, B1 H24 S32k bf16, in turns): 1.09x / 1.04x as fast at D=64 d=0.1 (128x128 /
+# 128x64), 1.02x / 1.01x at D=128 d=0.1, 1.05x / 1.02x at B8 H16 S2048 / 4096 d=0.5, 0.99-1.00x at d=1 and 0.5. Not
+# for is_causal: the items' turns are fixed, and the causal lists' lengths vary with the query tile, so the
+# programs ended unevenly where the hardware's scheduler gives each free SM the next program (0.92x at D=128 128x64,
+# 0.95x at D=64).
+PERSISTENT_DIMS: tuple = (64, 128)
 PERSISTENT_PROGRAMS: Optional[int] = None
 
 _ROWS = gl.constexpr(CONSUMER_ROWS)
@@ -921,7 +925,7 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
     check_rise = chosen.fixed_offsets and q.dtype in RISE_CHECKED_DTYPES and dim in RISE_CHECKED_DIMS
     # the module's settings as this call takes them: constexprs of the kernel, and so part of its launch plan's key
     settings = dict(EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, O_THROUGH_TMA=O_THROUGH_TMA, CHECK_RISE=check_rise,
-                    PERSISTENT=dim in PERSISTENT_DIMS)
+                    PERSISTENT=dim in PERSISTENT_DIMS and not chosen.causal)
     # the other fixed offsets' bound (FIXED_OFFSET_DIMS): the largest key norms of each kv head's parts, one pass over k
     key_norms = key_norm_parts(k) if chosen.fixed_offsets and not check_rise else None
     if key_norms is not None:
@@ -972,7 +976,7 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, FIXED_OFFSETS=chosen.fixed_offsets,
                      EMULATE_EXP2=dim in EMULATED_EXP2_DIMS if emulate_exp2 is None else emulate_exp2,
                      O_THROUGH_TMA=O_THROUGH_TMA if o_through_tma is None else o_through_tma,
-                     PERSISTENT=dim in PERSISTENT_DIMS if persistent is None else persistent)
+                     PERSISTENT=dim in PERSISTENT_DIMS and not causal if persistent is None else persistent)
     if not constants["O_THROUGH_TMA"]:
         constants["O_DESC"] = None  # as a launch passes it
     if check_rise is None:
