@@ -191,10 +191,9 @@ SPILL_BUDGET_PERSISTENT = 48
 def test_compiles_for_sm90_with_its_register_split(blocks, dtype, causal, dim, emulate, o_through_tma, fixed):
     """The launch's settings, and out through the TMA unit and fixed offsets either way (O_THROUGH_TMA,
     FIXED_OFFSET_DIMS): the register split, wgmma and TMA in the PTX, shared memory within Hopper's, and a stack
-    within SPILL_BUDGET (SPILL_BUDGET_PERSISTENT where not causal: the persistent grid)."""
+    within SPILL_BUDGET."""
     _assert_compiles(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.{dtype}, causal={causal}, dim={dim}, "
-                     f"emulate_exp2={emulate}, o_through_tma={o_through_tma}, fixed_offsets={fixed})",
-                     SPILL_BUDGET if causal else SPILL_BUDGET_PERSISTENT)
+                     f"emulate_exp2={emulate}, o_through_tma={o_through_tma}, fixed_offsets={fixed})")
 
 
 def _assert_compiles(call: str, spill_budget: int = SPILL_BUDGET) -> None:
@@ -211,10 +210,9 @@ def _assert_compiles(call: str, spill_budget: int = SPILL_BUDGET) -> None:
                                                   ((128, 64), True, 64)])
 def test_compiles_with_the_rise_checked(blocks, causal, dim):
     """bf16 fixed offsets with the rise checked after the walk (RISE_CHECKED_DTYPES), whose cold walk again runs
-    Ampere products (mma_v2) on pointer loads: as _assert_compiles asks (on the persistent grid where not
-    causal)."""
+    Ampere products (mma_v2) on pointer loads: as _assert_compiles asks."""
     _assert_compiles(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.bfloat16, causal={causal}, dim={dim}, "
-                     "fixed_offsets=True, check_rise=True)", SPILL_BUDGET if causal else SPILL_BUDGET_PERSISTENT)
+                     "fixed_offsets=True, check_rise=True)")
 
 
 @pytest.mark.parametrize("blocks, dim, o_through_tma", [((128, 128), 64, False), ((128, 64), 64, True),
@@ -440,10 +438,10 @@ PERSISTENT_CASES = ([("CASES", case, 128, False) for case in CASES]
 @pytest.mark.parametrize("table, case, dim, o_through_tma", PERSISTENT_CASES)
 def test_persistent_grid_against_the_oracle(table, case, dim, o_through_tma, monkeypatch, poisoned,
                                             warp_specialized_calls):
-    """The persistent grid (PERSISTENT_DIMS, the default but for is_causal) with 7 programs, so that each walks many
-    items of unequal lists and the ring's stages and the barriers' phases carry over from item to item, its last
-    turn shorter in some programs than in others: the tables' cases (a query block that keeps nothing, a head that
-    keeps nothing, query tails), D=128 and 64, and out through the TMA unit."""
+    """The persistent grid (PERSISTENT_DIMS; off by default, never under is_causal) with 7 programs, so that each
+    walks many items of unequal lists and the ring's stages and the barriers' phases carry over from item to item,
+    its last turn shorter in some programs than in others: the tables' cases (a query block that keeps nothing, a
+    head that keeps nothing, query tails), D=128 and 64, and out through the TMA unit."""
     monkeypatch.setattr(forward_ws, "PERSISTENT_DIMS", (64, 128))
     monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 7)
     monkeypatch.setattr(forward_ws, "O_THROUGH_TMA", o_through_tma)

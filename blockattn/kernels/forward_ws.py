@@ -132,15 +132,14 @@ LAUNCH_PLANS = True
 EMULATED_EXP2_DIMS: tuple = ()
 # Head dims whose kernel runs a persistent grid when not causal: one program an SM (or PERSISTENT_PROGRAMS, where
 # set: the tests take a few, so that each program walks many items), each taking work items (query tiles of a head)
-# in turn, instead of a program an item. The loader then loads the next item's Q while the consumers store the last
-# item's rows, and its first key tiles while they finish the last item's, where a program an item starts with an
-# empty ring and ends with the store. Measured on an H100 (fifty-first session, `benchmarks/ws_forward_ab.py
-# --setting persistent --cases grid`, B1 H24 S32k bf16, in turns): 1.09x / 1.04x as fast at D=64 d=0.1 (128x128 /
-# 128x64), 1.02x / 1.01x at D=128 d=0.1, 1.05x / 1.02x at B8 H16 S2048 / 4096 d=0.5, 0.99-1.00x at d=1 and 0.5. Not
-# for is_causal: the items' turns are fixed, and the causal lists' lengths vary with the query tile, so the
-# programs ended unevenly where the hardware's scheduler gives each free SM the next program (0.92x at D=128 128x64,
-# 0.95x at D=64).
-PERSISTENT_DIMS: tuple = (64, 128)
+# in turn, instead of a program an item (kernels/README.md, "The persistent grid"). Off: its turns are fixed, so a
+# program that draws long lists ends late. Measured on an H100 (fifty-first session, `benchmarks/ws_forward_ab.py
+# --setting persistent --cases grid skewed`, B1 H24 S32k bf16, in turns): 1.09x / 1.04x as fast at D=64 d=0.1
+# (128x128 / 128x64), 1.02x / 1.01x at D=128 d=0.1, 1.05x / 1.02x at B8 H16 S2048 / 4096 d=0.5, 0.99-1.05x at d=1,
+# 0.5 and 0.25; but 0.87x (D=128) and 0.84x (D=64) on the skewed mask of target 6 (a tenth of the query blocks keep
+# everything), 20-28% slower than the uniform mask where a program a tile is within 2%, and 0.92x / 0.95x causal.
+# Handing items out in order of work (an atomic counter) would keep both; not built.
+PERSISTENT_DIMS: tuple = ()
 PERSISTENT_PROGRAMS: Optional[int] = None
 
 _ROWS = gl.constexpr(CONSUMER_ROWS)
