@@ -638,8 +638,9 @@ def _walk_again(shared, item, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_K
     (CHECKED): the whole kv list, under CAUSAL with the test key <= query. Cold, and alone: the loader has moved on
     and the ring's stages may still be the other consumer's, so K and V come by pointer loads straight into
     registers for the Ampere products (mma_v2), _AGAIN_KEYS keys a step, and no conversion goes through shared
-    memory (none is left). It finds its program's place and list again (_program) rather than keep them through
-    the walk, which held no registers for it. (Parameters as _consumer's.)"""
+    memory (none is left). It finds its item's place and list again (_program) rather than keep them through the
+    walk, which held no registers for it; Q stays in its buffer until it returns. (Parameters as
+    _consumer_item's.)"""
     descs, ring, lists, outputs, norms, kv, scale_log2 = shared
     q_smem = ring[0]
     K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs = kv
