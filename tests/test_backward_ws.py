@@ -134,7 +134,8 @@ def test_switched_off_deterministic_or_off_hopper_it_declines(monkeypatch):
 # Bytes of spilled registers a consumer thread may have (stack_bytes). Some variants spill: measured for the variants
 # below, 0-232 bytes under Triton 3.9 (the CPU tests'; the most with paired GQA causal split in parts) and 0-104
 # under Triton 3.6 (the H200's, whose speed BENCHMARKS.md reports; the most with 128-key GQA causal), none at D=64
-# with 128-key tiles (thirty-ninth session). The budget catches a change that spills much more than that.
+# with 128-key tiles (thirty-ninth session); with SPLIT_CAUSAL (fifty-first session) 312 under 3.9 and 80 under 3.6
+# at GQA causal, 32 and 112 at MHA causal. The budget catches a change that spills much more than that.
 SPILL_BUDGET = 384
 
 
@@ -145,12 +146,16 @@ SPILL_BUDGET = 384
     # paired programs (64-key tiles)
     ((128, 64), "bfloat16", False, False, None, 128, None), ((128, 64), "float16", True, True, None, 128, True),
     ((64, 64), "bfloat16", False, True, None, 64, False), ((128, 192), "bfloat16", True, False, None, 64, None),
-    ((128, 64), "bfloat16", False, True, None, 128, "own dQ")])
+    ((128, 64), "bfloat16", False, True, None, 128, "own dQ"),
+    # the causal walk's crossing steps apart (SPLIT_CAUSAL)
+    ((128, 128), "bfloat16", False, True, None, 128, "split"), ((128, 128), "bfloat16", True, True, None, 128, "split"),
+    ((128, 128), "float16", False, True, None, 64, "split")])
 def test_compiles_for_sm90_with_its_register_split(blocks, dtype, grouped, causal, lagged, dim, ordered):
     """Each variant (lagged, ordered: None as a launch would, LAGGED_DQ and ORDERED; "own dQ": paired programs
-    without PAIRED_SUMMED_DQ) compiles with the register split, wgmma, TMA copies and adds, in shared memory, and
-    spills no more than SPILL_BUDGET bytes a thread."""
-    variant = "ordered=None, summed=False" if ordered == "own dQ" else f"ordered={ordered}"
+    without PAIRED_SUMMED_DQ; "split": SPLIT_CAUSAL on) compiles with the register split, wgmma, TMA copies and
+    adds, in shared memory, and spills no more than SPILL_BUDGET bytes a thread."""
+    variant = {"own dQ": "ordered=None, summed=False", "split": "ordered=None, split_causal=True"}.get(
+        ordered, f"ordered={ordered}")
     report = sm90_report(f"backward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.{dtype}, grouped={grouped}, "
                          f"causal={causal}, lagged={lagged}, dim={dim}, {variant})")
     assert {backward_ws.CONSUMER_REGS, backward_ws.LOADER_REGS} <= set(report["registers"]), report
@@ -468,11 +473,14 @@ def warp_specialized_calls(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("case", list(CASES) + list(CAUSAL_CASES))
-def test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls):
+@pytest.mark.parametrize("case, split", [(case, False) for case in list(CASES) + list(CAUSAL_CASES)]
+                         + [(case, True) for case in CAUSAL_CASES])
+def test_gradients_against_the_oracle(case, split, monkeypatch, poisoned, warp_specialized_calls):
     """dq, dk, dv through a loss of out and LSE, with a query block that keeps nothing, a key block no query
     keeps (exact zeros for its dk and dv) and, where the mask is per head, a head that keeps nothing. Causal cases
-    keep, in their last query block, only the key block holding its middle row."""
+    keep, in their last query block, only the key block holding its middle row; split: their walks' crossing steps
+    in a loop of their own (SPLIT_CAUSAL; the paired walks of 64-key blocks keep one loop)."""
+    monkeypatch.setattr(backward_ws, "SPLIT_CAUSAL", split)
     is_causal = case in CAUSAL_CASES
     batch, heads, kv_heads, seq_q, seq_kv, block, dtype, layout, dim = (CAUSAL_CASES if is_causal else CASES)[case]
     heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)

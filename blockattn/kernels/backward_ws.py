@@ -77,6 +77,17 @@ LAGGED_DQ = True
 # head's programs still run together, sharing its rows of Q, dO and dQ in L2. Measured against key order (twenty-third
 # session): GQA 32/8 S16k 6.8% faster at density 0.1, 2.3% at 0.5; B1 H24 S32k 0.2-1.2%; B8 H16 S4096 2.5%.
 ORDERED = True
+# Whether the causal walk over a q list (MHA and GQA programs of 128-key blocks; not the paired ones, whose common
+# steps come first) runs the steps that cross its keys' diagonal in a loop of their own, and the rest without the
+# causal test. The lists are ascending, so the crossing steps are a prefix (_crossing_steps): one or two of a walk's
+# many. The test is a runtime condition that the compiler makes selects every step runs (32 FSEL a thread among
+# them). Offline sm_90 SASS (fifty-first session; instructions a step, the two consumers' loops, and local loads and
+# stores in them): Triton 3.6, the H200's: D=64 419 / 413 -> 364 / 361 untested, no spill either way; GQA D=128
+# 524 / 514 (8 / 12 local) -> 440 / 448 (0 / 1); MHA D=128 543 / 503 (8 / 4) -> 450 / 468 but with 10 / 18 local,
+# the stack 64 -> 112 bytes. Triton 3.9: MHA D=128 513 / 515 (17 / 15) -> 445 / 449 (2 / 2); GQA 521 / 529 (21 / 21)
+# -> 476 / 477 (19 / 21), its crossing loop 605 / 613 (58 / 62), stack 144 -> 312. Off (SASS unchanged) until timed:
+# `benchmarks/ws_backward_ab.py --setting split-causal`.
+SPLIT_CAUSAL = False
 # Key blocks of 64 keys (or an odd multiple: 128x64 is the library's default block): each program takes two 64-key
 # tiles, one per consumer, whose q lists differ, so the consumers walk apart; the loader interleaves their steps in
 # one ring (a stage holds one consumer's step) and each consumer computes the dQ over its own keys for all of D. Its
@@ -328,27 +339,74 @@ def _step_scores(shared, k_half, v_half, terms_rows, st_zero, i, row0, first_key
 @gluon.jit
 def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_half, k_dq, dq_tile, st_zero,
                W: gl.constexpr, BLOCK_Q: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-               LAGGED_DQ: gl.constexpr, OWN_KEYS: gl.constexpr):
+               LAGGED_DQ: gl.constexpr, OWN_KEYS: gl.constexpr, SPLIT_CAUSAL: gl.constexpr):
     """Consumer W's steps over query head off_h's q list for the key block, from the program's step `it` on:
-    (dk, dv, it) after them. CAUSAL: P = 0 where a key lies past the query row (key > row, absolute indices).
-    LAGGED_DQ: each step computes the dQ of the step before and the walk's last one follows it, so the two consumers
-    need not meet within a step; the second starts its first step once the first has its first scores, so that
-    their exponentials need not fall at the same time. OWN_KEYS (D = 64): each step's dQ share is over the
-    consumer's own keys (k_dq its rows of K), not over all 128 for its columns."""
+    (dk, dv, it) after them. CAUSAL: P = 0 where a key lies past the query row (key > row, absolute indices);
+    SPLIT_CAUSAL: the test only in the steps that cross the diagonal, a prefix of the list (_crossing_steps), the
+    rest in a loop of their own without it. LAGGED_DQ: each step computes the dQ of the step before and the walk's
+    last one follows it, so the two consumers need not meet within a step; the second starts its first step once
+    the first has its first scores, so that their exponentials need not fall at the same time. OWN_KEYS (D = 64):
+    each step's dQ share is over the consumer's own keys (k_dq its rows of K), not over all 128 for its columns."""
     (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
      v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
      scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
      stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
-    D: gl.constexpr = Q_DESC.block_type.shape[3]
     first_key = start_n + W * _KEYS
     if OWN_KEYS:
         dq_column: gl.constexpr = 0
     else:
         dq_column: gl.constexpr = W * _KEYS
     steps, index_row = _q_list(shared, off_b, off_h, key_block, BLOCK_Q)
-    pending_row0 = 0  # LAGGED_DQ: the first row of the step whose dQ is still to come
+    pending_row0 = first_key * 0  # LAGGED_DQ: the first row of the step whose dQ is still to come
+    walk = (index_row, it, off_b, off_h, first_key, k_half, v_half, k_dq, dq_tile, st_zero)
+    if CAUSAL and SPLIT_CAUSAL:
+        crossing = _crossing_steps(index_row, steps, first_key, BLOCK_Q)
+        dk, dv, pending_row0 = _head_steps(shared, walk, 0, crossing, dk, dv, pending_row0, W, BLOCK_Q, STAGES,
+                                           True, LAGGED_DQ, OWN_KEYS)
+        dk, dv, pending_row0 = _head_steps(shared, walk, crossing, steps, dk, dv, pending_row0, W, BLOCK_Q, STAGES,
+                                           False, LAGGED_DQ, OWN_KEYS)
+    else:
+        dk, dv, pending_row0 = _head_steps(shared, walk, 0, steps, dk, dv, pending_row0, W, BLOCK_Q, STAGES, CAUSAL,
+                                           LAGGED_DQ, OWN_KEYS)
+    if LAGGED_DQ:
+        if steps > 0:  # the walk's last dQ
+            dq = _dq_product(ds_smem, ds_ready, k_dq, st_zero, it + steps - 1, W, OWN_KEYS)
+            dq = warpgroup_mma_wait(0, deps=(dq, ))
+            _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, pending_row0, dq_column, W)
+    return dk, dv, it + steps
+
+
+@gluon.jit
+def _crossing_steps(index_row, steps, first_key, BLOCK_Q: gl.constexpr):
+    """How many of a q list's first steps (of `steps`) the diagonal of the consumer's keys first_key .. first_key+63
+    crosses: those whose first row lies before its last key, so that some key lies past some row. The list is
+    ascending, so they lead it, and the scan stops at the first step past them (one or two steps in)."""
+    count = steps * 0
+    scanning = steps > 0
+    while scanning:
+        crosses = _first_row(index_row, count, BLOCK_Q) < first_key + _KEYS - 1
+        count = count + crosses.to(gl.int32)
+        scanning = crosses & (count < steps)
+    return count
+
+
+@gluon.jit
+def _head_steps(shared, walk, start, end, dk, dv, pending_row0, W: gl.constexpr, BLOCK_Q: gl.constexpr,
+                STAGES: gl.constexpr, CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr, OWN_KEYS: gl.constexpr):
+    """Steps start .. end-1 of _head_walk's walk (walk: its list, first program step, place and operands, as
+    _head_walk packs them): (dk, dv, pending_row0) after them. CAUSAL: the steps take the causal test."""
+    (Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC, DK_DESC, DV_DESC, q_smem, do_smem, terms_smem, k_smem,
+     v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, ds_ready, start_gate, DK, DV, Q_COUNT, Q_INDEX, TILE_ORDER,
+     scale_log2, kv_heads, group_size, stride_cb, stride_ch, stride_ib, stride_ih, stride_ik, stride_ob, stride_oh,
+     stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs) = shared
+    index_row, it, off_b, off_h, first_key, k_half, v_half, k_dq, dq_tile, st_zero = walk
+    D: gl.constexpr = Q_DESC.block_type.shape[3]
+    if OWN_KEYS:
+        dq_column: gl.constexpr = 0
+    else:
+        dq_column: gl.constexpr = W * _KEYS
     terms_rows = _terms_rows(terms_smem, STAGES)
-    for step in range(steps):
+    for step in range(start, end):
         i = it + step  # the program's step: the ring's and the dS buffers' phases
         stage = i % STAGES
         row0 = _first_row(index_row, step, BLOCK_Q)
@@ -385,12 +443,7 @@ def _head_walk(shared, dk, dv, it, off_b, off_h, start_n, key_block, k_half, v_h
             dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_op, dst_op))
             mbarrier.arrive(q_empty.index(stage), count=1)
             _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, row0, dq_column, W)
-    if LAGGED_DQ:
-        if steps > 0:  # the walk's last dQ
-            dq = _dq_product(ds_smem, ds_ready, k_dq, st_zero, it + steps - 1, W, OWN_KEYS)
-            dq = warpgroup_mma_wait(0, deps=(dq, ))
-            _add_dq(DQ_DESC, dq_smem, dq_tile, dq, off_b, off_h, pending_row0, dq_column, W)
-    return dk, dv, it + steps
+    return dk, dv, pending_row0
 
 
 @gluon.jit
@@ -532,7 +585,7 @@ def _common_dq(shared, dq_tile, st_zero, walked, off_b, off_h, row0, W: gl.const
 @gluon.jit
 def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, STAGES: gl.constexpr,
               GROUPED: gl.constexpr, CAUSAL: gl.constexpr, LAGGED_DQ: gl.constexpr, ORDERED: gl.constexpr,
-              PAIRED: gl.constexpr, SUMMED_DQ: gl.constexpr, KV_SPLIT: gl.constexpr):
+              PAIRED: gl.constexpr, SUMMED_DQ: gl.constexpr, KV_SPLIT: gl.constexpr, SPLIT_CAUSAL: gl.constexpr):
     """Keys W*64 .. W*64+63 of the program's tile: dK and dV over the group's q lists, stored at the end, and dQ's
     columns W*64 .. W*64+63 of each step (at D = 64 all columns over its own keys), added into the fp32 buffer behind
     DQ_DESC (without the softmax scale). PAIRED: the program's second 64-key tile, its own walks (_paired_walk).
@@ -580,10 +633,10 @@ def _consumer(shared, W: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.const
         for g in range(group_size):
             dk, dv, it = _head_walk(shared, dk, dv, it, off_b, off_hkv * group_size + g, start_n, key_block, k_half,
                                     v_half, k_dq, dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL, LAGGED_DQ,
-                                    OWN_KEYS)
+                                    OWN_KEYS, SPLIT_CAUSAL)
     else:
         dk, dv, _ = _head_walk(shared, dk, dv, 0, off_b, off_hkv, start_n, key_block, k_half, v_half, k_dq,
-                               dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL, LAGGED_DQ, OWN_KEYS)
+                               dq_tile, st_zero, W, BLOCK_Q, STAGES, CAUSAL, LAGGED_DQ, OWN_KEYS, SPLIT_CAUSAL)
     if PAIRED:
         first_key = start_n  # its own 64-key tile's
     else:
@@ -726,7 +779,8 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC
                             STAGES: gl.constexpr, GROUPED: gl.constexpr, CAUSAL: gl.constexpr,
                             LAGGED_DQ: gl.constexpr, ORDERED: gl.constexpr, PAIRED: gl.constexpr,
                             SUMMED_DQ: gl.constexpr, KV_SPLIT: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                            SPLIT_CAUSAL: gl.constexpr = False):
     """Grid (Sk / 128, launch.batch_head_axes(B, Hkv)). Q_DESC / DO_DESC: Gluon host descriptors of q and dO [B, H, Sq,
     D] with [1, 1, 64, D] boxes (D = 64 or 128); K_DESC / V_DESC of k, v [B, Hkv, Sk, D] with [1, 1, 128, D]; DQ_DESC of
     a zeroed fp32 [B, H, Sq, D] buffer with [1, 1, 64, 64] boxes (it gets dS K without the softmax scale). TERMS_DESC of
@@ -789,9 +843,9 @@ def attention_bwd_ws_kernel(Q_DESC, K_DESC, V_DESC, DO_DESC, DQ_DESC, TERMS_DESC
     SECOND: gl.constexpr = 1
     gl.warp_specialize([
         (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ, ORDERED, PAIRED,
-                       SUMMED_DQ, KV_SPLIT)),
+                       SUMMED_DQ, KV_SPLIT, SPLIT_CAUSAL)),
         (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ, ORDERED, PAIRED,
-                       SUMMED_DQ, KV_SPLIT)),
+                       SUMMED_DQ, KV_SPLIT, SPLIT_CAUSAL)),
         (_loader, (shared, FIRST, BLOCK_Q, BLOCK_KV, STAGES, GROUPED, CAUSAL, LAGGED_DQ, ORDERED, PAIRED,
                        SUMMED_DQ, KV_SPLIT)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -886,10 +940,11 @@ def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_
             **stride_args("dk", dk_out, "bhs"), **stride_args("dv", dv_out, "bhs"), BLOCK_Q=block_q,
             BLOCK_KV=block_kv, STAGES=stages, GROUPED=heads != parts, CAUSAL=causal, LAGGED_DQ=LAGGED_DQ,
             ORDERED=ordered, PAIRED=paired, SUMMED_DQ=summed, KV_SPLIT=split, CONSUMER_REGS=CONSUMER_REGS,
-            LOADER_REGS=LOADER_REGS)
+            LOADER_REGS=LOADER_REGS, SPLIT_CAUSAL=SPLIT_CAUSAL)
         return (seq_kv // TILE_N, *launch.batch_head_axes(batch, parts)), descriptors, static
     launch_warp_specialized(attention_bwd_ws_kernel,
-                            (block_q, block_kv, scale_log2, causal, stages, LAGGED_DQ, ordered, summed, split),
+                            (block_q, block_kv, scale_log2, causal, stages, LAGGED_DQ, ordered, summed, split,
+                             SPLIT_CAUSAL),
                             dict(Q_DESC=q, K_DESC=k, V_DESC=v, DO_DESC=grad_out, DQ_DESC=dq_acc, DK_DESC=dk_out,
                                  DV_DESC=dv_out, DK=dk_out, DV=dv_out,
                                  TERMS_DESC=row_terms, Q_COUNT=q_count, Q_INDEX=q_index, TILE_ORDER=order),
@@ -1161,14 +1216,16 @@ def row_terms_buffer(batch: int, heads: int, seq_q: int, device) -> torch.Tensor
 
 def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = torch.bfloat16,
                  grouped: bool = False, causal: bool = False, lagged: Optional[bool] = None, dim: int = 128,
-                 ordered: Optional[bool] = None, summed: Optional[bool] = None, kv_split: int = 1):
+                 ordered: Optional[bool] = None, summed: Optional[bool] = None, kv_split: int = 1,
+                 split_causal: Optional[bool] = None):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for q lists at (block_q, block_kv), GQA (grouped) or not, causal or not, dQ lagged a step or not (None:
     as a launch would, LAGGED_DQ), head dim `dim` (HEAD_DIMS), tiles in tile_order's order or not (None: ORDERED),
     with the launch's register settings; block_kv not a multiple of 128 compiles the paired programs, their common
     steps' dQ summed over both tiles or not (None: as a launch would, PAIRED_COMMON_FIRST and PAIRED_SUMMED_DQ);
     kv_split > 1: each kv head's group split in that many parts, dK and dV added into fp32 sums (KV_SPLIT; grouped
-    then says whether a part holds several query heads)."""
+    then says whether a part holds several query heads); split_causal: the causal walk's crossing steps apart (None:
+    SPLIT_CAUSAL)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     name = _GL_DTYPES[dtype][0]
@@ -1186,7 +1243,7 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
                      CAUSAL=causal, LAGGED_DQ=LAGGED_DQ if lagged is None else lagged,
                      ORDERED=ORDERED if ordered is None else ordered, PAIRED=paired,
                      SUMMED_DQ=paired and (PAIRED_COMMON_FIRST and PAIRED_SUMMED_DQ if summed is None else summed),
-                     KV_SPLIT=kv_split,
+                     KV_SPLIT=kv_split, SPLIT_CAUSAL=SPLIT_CAUSAL if split_causal is None else split_causal,
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
     signature = {}
     for param in attention_bwd_ws_kernel.params:

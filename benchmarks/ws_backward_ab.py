@@ -1,0 +1,66 @@
+"""The warp-specialized backward with one of its settings each way, timed in turns (A, B, A, B, ...) so that drift
+on the machine falls on both ways alike, and the two ways' gradients compared.
+
+Settings (module attributes of blockattn.kernels.backward_ws):
+  split-causal    the causal walk's steps that cross the diagonal in a loop of their own, the rest without the
+                  causal test, or every step in one loop with it (SPLIT_CAUSAL)
+
+    cd benchmarks && python ws_backward_ab.py --setting split-causal --rounds 3
+"""
+
+import argparse
+import statistics
+
+import torch
+
+import blockattn
+from blockattn.bench import Case, _flops, _inputs, _time_ms, block_mask
+from blockattn.kernels import backward_ws
+
+SUITES = {
+    # is_causal over the block-causal mask: MHA and GQA walks of 128-key blocks, D=128 and 64, long and short
+    "causal": [Case(pattern="causal", density=0.5), Case(dim=64, pattern="causal", density=0.5),
+               Case(heads=32, kv_heads=8, seq=16384, pattern="causal", density=0.5),
+               Case(batch=8, heads=16, kv_heads=16, seq=4096, pattern="causal", density=0.5)],
+}
+SETTINGS = {"split-causal": ("SPLIT_CAUSAL", "split", "one loop")}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--setting", choices=sorted(SETTINGS), default="split-causal")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cases", choices=sorted(SUITES), nargs="+", default=["causal"])
+    args = parser.parse_args()
+    attribute, on_name, off_name = SETTINGS[args.setting]
+    saved = getattr(backward_ws, attribute)
+    device = torch.device("cuda")
+    print(f"{args.setting} each way (backward only, effective TFLOP/s in brackets)")
+    print(f"| case | {on_name} ms (each round) | {off_name} ms (each round) | {off_name} / {on_name} (medians) | "
+          "relative gap dq/dk/dv |")
+    print("| --- | --- | --- | --- | --- |")
+    for case in [case for name in args.cases for case in SUITES[name]]:
+        keep = block_mask(case, device)
+        blocks = blockattn.BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
+        q, k, v = _inputs(case, device, requires_grad=True)
+        grad = torch.randn_like(q)
+        out = blockattn.attention(q, k, v, blocks, is_causal=case.pattern == "causal")
+        times, grads = {True: [], False: []}, {}
+        try:
+            for _ in range(args.rounds):
+                for on in (True, False):
+                    setattr(backward_ws, attribute, on)
+                    grads[on] = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+                    times[on].append(_time_ms(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)))
+        finally:
+            setattr(backward_ws, attribute, saved)
+        med = {key: statistics.median(value) for key, value in times.items()}
+        flops = 2.5 * _flops(case, blocks.density())
+        gaps = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(grads[True], grads[False])]
+        print(f"| {case.label} | {' / '.join(f'{t:.3f}' for t in times[True])} ({flops / med[True] / 1e9:.0f}) | "
+              f"{' / '.join(f'{t:.3f}' for t in times[False])} ({flops / med[False] / 1e9:.0f}) | "
+              f"{med[False] / med[True]:.3f} | {'/'.join(f'{g:.1e}' for g in gaps)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
