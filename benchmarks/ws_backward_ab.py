@@ -13,8 +13,7 @@ import statistics
 
 import torch
 
-import blockattn
-from blockattn.bench import Case, _flops, _inputs, _time_ms, block_mask
+from blockattn.bench import Case, _flops, _time_ms, backward_inputs
 from blockattn.kernels import backward_ws
 
 SUITES = {
@@ -40,11 +39,7 @@ def main():
           "relative gap dq/dk/dv |")
     print("| --- | --- | --- | --- | --- |")
     for case in [case for name in args.cases for case in SUITES[name]]:
-        keep = block_mask(case, device)
-        blocks = blockattn.BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
-        q, k, v = _inputs(case, device, requires_grad=True)
-        grad = torch.randn_like(q)
-        out = blockattn.attention(q, k, v, blocks, is_causal=case.pattern == "causal")
+        blocks, q, k, v, grad, out = backward_inputs(case, device)
         times, grads = {True: [], False: []}, {}
         try:
             for _ in range(args.rounds):

@@ -122,6 +122,17 @@ def _inputs(case: Case, device, requires_grad: bool):
     return [torch.randn(s, generator=gen, device=device, dtype=dtype).requires_grad_(requires_grad) for s in shapes]
 
 
+def backward_inputs(case: Case, device):
+    """(blocks, q, k, v, grad_out, out) to time a case's backward alone: its block mask's BlockSparsity, inputs
+    that require grad, a random gradient of out and blockattn's forward output, so that
+    torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True) runs the backward again and again."""
+    keep = block_mask(case, device)
+    blocks = BlockSparsity.from_mask(keep, case.block, case.seq, case.seq)
+    q, k, v = _inputs(case, device, requires_grad=True)
+    grad_out = torch.randn_like(q)
+    return blocks, q, k, v, grad_out, attention(q, k, v, blocks, is_causal=case.pattern == "causal")
+
+
 def flex_block_mask(blocks: BlockSparsity):
     """The FlexAttention BlockMask the benchmarks give compiled FlexAttention for blocks: every kept block full and
     no mask_mod, so FlexAttention runs its fastest path (kv_num_blocks int32 [B, H, nq] and kv_indices
