@@ -397,7 +397,8 @@ def test_warp_specialized_launchers_pass_every_parameter_by_name(monkeypatch, pl
 
 
 @pytest.mark.parametrize("setting, constexpr, value", [
-    ("EMULATED_EXP2_DIMS", "EMULATE_EXP2", (128, )), ("O_THROUGH_TMA", "O_THROUGH_TMA", True)])
+    ("EMULATED_EXP2_DIMS", "EMULATE_EXP2", (128, )), ("O_THROUGH_TMA", "O_THROUGH_TMA", True),
+    ("PERSISTENT_DIMS", "PERSISTENT", (128, ))])
 def test_a_changed_forward_setting_reaches_the_planned_launch(monkeypatch, setting, constexpr, value):
     """forward_ws's module settings are the kernel's constexprs, so they are part of its launch plan's key: a call
     after one of them changed does not relaunch the plan the call before made (benchmarks and tests switch them
@@ -405,12 +406,13 @@ def test_a_changed_forward_setting_reaches_the_planned_launch(monkeypatch, setti
     site key (the tensors' layouts are the same in both calls), so no GPU is needed."""
     from blockattn.kernels import forward_ws
     monkeypatch.setattr(forward_ws, "LAUNCH_PLANS", True)
+    monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 5)  # (the persistent grid's size, no device to ask)
     specs, calls = {}, []
 
     def planned_run(kernel_fn, site_key, tensors, build, fresh=(), seen=None):
         if site_key not in specs:  # a plan miss builds the launch; a hit relaunches what was built
             specs[site_key] = build()
-        calls.append(specs[site_key].static)
+        calls.append((specs[site_key].static, specs[site_key].grid({})))
     monkeypatch.setattr(launch, "run", planned_run)
 
     def meta(*shape, dtype=torch.bfloat16):
@@ -419,9 +421,11 @@ def test_a_changed_forward_setting_reaches_the_planned_launch(monkeypatch, setti
     lists = (meta(1, 4, 2, dtype=torch.int32), meta(1, 4, 2, 2, dtype=torch.int32))
     for _ in range(2):
         forward_ws.attention_forward_ws(q, kv, kv, *lists, 128, 128, 0.1, q, meta(2, 4, 256, dtype=torch.float32),
-                                        forward_ws.Plan(128, causal=True))
+                                        forward_ws.Plan(128))
         monkeypatch.setattr(forward_ws, setting, value)
-    assert [call[constexpr] for call in calls] == [False, True]
+    assert [static[constexpr] for static, _ in calls] == [False, True]
+    # a program a query tile (2 tiles, batch 2 x 4 heads), or the persistent grid's 5 programs
+    assert [tuple(grid) for _, grid in calls] == [(2, 8, 1), (5, 1, 1) if setting == "PERSISTENT_DIMS" else (2, 8, 1)]
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
