@@ -473,14 +473,11 @@ def warp_specialized_calls(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("case, split", [(case, False) for case in list(CASES) + list(CAUSAL_CASES)]
-                         + [(case, True) for case in CAUSAL_CASES])
-def test_gradients_against_the_oracle(case, split, monkeypatch, poisoned, warp_specialized_calls):
+@pytest.mark.parametrize("case", list(CASES) + list(CAUSAL_CASES))
+def test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls):
     """dq, dk, dv through a loss of out and LSE, with a query block that keeps nothing, a key block no query
     keeps (exact zeros for its dk and dv) and, where the mask is per head, a head that keeps nothing. Causal cases
-    keep, in their last query block, only the key block holding its middle row; split: their walks' crossing steps
-    in a loop of their own (SPLIT_CAUSAL; the paired walks of 64-key blocks keep one loop)."""
-    monkeypatch.setattr(backward_ws, "SPLIT_CAUSAL", split)
+    keep, in their last query block, only the key block holding its middle row."""
     is_causal = case in CAUSAL_CASES
     batch, heads, kv_heads, seq_q, seq_kv, block, dtype, layout, dim = (CAUSAL_CASES if is_causal else CASES)[case]
     heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
@@ -511,6 +508,14 @@ def test_gradients_against_the_oracle(case, split, monkeypatch, poisoned, warp_s
                                 is_causal=is_causal, through_lse=True)
     unkept = slice(seq_kv - block[1], seq_kv)
     assert not grads[1][:, :, unkept].any() and not grads[2][:, :, unkept].any(), "dk / dv of an unkept key block"
+
+
+@pytest.mark.parametrize("case", list(CAUSAL_CASES))
+def test_causal_split_against_the_oracle(case, monkeypatch, poisoned, warp_specialized_calls):
+    """The causal cases above with each walk's crossing steps in a loop of their own and the rest without the
+    causal test (SPLIT_CAUSAL; the paired walks of 64-key blocks keep one loop)."""
+    monkeypatch.setattr(backward_ws, "SPLIT_CAUSAL", True)
+    test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls)
 
 
 def test_row_terms_reach_it_in_their_padded_buffer(poisoned, monkeypatch):

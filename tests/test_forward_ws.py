@@ -427,6 +427,36 @@ def _fixed_offset_walks(q, k, keep, block, causal: bool, tile_n: int, checked: b
     return fixed / tiles, rise
 
 
+@pytest.mark.parametrize("batch, heads, kv_heads, seq_q, block_q, shared", [
+    (2, 4, 2, 1100, 256, False), (1, 6, 3, 640, 128, False), (3, 4, 4, 1024, 128, True)])
+def test_query_tile_order_puts_the_longest_lists_first(batch, heads, kv_heads, seq_q, block_q, shared):
+    """query_tile_order (the persistent grid's order of work items): a permutation of the items, numbered as _program
+    decodes them (tile, then slot within the batch's heads, slot s holding head (s % kv_heads) * group + s //
+    kv_heads), whose kv counts never rise along it, ties in item order; with 256-row blocks two tiles share a
+    block's list, and a tail tile its last; shared: one mask for every batch and head (size-1 dims)."""
+    group = heads // kv_heads
+    nq = -(-seq_q // block_q)
+    q_tiles = -(-seq_q // 128)
+    gen = torch.Generator().manual_seed(5)
+    kv_count = torch.randint(0, 4, (1, 1, nq) if shared else (batch, heads, nq), generator=gen, dtype=torch.int32)
+    order = forward_ws.query_tile_order(kv_count, batch, heads, group, block_q, q_tiles)
+    assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(q_tiles * batch * heads))
+    full = kv_count.expand(batch, heads, nq)
+
+    def count(item):
+        tile, bh = item % q_tiles, item // q_tiles
+        slot = bh % heads
+        return int(full[bh // heads, (slot % kv_heads) * group + slot // kv_heads, tile * 128 // block_q])
+    counts = [count(item) for item in order.tolist()]
+    assert all(a > b or (a == b and i < j) for (a, i), (b, j) in zip(zip(counts, order.tolist()),
+                                                                   zip(counts[1:], order.tolist()[1:])))
+    cached = forward_ws.cached_query_tile_order(kv_count, batch, heads, group, block_q, q_tiles)
+    assert torch.equal(cached, order)
+    assert forward_ws.cached_query_tile_order(kv_count, batch, heads, group, block_q, q_tiles) is cached
+    kv_count.add_(1)  # written in place: computed again
+    assert forward_ws.cached_query_tile_order(kv_count, batch, heads, group, block_q, q_tiles) is not cached
+
+
 # the persistent grid's cases (not is_causal's: PERSISTENT_DIMS): (a table, its case, head dim, out through the TMA
 # unit)
 PERSISTENT_CASES = ([("CASES", case, 128, False) for case in CASES]

@@ -31,7 +31,6 @@ Gluon, so on the CPU the tests compile this kernel for sm_90 without running it.
 
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
@@ -41,7 +40,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .. import sparsity
 from . import autotune, buffers, launch, replay
 from .forward import stride_args
 # Registers per thread for a consumer warpgroup and for the loader (setmaxnreg) and the launch options (the
@@ -1069,8 +1067,8 @@ def _pairs_longest_first(partner: torch.Tensor, walk: torch.Tensor) -> torch.Ten
 
 
 # tile_order's and pair_lists' results by ((id, version) of each lists tensor, the call's terms): (weak reference to
-# q_count, result) (_kept_per_lists). Lists are made once and used by many calls (every layer of a model, every step
-# of a mask that stays); an entry goes with its q_count.
+# q_count, result) (replay.kept_per_lists). Lists are made once and used by many calls (every layer of a model, every
+# step of a mask that stays); an entry goes with its q_count.
 _TILE_ORDERS: dict = {}
 _PAIRED_ORDERS: dict = {}
 _PAIR_LISTS: dict = {}
@@ -1078,15 +1076,15 @@ _USES: dict = {}  # backward_uses' counts
 
 
 def cached_tile_order(q_count: torch.Tensor, kv_heads: int, tiles_per_block: int) -> torch.Tensor:
-    """tile_order(q_count, ...), computed once per lists tensor (_kept_per_lists)."""
-    return _kept_per_lists(_TILE_ORDERS, (q_count, ), (kv_heads, tiles_per_block),
+    """tile_order(q_count, ...), computed once per lists tensor (replay.kept_per_lists)."""
+    return replay.kept_per_lists(_TILE_ORDERS, (q_count, ), (kv_heads, tiles_per_block),
                            lambda counts: tile_order(counts, kv_heads, tiles_per_block))
 
 
 def cached_paired_tile_order(q_count: torch.Tensor, q_index: torch.Tensor, kv_heads: int,
                              tiles_per_block: int) -> torch.Tensor:
-    """paired_tile_order(q_count, q_index, ...), computed once per lists tensors (_kept_per_lists)."""
-    return _kept_per_lists(_PAIRED_ORDERS, (q_count, q_index),
+    """paired_tile_order(q_count, q_index, ...), computed once per lists tensors (replay.kept_per_lists)."""
+    return replay.kept_per_lists(_PAIRED_ORDERS, (q_count, q_index),
                            (kv_heads, tiles_per_block, PAIR_BALANCE, PAIR_ROUNDS, PAIR_MIN_TILES, PAIR_MAX_TILES),
                            lambda counts, index: paired_tile_order(counts, index, kv_heads, tiles_per_block))
 
@@ -1094,32 +1092,9 @@ def cached_paired_tile_order(q_count: torch.Tensor, q_index: torch.Tensor, kv_he
 def backward_uses(q_count: torch.Tensor, q_index: torch.Tensor) -> int:
     """How many paired backward calls have run on these lists tensors, this one included (MATCH_FROM_USE). Under CUDA
     graph capture, and for inference tensors, nothing is kept: 1."""
-    uses = _kept_per_lists(_USES, (q_count, q_index), (), lambda *lists: [0], replayed=False)
+    uses = replay.kept_per_lists(_USES, (q_count, q_index), (), lambda *lists: [0], replayed=False)
     uses[0] += 1
     return uses[0]
-
-
-def _kept_per_lists(table: dict, lists: tuple, terms: tuple, compute, derived: tuple = (), replayed: bool = True):
-    """compute(*lists, *derived) (derived: tensors that follow from the lists and the terms, such as their tile
-    order), kept in table under the lists tensors' ids and versions and the hashable terms, so computed again only
-    after a list is written in place; the entry goes with lists[0]. Under CUDA graph capture (and while Inductor's
-    CUDA graphs warm up: sparsity.compiling_or_capturing) it is computed afresh and not kept: the capture's memory
-    belongs to the graph; so is an inference tensor's, which has no version counter to tell a write in place. On
-    CUDA new lists take the computation's replay (replay.run; not `replayed`: computed directly, as a value that is
-    no tensor must be): a mask made afresh every step then costs little host time."""
-    first, inputs = lists[0], lists + derived
-    if any(t.is_inference() for t in lists) or (first.is_cuda and sparsity.compiling_or_capturing(first.device)):
-        return compute(*inputs)
-    key = tuple((id(t), t._version) for t in lists) + terms
-    entry = table.get(key)
-    if entry is not None and entry[0]() is first:
-        return entry[1]
-    if replayed:  # (the name tells the computations apart)
-        value = replay.run(compute, inputs, (compute.__qualname__, ) + terms)
-    else:
-        value = compute(*inputs)
-    table[key] = (weakref.ref(first, lambda _, key=key: table.pop(key, None)), value)
-    return value
 
 
 def pair_lists(q_count: torch.Tensor, q_index: torch.Tensor, order: Optional[torch.Tensor], tiles_per_block: int,
@@ -1162,14 +1137,14 @@ def pair_lists(q_count: torch.Tensor, q_index: torch.Tensor, order: Optional[tor
 def cached_pair_lists(q_count: torch.Tensor, q_index: torch.Tensor, order: Optional[torch.Tensor], kv_heads: int,
                       tiles_per_block: int, group: int = 1, matched: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """pair_lists(..., PAIRED_COMMON_FIRST), for GQA (group query heads a kv head) merged by merge_group_lists,
-    computed once per lists tensors (_kept_per_lists). The order comes from the lists, kv_heads, whether it is the
+    computed once per lists tensors (replay.kept_per_lists). The order comes from the lists, kv_heads, whether it is the
     matching's (matched: cached_paired_tile_order's, else cached_tile_order's) and the pairing's settings, which the
     cache key therefore holds."""
     def compute(counts, index, *given_order):
         lists = pair_lists(counts, index, given_order[0] if given_order else None, tiles_per_block,
                            PAIRED_COMMON_FIRST)
         return merge_group_lists(*lists, group) if group > 1 else lists
-    return _kept_per_lists(_PAIR_LISTS, (q_count, q_index),
+    return replay.kept_per_lists(_PAIR_LISTS, (q_count, q_index),
                            (order is None, kv_heads, tiles_per_block, group, PAIRED_COMMON_FIRST, matched,
                             PAIR_BALANCE, PAIR_ROUNDS, PAIR_MIN_TILES, PAIR_MAX_TILES), compute,
                            () if order is None else (order, ))

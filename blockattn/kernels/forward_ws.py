@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from . import autotune, launch
+from . import autotune, launch, replay
 from .bounds import BF16_HEADROOM, FP16_HEADROOM, KEY_NORM_PARTS, RISE_LIMIT, key_norm_parts
 
 # A TMA copy from global into shared memory: async_load from Triton 3.9 on, where the older name raises; Triton 3.6
@@ -132,13 +132,15 @@ LAUNCH_PLANS = True
 EMULATED_EXP2_DIMS: tuple = ()
 # Head dims whose kernel runs a persistent grid when not causal: one program an SM (or PERSISTENT_PROGRAMS, where
 # set: the tests take a few, so that each program walks many items), each taking work items (query tiles of a head)
-# in turn, instead of a program an item (kernels/README.md, "The persistent grid"). Off: its turns are fixed, so a
-# program that draws long lists ends late. Measured on an H100 (fifty-first session, `benchmarks/ws_forward_ab.py
-# --setting persistent --cases grid skewed`, B1 H24 S32k bf16, in turns): 1.09x / 1.04x as fast at D=64 d=0.1
-# (128x128 / 128x64), 1.02x / 1.01x at D=128 d=0.1, 1.05x / 1.02x at B8 H16 S2048 / 4096 d=0.5, 0.99-1.05x at d=1,
-# 0.5 and 0.25; but 0.87x (D=128) and 0.84x (D=64) on the skewed mask of target 6 (a tenth of the query blocks keep
-# everything), 20-28% slower than the uniform mask where a program a tile is within 2%, and 0.92x / 0.95x causal.
-# Handing items out in order of work (an atomic counter) would keep both; not built.
+# in turn, instead of a program an item (kernels/README.md, "The persistent grid"). Measured on an H100 (fifty-first
+# session, `benchmarks/ws_forward_ab.py --setting persistent --cases grid skewed`, B1 H24 S32k bf16, in turns), with
+# the items in launch order: 1.09x / 1.04x as fast at D=64 d=0.1 (128x128 / 128x64), 1.02x / 1.01x at D=128 d=0.1,
+# 1.05x / 1.02x at B8 H16 S2048 / 4096 d=0.5, 0.99-1.05x at d=1, 0.5 and 0.25; but 0.87x (D=128) and 0.84x (D=64)
+# on target 6's skewed mask (a tenth of the query blocks keep everything), 20-28% slower than the uniform mask where
+# a program a tile is within 2%, and 0.92x / 0.95x causal: a program's share of the items is fixed, and those that
+# drew long lists ended late. Since then the programs take the items longest list first (query_tile_order), which
+# benchmarks/persistent_sim.py models at +3.9% over the ideal on the skewed mask (launch order +39%, a program a
+# tile +6.3%); not yet timed, so off.
 PERSISTENT_DIMS: tuple = ()
 PERSISTENT_PROGRAMS: Optional[int] = None
 
@@ -185,7 +187,8 @@ def _program(lists, item, BLOCK_Q: gl.constexpr, CAUSAL: gl.constexpr):
     kv heads), and its kv list (the pointer to its first entry, and its count of key blocks). lists: the kernel's
     lists and counts, as attention_fwd_ws_kernel packs them. CAUSAL: the last query tiles, whose lists are the
     longest, come first, so that the short ones fill the grid's tail."""
-    KV_COUNT, KV_INDEX, heads, group_size, q_tiles, items, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq = lists
+    (KV_COUNT, KV_INDEX, heads, group_size, q_tiles, items, ITEM_ORDER, stride_cb, stride_ch, stride_ib, stride_ih,
+     stride_iq) = lists
     pid_bh = item // q_tiles
     off_b = pid_bh // heads
     kv_heads = heads // group_size
@@ -199,6 +202,14 @@ def _program(lists, item, BLOCK_Q: gl.constexpr, CAUSAL: gl.constexpr):
     count = gl.load(KV_COUNT + off_b * stride_cb + off_h * stride_ch + q_block)
     index_row = KV_INDEX + off_b.to(gl.int64) * stride_ib + off_h.to(gl.int64) * stride_ih + q_block * stride_iq
     return off_b, off_h, off_h // group_size, start_m, index_row, count
+
+
+@gluon.jit
+def _ordered_item(lists, position):
+    """The persistent grid's work item at `position` in the programs' turns (position = program_id(0) + turn *
+    num_programs(0)): ITEM_ORDER's entry (query_tile_order: the longest kv lists first), so that each program's
+    turns go from long items to short ones and the programs end together."""
+    return gl.load(lists[6] + position)
 
 
 @gluon.jit
@@ -451,8 +462,9 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
         step = gl.num_programs(0)
         base = first * 0  # ring position of the item's first key tile (the items' before it), an int32 scalar
         for turn in range((items - first + step - 1) // step):
-            base = _consumer_item(shared, first + turn * step, turn, base, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N,
-                                  STAGES, CAUSAL, OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)
+            base = _consumer_item(shared, _ordered_item(shared[2], first + turn * step), turn, base, HALF, BLOCK_Q,
+                                  BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2, O_THROUGH_TMA,
+                                  FIXED_OFFSETS, CHECK_RISE)
     else:
         _consumer_item(shared, _grid_item(), 0, 0, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP,
                        EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)
@@ -692,8 +704,8 @@ def _loader(shared, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.con
         step = gl.num_programs(0)
         base = first * 0  # (as _consumer's)
         for turn in range((items - first + step - 1) // step):
-            base = _loader_item(shared, first + turn * step, turn, base, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES,
-                                CAUSAL)
+            base = _loader_item(shared, _ordered_item(shared[2], first + turn * step), turn, base, BLOCK_Q, BLOCK_KV,
+                                SUB_N, TILE_N, STAGES, CAUSAL)
     else:
         _loader_item(shared, _grid_item(), 0, 0, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL)
 
@@ -735,9 +747,9 @@ def _loader_item(shared, item, turn, base, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.c
 
 @gluon.jit
 def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2,
-                            seq_q, heads, group_size, q_tiles, items, stride_cb, stride_ch, stride_ib, stride_ih,
-                            stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb, stride_nh,
-                            K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                            seq_q, heads, group_size, q_tiles, items, ITEM_ORDER, stride_cb, stride_ch, stride_ib,
+                            stride_ih, stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb,
+                            stride_nh, K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                             BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
                             TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr = True,
@@ -745,9 +757,10 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
                             FIXED_OFFSETS: gl.constexpr = False, CHECK_RISE: gl.constexpr = False,
                             PERSISTENT: gl.constexpr = False):
     """Grid (cdiv(Sq, 128) = q_tiles, launch.batch_head_axes(B, H)), a program a work item (a query tile of a head);
-    under PERSISTENT (see PERSISTENT_DIMS) (programs, 1, 1), each taking the items program_id(0) + n * programs
-    of the items = q_tiles * B * H in turn. Q_DESC / K_DESC / V_DESC: Gluon host descriptors of
-    q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with boxes [1, 1, 64, D] / [1, 1, SUB_N, D]; KV_COUNT int32
+    under PERSISTENT (see PERSISTENT_DIMS) (programs, 1, 1), each taking the items at positions program_id(0) + n *
+    programs of ITEM_ORDER int32 [items = q_tiles * B * H] (query_tile_order) in turn, else ITEM_ORDER None.
+    Q_DESC / K_DESC / V_DESC: Gluon host descriptors of q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with boxes
+    [1, 1, 64, D] / [1, 1, SUB_N, D]; KV_COUNT int32
     [Bm, Hm, nq], KV_INDEX int32 [Bm, Hm, nq, L] (size-1 mask dims with stride 0), every listed block's keys below
     Sk (CAUSAL: the lists of BlockSparsity.causal(), ascending); Out [B, H, Sq, D] (last dim contiguous), Lse
     fp32 [B, H, Sq] (last dim contiguous); O_DESC: when O_THROUGH_TMA, a descriptor of Out with Q_DESC's boxes,
@@ -781,8 +794,8 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     # (_program), out and Lse (_finish), the key norms' bound, and k and v by pointer (_walk_again)
     shared = ((Q_DESC, K_DESC, V_DESC, O_DESC),
               (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty),
-              (KV_COUNT, KV_INDEX, heads, group_size, q_tiles, items, stride_cb, stride_ch, stride_ib, stride_ih,
-               stride_iq),
+              (KV_COUNT, KV_INDEX, heads, group_size, q_tiles, items, ITEM_ORDER, stride_cb, stride_ch, stride_ib,
+               stride_ih, stride_iq),
               (Out, Lse, seq_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh),
               (KEY_NORMS, stride_nb, stride_nh),
               (K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs), scale_log2)
@@ -909,6 +922,8 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
             LOADER_REGS=LOADER_REGS, **settings)
         if key_norms is None:
             static["KEY_NORMS"] = None
+        if not settings["PERSISTENT"]:
+            static["ITEM_ORDER"] = None
         # O_DESC only when out goes through the TMA unit; else None: no descriptor to build or encode on relaunches
         if settings["O_THROUGH_TMA"]:
             descriptors["O_DESC"] = host_descriptor(out, CONSUMER_ROWS)
@@ -932,9 +947,37 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
         tensors["KEY_NORMS"] = key_norms
     if settings["O_THROUGH_TMA"]:
         tensors["O_DESC"] = out
+    if settings["PERSISTENT"]:
+        tensors["ITEM_ORDER"] = cached_query_tile_order(kv_count, batch, heads, heads // k.shape[1], block_q, q_tiles)
     # (the persistent grid's size is arguments()'s too)
     launch_warp_specialized(attention_fwd_ws_kernel, (block_q, block_kv, scale_log2, chosen, STAGES[dim],
                                                       *settings.values(), PERSISTENT_PROGRAMS), tensors, arguments)
+
+
+def query_tile_order(kv_count: torch.Tensor, batch: int, heads: int, group_size: int, block_q: int,
+                     q_tiles: int) -> torch.Tensor:
+    """int32 [q_tiles * batch * heads]: the persistent grid's work items, numbered as _program takes them (item =
+    tile + q_tiles * (b * heads + slot), slot s holding head (s % kv_heads) * group_size + s // kv_heads), longest
+    kv list first, ties in that numbering's order. kv_count int32 [Bm, Hm, nq] (size-1 dims broadcast), a list per
+    block of block_q rows, which a 128-row tile takes whole. With the programs taking the items in turn (_ordered_item),
+    each starts long and ends short, as the hardware's scheduler of a program a tile gets by itself."""
+    kv_heads = heads // group_size
+    slots = torch.arange(heads, device=kv_count.device)
+    head_of_slot = (slots % kv_heads) * group_size + slots // kv_heads
+    block_of_tile = torch.arange(q_tiles, device=kv_count.device) * TILE_Q // block_q
+    counts = kv_count.expand(batch, heads, kv_count.shape[-1])[:, head_of_slot][:, :, block_of_tile]
+    return torch.argsort(counts.reshape(-1), descending=True, stable=True).to(torch.int32)
+
+
+# query_tile_order's results by (kv_count's (id, version), the call's terms) (replay.kept_per_lists)
+_QUERY_ORDERS: dict = {}
+
+
+def cached_query_tile_order(kv_count: torch.Tensor, batch: int, heads: int, group_size: int, block_q: int,
+                            q_tiles: int) -> torch.Tensor:
+    """query_tile_order(kv_count, ...), computed once per lists tensor and terms."""
+    return replay.kept_per_lists(_QUERY_ORDERS, (kv_count, ), (batch, heads, group_size, block_q, q_tiles),
+                                 lambda counts: query_tile_order(counts, batch, heads, group_size, block_q, q_tiles))
 
 
 def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
@@ -979,6 +1022,8 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
                      PERSISTENT=dim in PERSISTENT_DIMS and not causal if persistent is None else persistent)
     if not constants["O_THROUGH_TMA"]:
         constants["O_DESC"] = None  # as a launch passes it
+    if not constants["PERSISTENT"]:
+        constants["ITEM_ORDER"] = None
     if check_rise is None:
         check_rise = chosen.fixed_offsets and dtype in RISE_CHECKED_DTYPES and dim in RISE_CHECKED_DIMS
     constants["CHECK_RISE"] = check_rise
@@ -993,8 +1038,8 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
                                                          else sub_n, dim)
         else:
             signature[param.name] = {"Out": f"*{name}", "K": f"*{name}", "V": f"*{name}", "Lse": "*fp32",
-                                     "KV_COUNT": "*i32", "KV_INDEX": "*i32", "KEY_NORMS": "*fp32",
-                                     "scale_log2": "fp32"}.get(param.name, "i32")
+                                     "KV_COUNT": "*i32", "KV_INDEX": "*i32", "ITEM_ORDER": "*i32",
+                                     "KEY_NORMS": "*fp32", "scale_log2": "fp32"}.get(param.name, "i32")
     source = GluonASTSource(attention_fwd_ws_kernel, signature, constants)
     # with the options every launch passes (autotune.COMPILE_OPTIONS), so that what compiles here is what runs
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),

@@ -17,6 +17,7 @@ or another library's hooks may), run() warns once and computes eagerly from then
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections import OrderedDict
 from typing import Callable, Hashable, Sequence
 
@@ -114,3 +115,26 @@ def _stream(device: torch.device) -> int:
 def clear() -> None:
     """Drop every graph kept, and with them their memory."""
     _GRAPHS.clear()
+
+
+def kept_per_lists(table: dict, lists: tuple, terms: tuple, compute, derived: tuple = (), replayed: bool = True):
+    """compute(*lists, *derived) (derived: tensors that follow from the lists and the terms, such as their tile
+    order), kept in table under the lists tensors' ids and versions and the hashable terms, so computed again only
+    after a list is written in place; the entry goes with lists[0]. Under CUDA graph capture (and while Inductor's
+    CUDA graphs warm up: sparsity.compiling_or_capturing) it is computed afresh and not kept: the capture's memory
+    belongs to the graph; so is an inference tensor's, which has no version counter to tell a write in place. On
+    CUDA new lists take the computation's replay (run(); not `replayed`: computed directly, as a value that is
+    no tensor must be): a mask made afresh every step then costs little host time."""
+    first, inputs = lists[0], lists + derived
+    if any(t.is_inference() for t in lists) or (first.is_cuda and sparsity.compiling_or_capturing(first.device)):
+        return compute(*inputs)
+    key = tuple((id(t), t._version) for t in lists) + terms
+    entry = table.get(key)
+    if entry is not None and entry[0]() is first:
+        return entry[1]
+    if replayed:  # (the name tells the computations apart)
+        value = run(compute, inputs, (compute.__qualname__, ) + terms)
+    else:
+        value = compute(*inputs)
+    table[key] = (weakref.ref(first, lambda _, key=key: table.pop(key, None)), value)
+    return value
