@@ -205,11 +205,21 @@ def _program(lists, item, BLOCK_Q: gl.constexpr, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _ordered_item(lists, position):
-    """The persistent grid's work item at `position` in the programs' turns (position = program_id(0) + turn *
-    num_programs(0)): ITEM_ORDER's entry (query_tile_order: the longest kv lists first), so that each program's
-    turns go from long items to short ones and the programs end together."""
-    return gl.load(lists[6] + position)
+def _turns(lists):
+    """How many work items this program of the persistent grid takes: those at positions program_id(0) + turn *
+    num_programs(0) below the items' count. (lists: as _program's.)"""
+    items = lists[5]
+    first = gl.program_id(0)
+    step = gl.num_programs(0)
+    return (items - first + step - 1) // step
+
+
+@gluon.jit
+def _turn_item(lists, turn):
+    """The persistent grid's work item for this program's turn: ITEM_ORDER's entry at position program_id(0) + turn *
+    num_programs(0) (query_tile_order: the longest kv lists first), so that each program's turns go from long items
+    to short ones and the programs end together. (lists: as _program's.)"""
+    return gl.load(lists[6] + gl.program_id(0) + turn * gl.num_programs(0))
 
 
 @gluon.jit
@@ -312,7 +322,7 @@ def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr):
     """Key tiles start .. end-1 of a consumer's walk, each one's products and softmax in turn: (acc, m_i, l_i) after
     them, from the accumulator fp32 [64, D] and the rows' offsets and sums [64] before. walk: the consumer's Q tile,
-    rings, barriers, zeroed scores and list (as _consumer packs them). FIXED: the offsets m_i stay (finite, and no
+    rings, barriers, zeroed scores and list (as _consumer_item packs them). FIXED: the offsets m_i stay (finite, and no
     score above m_i + headroom: FIXED_OFFSET_DIMS), so a tile takes no row maxima and the accumulator no rescale.
     Under CAUSAL the tiles before the first tested one (first_tested) run in a loop of their own, without the causal
     test (kernels/README.md, "The causal walk split")."""
@@ -454,17 +464,14 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
               EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr, FIXED_OFFSETS: gl.constexpr,
               CHECK_RISE: gl.constexpr, PERSISTENT: gl.constexpr):
     """A consumer warpgroup: query rows HALF*64 .. HALF*64+63 of its program's work items (_consumer_item), one
-    (_grid_item), or under PERSISTENT the items program_id(0) + n * num_programs(0) in turn, the ring's stages and
-    the barriers' phases going on from one item to the next. (Parameters as _consumer_item's.)"""
+    (_grid_item), or under PERSISTENT its turns' items (_turns, _turn_item), the ring's stages and the barriers'
+    phases going on from one item to the next. (Parameters as _consumer_item's.)"""
     if PERSISTENT:
-        items = shared[2][5]
-        first = gl.program_id(0)
-        step = gl.num_programs(0)
-        base = first * 0  # ring position of the item's first key tile (the items' before it), an int32 scalar
-        for turn in range((items - first + step - 1) // step):
-            base = _consumer_item(shared, _ordered_item(shared[2], first + turn * step), turn, base, HALF, BLOCK_Q,
-                                  BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2, O_THROUGH_TMA,
-                                  FIXED_OFFSETS, CHECK_RISE)
+        lists = shared[2]
+        base = gl.program_id(0) * 0  # ring position of the item's first key tile (the items' before it), int32
+        for turn in range(_turns(lists)):
+            base = _consumer_item(shared, _turn_item(lists, turn), turn, base, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N,
+                                  STAGES, CAUSAL, OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)
     else:
         _consumer_item(shared, _grid_item(), 0, 0, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP,
                        EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)
@@ -699,13 +706,11 @@ def _loader(shared, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.con
             STAGES: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
     """One warp: its program's work items' loads (_loader_item), in the consumers' order (_consumer)."""
     if PERSISTENT:
-        items = shared[2][5]
-        first = gl.program_id(0)
-        step = gl.num_programs(0)
-        base = first * 0  # (as _consumer's)
-        for turn in range((items - first + step - 1) // step):
-            base = _loader_item(shared, _ordered_item(shared[2], first + turn * step), turn, base, BLOCK_Q, BLOCK_KV,
-                                SUB_N, TILE_N, STAGES, CAUSAL)
+        lists = shared[2]
+        base = gl.program_id(0) * 0  # (as _consumer's)
+        for turn in range(_turns(lists)):
+            base = _loader_item(shared, _turn_item(lists, turn), turn, base, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES,
+                                CAUSAL)
     else:
         _loader_item(shared, _grid_item(), 0, 0, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL)
 
@@ -937,10 +942,9 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
         return grid, descriptors, static
     # K and V by pointer too, for the cold walk again with running maxima of a walk whose rise was too large
     tensors = dict(Q_DESC=q, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index, K=k, V=v)
-    check_rise = chosen.fixed_offsets and q.dtype in RISE_CHECKED_DTYPES and dim in RISE_CHECKED_DIMS
     # the module's settings as this call takes them: constexprs of the kernel, and so part of its launch plan's key
-    settings = dict(EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, O_THROUGH_TMA=O_THROUGH_TMA, CHECK_RISE=check_rise,
-                    PERSISTENT=dim in PERSISTENT_DIMS and not chosen.causal)
+    settings = _settings(chosen, q.dtype, dim)
+    check_rise = settings["CHECK_RISE"]
     # the other fixed offsets' bound (FIXED_OFFSET_DIMS): the largest key norms of each kv head's parts, one pass over k
     key_norms = key_norm_parts(k) if chosen.fixed_offsets and not check_rise else None
     if key_norms is not None:
@@ -959,7 +963,7 @@ def query_tile_order(kv_count: torch.Tensor, batch: int, heads: int, group_size:
     """int32 [q_tiles * batch * heads]: the persistent grid's work items, numbered as _program takes them (item =
     tile + q_tiles * (b * heads + slot), slot s holding head (s % kv_heads) * group_size + s // kv_heads), longest
     kv list first, ties in that numbering's order. kv_count int32 [Bm, Hm, nq] (size-1 dims broadcast), a list per
-    block of block_q rows, which a 128-row tile takes whole. With the programs taking the items in turn (_ordered_item),
+    block of block_q rows, which a 128-row tile takes whole. With the programs taking the items in turn (_turn_item),
     each starts long and ends short, as the hardware's scheduler of a program a tile gets by itself."""
     kv_heads = heads // group_size
     slots = torch.arange(heads, device=kv_count.device)
@@ -978,6 +982,15 @@ def cached_query_tile_order(kv_count: torch.Tensor, batch: int, heads: int, grou
     """query_tile_order(kv_count, ...), computed once per lists tensor and terms."""
     return replay.kept_per_lists(_QUERY_ORDERS, (kv_count, ), (batch, heads, group_size, block_q, q_tiles),
                                  lambda counts: query_tile_order(counts, batch, heads, group_size, block_q, q_tiles))
+
+
+def _settings(chosen: Plan, dtype: torch.dtype, dim: int) -> dict:
+    """The kernel's constexprs that the module's settings decide for a launch of plan `chosen` at dtype and head dim
+    `dim` (EMULATED_EXP2_DIMS, O_THROUGH_TMA, RISE_CHECKED_DTYPES and _DIMS, PERSISTENT_DIMS): what
+    attention_forward_ws launches with and compile_sm90 compiles by default."""
+    return dict(EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, O_THROUGH_TMA=O_THROUGH_TMA,
+                CHECK_RISE=chosen.fixed_offsets and dtype in RISE_CHECKED_DTYPES and dim in RISE_CHECKED_DIMS,
+                PERSISTENT=dim in PERSISTENT_DIMS and not chosen.causal)
 
 
 def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
@@ -1014,20 +1027,19 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
         chosen = chosen._replace(fixed_offsets=fixed_offsets)
     sub_n = chosen.sub_n
     name = _GL_DTYPES[dtype][0]
+    overrides = dict(EMULATE_EXP2=emulate_exp2, O_THROUGH_TMA=o_through_tma, CHECK_RISE=check_rise,
+                     PERSISTENT=persistent)
+    settings = {name: value if overrides[name] is None else overrides[name]
+                for name, value in _settings(chosen, dtype, dim).items()}
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap,
-                     STAGES=STAGES[dim], CAUSAL=causal,
-                     CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, FIXED_OFFSETS=chosen.fixed_offsets,
-                     EMULATE_EXP2=dim in EMULATED_EXP2_DIMS if emulate_exp2 is None else emulate_exp2,
-                     O_THROUGH_TMA=O_THROUGH_TMA if o_through_tma is None else o_through_tma,
-                     PERSISTENT=dim in PERSISTENT_DIMS and not causal if persistent is None else persistent)
-    if not constants["O_THROUGH_TMA"]:
-        constants["O_DESC"] = None  # as a launch passes it
-    if not constants["PERSISTENT"]:
+                     STAGES=STAGES[dim], CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
+                     FIXED_OFFSETS=chosen.fixed_offsets, **settings)
+    # the arguments a launch passes as None
+    if not settings["O_THROUGH_TMA"]:
+        constants["O_DESC"] = None
+    if not settings["PERSISTENT"]:
         constants["ITEM_ORDER"] = None
-    if check_rise is None:
-        check_rise = chosen.fixed_offsets and dtype in RISE_CHECKED_DTYPES and dim in RISE_CHECKED_DIMS
-    constants["CHECK_RISE"] = check_rise
-    if not chosen.fixed_offsets or check_rise:
+    if not chosen.fixed_offsets or settings["CHECK_RISE"]:
         constants["KEY_NORMS"] = None
     signature = {}
     for param in attention_fwd_ws_kernel.params:
