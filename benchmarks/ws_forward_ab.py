@@ -9,11 +9,15 @@ Settings (module attributes of blockattn.kernels.forward_ws, set for the case's 
                   (EMULATED_EXP2_DIMS)
   persistent      a persistent grid, a program an SM taking query tiles in turn, or a program a query tile
                   (PERSISTENT_DIMS)
+  claimed         a persistent grid whose programs claim query tiles from a counter as they free up (under
+                  is_causal too), or a program a query tile; with --also persistent, against the tiles in turn
+                  (CLAIMED_DIMS)
 
     cd benchmarks && python ws_forward_ab.py --setting rise-checked --rounds 5
     cd benchmarks && python ws_forward_ab.py --setting emulated-exp2 --also rise-checked   # with the other on
     cd benchmarks && python ws_forward_ab.py --setting rise-checked --cases causal
     cd benchmarks && python ws_forward_ab.py --setting persistent --cases grid skewed
+    cd benchmarks && python ws_forward_ab.py --setting claimed --cases grid skewed
 
 The fifty-first session timed the walk in turn's wait for V, its last tile peeled off the loop and the causal walk's
 split this way (BENCHMARKS.md) and kept the two that won, which have no switch since; and the persistent grid, which
@@ -46,7 +50,8 @@ SUITES = {"design": [Case(dim=64, block=block, density=d) for block in ((128, 12
           + [Case(batch=8, heads=16, kv_heads=16, seq=s, density=0.5) for s in (2048, 4096)]}
 SETTINGS = {"rise-checked": ("RISE_CHECKED_DIMS", "checked", "bounded"),
             "emulated-exp2": ("EMULATED_EXP2_DIMS", "emulated", "special function unit"),
-            "persistent": ("PERSISTENT_DIMS", "persistent", "a program a tile")}
+            "persistent": ("PERSISTENT_DIMS", "persistent", "a program a tile"),
+            "claimed": ("CLAIMED_DIMS", "claimed", "a program a tile or turns")}
 
 
 def set_setting(name: str, dim: int, on: bool) -> None:

@@ -180,6 +180,10 @@ SPILL_BUDGET = 16
 # (nvdisasm, fifty-first session: the four hot loops hold no local load or store): up to 40 bytes at D=128 with
 # 64-key blocks (fixed offsets, or out through the TMA unit), none at D=64.
 SPILL_BUDGET_PERSISTENT = 48
+# And with the items claimed from a counter (CLAIMED_DIMS, fifty-second session): up to 88 bytes under Triton 3.9 (D=64
+# causal with 128x128 blocks: 24 stores before the items' loop, 23 loads an item), 24 under 3.6; the hot loops hold
+# no local load or store but for one load a tile in 3.9's tested causal loop at D=128 (the tiles on the diagonal).
+SPILL_BUDGET_CLAIMED = 96
 
 
 @pytest.mark.parametrize("blocks, dtype, causal, dim, emulate, o_through_tma, fixed", [
@@ -215,13 +219,17 @@ def test_compiles_with_the_rise_checked(blocks, causal, dim):
                      "fixed_offsets=True, check_rise=True)")
 
 
-@pytest.mark.parametrize("blocks, dim, o_through_tma", [((128, 128), 64, False), ((128, 64), 64, True),
-                                                        ((128, 128), 128, False), ((128, 64), 128, True)])
-def test_compiles_with_the_persistent_grid(blocks, dim, o_through_tma):
-    """The persistent grid (PERSISTENT_DIMS), bf16 with the launch's other settings: as _assert_compiles asks, within
-    SPILL_BUDGET_PERSISTENT."""
-    _assert_compiles(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.bfloat16, dim={dim}, "
-                     f"o_through_tma={o_through_tma}, persistent=True)", SPILL_BUDGET_PERSISTENT)
+@pytest.mark.parametrize("blocks, dim, o_through_tma, causal, claimed", [
+    ((128, 128), 64, False, False, False), ((128, 64), 64, True, False, False), ((128, 128), 128, False, False, False),
+    ((128, 64), 128, True, False, False), ((128, 128), 128, False, False, True), ((128, 64), 64, False, False, True),
+    ((128, 64), 128, True, True, True), ((128, 128), 64, False, True, True)])
+def test_compiles_with_the_persistent_grid(blocks, dim, o_through_tma, causal, claimed):
+    """The persistent grid (PERSISTENT_DIMS; claimed: its programs claim items from a counter, CLAIMED_DIMS, also
+    under is_causal), bf16 with the launch's other settings: as _assert_compiles asks, within
+    SPILL_BUDGET_PERSISTENT or SPILL_BUDGET_CLAIMED."""
+    _assert_compiles(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.bfloat16, causal={causal}, dim={dim}, "
+                     f"o_through_tma={o_through_tma}, persistent=True, claimed={claimed})",
+                     SPILL_BUDGET_CLAIMED if claimed else SPILL_BUDGET_PERSISTENT)
 
 
 # ---------------------------------------------------------------- against the oracle
@@ -427,71 +435,89 @@ def _fixed_offset_walks(q, k, keep, block, causal: bool, tile_n: int, checked: b
     return fixed / tiles, rise
 
 
-@pytest.mark.parametrize("batch, heads, kv_heads, seq_q, block_q, shared", [
-    (2, 4, 2, 1100, 256, False), (1, 6, 3, 640, 128, False), (3, 4, 4, 1024, 128, True)])
-def test_query_tile_order_puts_the_longest_lists_first(batch, heads, kv_heads, seq_q, block_q, shared):
+@pytest.mark.parametrize("batch, heads, kv_heads, seq_q, block_q, shared, causal", [
+    (2, 4, 2, 1100, 256, False, False), (1, 6, 3, 640, 128, False, False), (3, 4, 4, 1024, 128, True, False),
+    (2, 4, 2, 1100, 256, False, True)])
+def test_query_tile_order_puts_the_longest_lists_first(batch, heads, kv_heads, seq_q, block_q, shared, causal):
     """query_tile_order (the persistent grid's order of work items): a permutation of the items, numbered as _program
     decodes them (tile, then slot within the batch's heads, slot s holding head (s % kv_heads) * group + s //
-    kv_heads), whose kv counts never rise along it, ties in item order; with 256-row blocks two tiles share a
-    block's list, and a tail tile its last; shared: one mask for every batch and head (size-1 dims)."""
+    kv_heads; causal: the tile counted from the last), whose kv counts never rise along it, ties in item order; with
+    256-row blocks two tiles share a block's list, and a tail tile its last; shared: one mask for every batch and
+    head (size-1 dims)."""
     group = heads // kv_heads
     nq = -(-seq_q // block_q)
     q_tiles = -(-seq_q // 128)
     gen = torch.Generator().manual_seed(5)
     kv_count = torch.randint(0, 4, (1, 1, nq) if shared else (batch, heads, nq), generator=gen, dtype=torch.int32)
-    order = forward_ws.query_tile_order(kv_count, batch, heads, group, block_q, q_tiles)
+    order = forward_ws.query_tile_order(kv_count, batch, heads, group, block_q, q_tiles, causal)
     assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(q_tiles * batch * heads))
     full = kv_count.expand(batch, heads, nq)
 
     def count(item):
         tile, bh = item % q_tiles, item // q_tiles
+        tile = q_tiles - 1 - tile if causal else tile
         slot = bh % heads
         return int(full[bh // heads, (slot % kv_heads) * group + slot // kv_heads, tile * 128 // block_q])
     counts = [count(item) for item in order.tolist()]
     assert all(a > b or (a == b and i < j) for (a, i), (b, j) in zip(zip(counts, order.tolist()),
                                                                    zip(counts[1:], order.tolist()[1:])))
-    cached = forward_ws.cached_query_tile_order(kv_count, batch, heads, group, block_q, q_tiles)
+    cached = forward_ws.cached_query_tile_order(kv_count, batch, heads, group, block_q, q_tiles, causal)
     assert torch.equal(cached, order)
-    assert forward_ws.cached_query_tile_order(kv_count, batch, heads, group, block_q, q_tiles) is cached
-    kv_count.add_(1)  # written in place: computed again
-    assert forward_ws.cached_query_tile_order(kv_count, batch, heads, group, block_q, q_tiles) is not cached
+    assert forward_ws.cached_query_tile_order(kv_count, batch, heads, group, block_q, q_tiles, causal) is cached
+    # the other numbering is another order (kept apart), and the counts written in place are computed again
+    other = forward_ws.cached_query_tile_order(kv_count, batch, heads, group, block_q, q_tiles, not causal)
+    assert torch.equal(other, forward_ws.query_tile_order(kv_count, batch, heads, group, block_q, q_tiles, not causal))
+    kv_count.add_(1)
+    assert forward_ws.cached_query_tile_order(kv_count, batch, heads, group, block_q, q_tiles, causal) is not cached
 
 
-# the persistent grid's cases (not is_causal's: PERSISTENT_DIMS): (a table, its case, head dim, out through the TMA
-# unit)
-PERSISTENT_CASES = ([("CASES", case, 128, False) for case in CASES]
-                    + [("HEAD_DIM_64_CASES", case, 64, False)
-                       for case, spec in HEAD_DIM_64_CASES.items() if not spec[7]]
-                    + [("CASES", "128x64 fp16, query tail", 128, True), ("CASES", "bshd layout", 128, True)])
+# the persistent grid's cases: (a table, its case, head dim, out through the TMA unit, its programs' items: "turns"
+# (PERSISTENT_DIMS, never under is_causal) or "claimed" from a counter (CLAIMED_DIMS, under is_causal too))
+PERSISTENT_CASES = ([("CASES", case, 128, False, grid) for case in CASES for grid in ("turns", "claimed")]
+                    + [("HEAD_DIM_64_CASES", case, 64, False, grid) for case, spec in HEAD_DIM_64_CASES.items()
+                       for grid in ("turns", "claimed") if grid == "claimed" or not spec[7]]
+                    + [("CAUSAL_CASES", case, 128, False, "claimed") for case in CAUSAL_CASES]
+                    + [("CASES", case, 128, True, grid) for case in ("128x64 fp16, query tail", "bshd layout")
+                       for grid in ("turns", "claimed")])
 
 
-@pytest.mark.parametrize("table, case, dim, o_through_tma", PERSISTENT_CASES)
-def test_persistent_grid_against_the_oracle(table, case, dim, o_through_tma, monkeypatch, poisoned,
+@pytest.mark.parametrize("table, case, dim, o_through_tma, grid", PERSISTENT_CASES)
+def test_persistent_grid_against_the_oracle(table, case, dim, o_through_tma, grid, monkeypatch, poisoned,
                                             warp_specialized_calls):
-    """The persistent grid (PERSISTENT_DIMS; off by default, never under is_causal) with 7 programs, so that each
-    walks many items of unequal lists and the ring's stages and the barriers' phases carry over from item to item,
-    its last turn shorter in some programs than in others: the tables' cases (a query block that keeps nothing, a
-    head that keeps nothing, query tails), D=128 and 64, and out through the TMA unit."""
-    monkeypatch.setattr(forward_ws, "PERSISTENT_DIMS", (64, 128))
+    """The persistent grid (PERSISTENT_DIMS or CLAIMED_DIMS; off by default) with 7 programs, so that each walks
+    many items of unequal lists and the ring's stages and the barriers' phases carry over from item to item, its
+    last turn shorter in some programs than in others (claimed: however many items each program claims, and the
+    consumers stopped by the loader's post of none left): the tables' cases (a query block that keeps nothing, a
+    head that keeps nothing, query tails; claimed also is_causal's, with rows that see no key in a tile), D=128 and
+    64, and out through the TMA unit."""
+    monkeypatch.setattr(forward_ws, "PERSISTENT_DIMS" if grid == "turns" else "CLAIMED_DIMS", (64, 128))
     monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 7)
     monkeypatch.setattr(forward_ws, "O_THROUGH_TMA", o_through_tma)
     monkeypatch.setattr(forward_ws, "MIN_KEYS", {})
+    causal = False
     if table == "HEAD_DIM_64_CASES":
-        batch, heads, kv_heads, seq_q, seq_kv, block, dtype, _ = HEAD_DIM_64_CASES[case]
+        batch, heads, kv_heads, seq_q, seq_kv, block, dtype, causal = HEAD_DIM_64_CASES[case]
         layout = "bhsd"
     else:
-        batch, heads, kv_heads, seq_q, seq_kv, block, dtype, layout = CASES[case]
+        batch, heads, kv_heads, seq_q, seq_kv, block, dtype, layout = globals()[table][case]
+        causal = table == "CAUSAL_CASES"
     heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
     q, k, v = qkv(batch, heads, seq_q, dim, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
-    keep = _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, 0.4, halfway_last=False)
+    keep = _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, 0.4, halfway_last=causal)
     keep[0, 0] = False  # a head that keeps nothing: items with empty lists among the others
-    out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, backend="triton")
+    out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=causal, backend="triton")
     tile_n = forward_ws.TILE_KEYS[dim]
     assert warp_specialized_calls == _expected_calls(_plan(next(n for n in (tile_n, 128, 64) if block[1] % n == 0),
-                                                           dim=dim))
-    check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv))
+                                                           causal, dim=dim))
+    check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=causal)
+    # an item's rows come out of the same instructions whichever program takes it: a program a tile's, bit for bit
+    monkeypatch.setattr(forward_ws, "PERSISTENT_DIMS", ())
+    monkeypatch.setattr(forward_ws, "CLAIMED_DIMS", ())
+    out_tiled, lse_tiled = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=causal,
+                                               backend="triton")
+    assert torch.equal(out, out_tiled) and torch.equal(lse, lse_tiled)
 
 
 FIXED_OFFSET_CASES = {
@@ -509,11 +535,10 @@ FIXED_OFFSET_CASES = {
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("inputs", ["bound 13.5", "bound 28.8", "bound 160", "large norms"])
-@pytest.mark.parametrize("case, checked, persistent", [(case, False, False) for case in FIXED_OFFSET_CASES]
-                         + [(case, True, persistent) for case, spec in FIXED_OFFSET_CASES.items()
-                            if spec[6] == torch.bfloat16 for persistent in (False, True)])
-def test_fixed_offsets_against_the_oracle(case, checked, persistent, inputs, monkeypatch, poisoned,
-                                          warp_specialized_calls):
+@pytest.mark.parametrize("case, checked, grid", [(case, False, None) for case in FIXED_OFFSET_CASES]
+                         + [(case, True, grid) for case, spec in FIXED_OFFSET_CASES.items()
+                            if spec[6] == torch.bfloat16 for grid in (None, "turns", "claimed")])
+def test_fixed_offsets_against_the_oracle(case, checked, grid, inputs, monkeypatch, poisoned, warp_specialized_calls):
     """The walk with fixed offsets (FIXED_OFFSET_DIMS, here at D=64 and 128) on scores that rise past each list's
     first key tile by nearly the rows' bounds (aligned_scores: 13.5, 28.8 or 160 log2 units, so P reaches 2^12,
     2^25 or would pass bf16's 2^128). With a bound, the offsets stay where it is within P's headroom (bf16 32, fp16
@@ -521,10 +546,12 @@ def test_fixed_offsets_against_the_oracle(case, checked, persistent, inputs, mon
     the rise checked (bf16 in RISE_CHECKED_DTYPES: checked), wherever every row has a key in its first tile, and
     past 2^RISE_LIMIT ("bound 160") the rows are walked again with running maxima (the cold _walk_again), else
     their overflowed sums would show here. Against the oracle, with the share of tiles taking each walk and the
-    scores' rise computed on the host. persistent: with the rise checked, on the persistent grid of 5 programs
-    (PERSISTENT_DIMS), where a walk again comes between one item and the next."""
+    scores' rise computed on the host. grid: with the rise checked, on the persistent grid of 5 programs taking their
+    items in turns (PERSISTENT_DIMS) or claiming them (CLAIMED_DIMS, under is_causal too), where a walk again comes
+    between one item and the next; None: a program an item."""
     monkeypatch.setattr(forward_ws, "MIN_KEYS", {})
-    monkeypatch.setattr(forward_ws, "PERSISTENT_DIMS", (64, 128) if persistent else ())
+    monkeypatch.setattr(forward_ws, "PERSISTENT_DIMS", (64, 128) if grid == "turns" else ())
+    monkeypatch.setattr(forward_ws, "CLAIMED_DIMS", (64, 128) if grid == "claimed" else ())
     monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 5)
     monkeypatch.setattr(forward_ws, "FIXED_OFFSET_DIMS", (64, 128))
     monkeypatch.setattr(forward_ws, "RISE_CHECKED_DTYPES", (torch.bfloat16, ) if checked else ())

@@ -398,7 +398,7 @@ def test_warp_specialized_launchers_pass_every_parameter_by_name(monkeypatch, pl
 
 @pytest.mark.parametrize("setting, constexpr, value", [
     ("EMULATED_EXP2_DIMS", "EMULATE_EXP2", (128, )), ("O_THROUGH_TMA", "O_THROUGH_TMA", True),
-    ("PERSISTENT_DIMS", "PERSISTENT", (128, ))])
+    ("PERSISTENT_DIMS", "PERSISTENT", (128, )), ("CLAIMED_DIMS", "CLAIMED", (128, ))])
 def test_a_changed_forward_setting_reaches_the_planned_launch(monkeypatch, setting, constexpr, value):
     """forward_ws's module settings are the kernel's constexprs, so they are part of its launch plan's key: a call
     after one of them changed does not relaunch the plan the call before made (benchmarks and tests switch them
@@ -424,8 +424,12 @@ def test_a_changed_forward_setting_reaches_the_planned_launch(monkeypatch, setti
                                         forward_ws.Plan(128))
         monkeypatch.setattr(forward_ws, setting, value)
     assert [static[constexpr] for static, _ in calls] == [False, True]
-    # a program a query tile (2 tiles, batch 2 x 4 heads), or the persistent grid's 5 programs
-    assert [tuple(grid) for _, grid in calls] == [(2, 8, 1), (5, 1, 1) if setting == "PERSISTENT_DIMS" else (2, 8, 1)]
+    # a program a query tile (2 tiles, batch 2 x 4 heads), or the persistent grid's 5 programs (which claim their
+    # items from a counter under CLAIMED_DIMS: a tensor argument, never in the plan)
+    persistent = setting in ("PERSISTENT_DIMS", "CLAIMED_DIMS")
+    assert [tuple(grid) for _, grid in calls] == [(2, 8, 1), (5, 1, 1) if persistent else (2, 8, 1)]
+    assert [static["PERSISTENT"] for static, _ in calls] == [False, persistent]
+    assert "ITEM_COUNTER" not in calls[1][0] if setting == "CLAIMED_DIMS" else calls[1][0]["ITEM_COUNTER"] is None
 
 
 @pytest.mark.parametrize("is_causal", [False, True])

@@ -142,6 +142,12 @@ EMULATED_EXP2_DIMS: tuple = ()
 # benchmarks/persistent_sim.py models at +3.9% over the ideal on the skewed mask (launch order +39%, a program a
 # tile +6.3%); not yet timed, so off.
 PERSISTENT_DIMS: tuple = ()
+# Head dims whose kernel runs the persistent grid with each program claiming its next item from a counter (an atomic
+# add by the loader) as it finishes the last, the items' order still longest list first: work goes to the programs
+# that free up, as the hardware hands a program a tile to the first free SM, so under is_causal too (kernels/README.md,
+# "The persistent grid"). Takes precedence over PERSISTENT_DIMS. Written with no GPU (fifty-second session): not
+# yet run, so off.
+CLAIMED_DIMS: tuple = ()
 PERSISTENT_PROGRAMS: Optional[int] = None
 
 _ROWS = gl.constexpr(CONSUMER_ROWS)
@@ -187,8 +193,8 @@ def _program(lists, item, BLOCK_Q: gl.constexpr, CAUSAL: gl.constexpr):
     kv heads), and its kv list (the pointer to its first entry, and its count of key blocks). lists: the kernel's
     lists and counts, as attention_fwd_ws_kernel packs them. CAUSAL: the last query tiles, whose lists are the
     longest, come first, so that the short ones fill the grid's tail."""
-    (KV_COUNT, KV_INDEX, heads, group_size, q_tiles, items, ITEM_ORDER, stride_cb, stride_ch, stride_ib, stride_ih,
-     stride_iq) = lists
+    (KV_COUNT, KV_INDEX, heads, group_size, q_tiles, items, ITEM_ORDER, ITEM_COUNTER, stride_cb, stride_ch, stride_ib,
+     stride_ih, stride_iq) = lists
     pid_bh = item // q_tiles
     off_b = pid_bh // heads
     kv_heads = heads // group_size
@@ -220,6 +226,34 @@ def _turn_item(lists, turn):
     num_programs(0) (query_tile_order: the longest kv lists first), so that each program's turns go from long items
     to short ones and the programs end together. (lists: as _program's.)"""
     return gl.load(lists[6] + gl.program_id(0) + turn * gl.num_programs(0))
+
+
+@gluon.jit
+def _claim(lists):
+    """The next position of ITEM_ORDER for this program under CLAIMED, from the launch's counter (ITEM_COUNTER int32
+    [1], zero at launch; positions past the items' count mean none is left): one atomic add by the loader warp's
+    first lane, its old value passed to the other lanes by a warp reduction (a scalar atomic shares its result
+    through shared memory behind a barrier of the whole program, which the partitions do not meet at)."""
+    lane_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    lane = gl.arange(0, 32, lane_layout)
+    old = gl.atomic_add(lists[7] + lane * 0, gl.full([32], 1, gl.int32, lane_layout), mask=lane == 0, sem="relaxed")
+    return gl.max(gl.where(lane == 0, old, -1), 0)
+
+
+@gluon.jit
+def _post_item(item_smem, item):
+    """The loader warp hands its consumers the item it loads next (or -1: none left) through shared memory; the
+    q_ready arrival after it publishes it, and q_empty's wait before it keeps it from overwriting one they still
+    read."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    item_smem.store(gl.full([1], item, gl.int32, layout))
+
+
+@gluon.jit
+def _posted_item(item_smem):
+    """A consumer warpgroup's read of the item _post_item posted (once q_ready's phase for it has completed)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    return gl.max(item_smem.load(layout), 0)
 
 
 @gluon.jit
@@ -462,11 +496,24 @@ def _keeps_offsets(bound, m_i, dtype: gl.constexpr):
 def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
               TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
               EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr, FIXED_OFFSETS: gl.constexpr,
-              CHECK_RISE: gl.constexpr, PERSISTENT: gl.constexpr):
+              CHECK_RISE: gl.constexpr, PERSISTENT: gl.constexpr, CLAIMED: gl.constexpr):
     """A consumer warpgroup: query rows HALF*64 .. HALF*64+63 of its program's work items (_consumer_item), one
-    (_grid_item), or under PERSISTENT its turns' items (_turns, _turn_item), the ring's stages and the barriers'
-    phases going on from one item to the next. (Parameters as _consumer_item's.)"""
-    if PERSISTENT:
+    (_grid_item), or under PERSISTENT its turns' items (_turns, _turn_item), or under CLAIMED those its loader
+    claims and posts (_posted_item), the ring's stages and the barriers' phases going on from one item to the next.
+    (Parameters as _consumer_item's.)"""
+    if CLAIMED:
+        ring = shared[1]
+        base = gl.program_id(0) * 0  # (as below)
+        turn = base
+        mbarrier.wait(ring[3], 0)  # q_ready: the loader's first item posted (or -1)
+        item = _posted_item(ring[8])
+        while item >= 0:
+            base = _consumer_item(shared, item, turn, base, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL,
+                                  OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)
+            turn += 1
+            mbarrier.wait(ring[3], turn & 1)
+            item = _posted_item(ring[8])
+    elif PERSISTENT:
         lists = shared[2]
         base = gl.program_id(0) * 0  # ring position of the item's first key tile (the items' before it), int32
         for turn in range(_turns(lists)):
@@ -490,7 +537,7 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
     see FIXED_OFFSET_DIMS; CHECK_RISE: see RISE_CHECKED_DTYPES."""
     descs, ring, lists, outputs, norms, kv, scale_log2 = shared
     Q_DESC = descs[0]
-    q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty = ring
+    q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, item_smem = ring
     KEY_NORMS, stride_nb, stride_nh = norms
     off_b, off_h, off_hkv, start_m, index_row, count = _program(lists, item, BLOCK_Q, CAUSAL)
     PARTS: gl.constexpr = TILE_N // SUB_N
@@ -703,27 +750,44 @@ def _walk_again(shared, item, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_K
 
 @gluon.jit
 def _loader(shared, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr, TILE_N: gl.constexpr,
-            STAGES: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
-    """One warp: its program's work items' loads (_loader_item), in the consumers' order (_consumer)."""
-    if PERSISTENT:
+            STAGES: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, CLAIMED: gl.constexpr):
+    """One warp: its program's work items' loads (_loader_item), in the consumers' order (_consumer); under CLAIMED
+    the items it claims (_claim), each posted to the consumers before its Q loads, then -1 once none is left."""
+    if CLAIMED:
+        lists = shared[2]
+        ring = shared[1]
+        base = gl.program_id(0) * 0  # (as _consumer's)
+        turn = base
+        position = _claim(lists)
+        while position < lists[5]:
+            # the next claim goes after this item's last loads: its latency hides under the ring's last stages
+            base = _loader_item(shared, gl.load(lists[6] + position), turn, base, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N,
+                                STAGES, CAUSAL, True)
+            position = _claim(lists)
+            turn += 1
+        mbarrier.wait(ring[4], (turn & 1) ^ 1)  # q_empty: the consumers are done with the last item's post
+        _post_item(ring[8], -1)
+        mbarrier.arrive(ring[3], count=1)  # q_ready with no bytes to wait for
+    elif PERSISTENT:
         lists = shared[2]
         base = gl.program_id(0) * 0  # (as _consumer's)
         for turn in range(_turns(lists)):
             base = _loader_item(shared, _turn_item(lists, turn), turn, base, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES,
-                                CAUSAL)
+                                CAUSAL, False)
     else:
-        _loader_item(shared, _grid_item(), 0, 0, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL)
+        _loader_item(shared, _grid_item(), 0, 0, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, False)
 
 
 @gluon.jit
 def _loader_item(shared, item, turn, base, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
-                 TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                 TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, POST: gl.constexpr):
     """Work item `item`'s loads (its turn-th in the program): the tile's two halves of Q once both consumers have
-    released the last item's, then each kept key tile's K and V into the ring from position base on, a stage once
-    both consumers have released it. Returns the ring position after them. (Parameters as _consumer_item's.)"""
+    released the last item's (POST: the item posted to them first, _post_item), then each kept key tile's K and V
+    into the ring from position base on, a stage once both consumers have released it. Returns the ring position
+    after them. (Parameters as _consumer_item's.)"""
     descs, ring, lists, outputs, norms, kv, scale_log2 = shared
     Q_DESC, K_DESC, V_DESC, O_DESC = descs
-    q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty = ring
+    q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, item_smem = ring
     off_b, off_h, off_hkv, start_m, index_row, count = _program(lists, item, BLOCK_Q, CAUSAL)
     SUBS_PER_BLOCK: gl.constexpr = BLOCK_KV // SUB_N
     PARTS: gl.constexpr = TILE_N // SUB_N
@@ -732,6 +796,8 @@ def _loader_item(shared, item, turn, base, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.c
     # a fresh barrier counts as released in the phase before its first: the first item's Q and the first round of
     # stages go at once
     mbarrier.wait(q_empty, (turn & 1) ^ 1)
+    if POST:
+        _post_item(item_smem, item)
     mbarrier.expect(q_ready, 2 * Q_DESC.block_type.nbytes)
     tma_load(Q_DESC, [off_b, off_h, start_m, 0], q_ready, q_smem.index(0))
     tma_load(Q_DESC, [off_b, off_h, start_m + _ROWS, 0], q_ready, q_smem.index(1))
@@ -752,18 +818,20 @@ def _loader_item(shared, item, turn, base, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.c
 
 @gluon.jit
 def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2,
-                            seq_q, heads, group_size, q_tiles, items, ITEM_ORDER, stride_cb, stride_ch, stride_ib,
-                            stride_ih, stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_nb,
-                            stride_nh, K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                            BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
+                            seq_q, heads, group_size, q_tiles, items, ITEM_ORDER, ITEM_COUNTER, stride_cb, stride_ch,
+                            stride_ib, stride_ih, stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                            stride_nb, stride_nh, K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+                            stride_vs, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
                             TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr = True,
                             EMULATE_EXP2: gl.constexpr = False, O_THROUGH_TMA: gl.constexpr = False,
                             FIXED_OFFSETS: gl.constexpr = False, CHECK_RISE: gl.constexpr = False,
-                            PERSISTENT: gl.constexpr = False):
+                            PERSISTENT: gl.constexpr = False, CLAIMED: gl.constexpr = False):
     """Grid (cdiv(Sq, 128) = q_tiles, launch.batch_head_axes(B, H)), a program a work item (a query tile of a head);
     under PERSISTENT (see PERSISTENT_DIMS) (programs, 1, 1), each taking the items at positions program_id(0) + n *
-    programs of ITEM_ORDER int32 [items = q_tiles * B * H] (query_tile_order) in turn, else ITEM_ORDER None.
+    programs of ITEM_ORDER int32 [items = q_tiles * B * H] (query_tile_order) in turn, else ITEM_ORDER None; under
+    CLAIMED (CLAIMED_DIMS, with PERSISTENT) each taking the next position of ITEM_ORDER from ITEM_COUNTER int32 [1]
+    (zero at launch, else None) as it finishes an item.
     Q_DESC / K_DESC / V_DESC: Gluon host descriptors of q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with boxes
     [1, 1, 64, D] / [1, 1, SUB_N, D]; KV_COUNT int32
     [Bm, Hm, nq], KV_INDEX int32 [Bm, Hm, nq, L] (size-1 mask dims with stride 0), every listed block's keys below
@@ -786,6 +854,8 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # CLAIMED: the item the loader claimed, posted to the consumers (_post_item)
+    item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     mbarrier.init(q_ready, count=1)
     mbarrier.init(q_empty, count=2)  # both consumers release their half of Q
     for i in gl.static_range(STAGES):
@@ -798,18 +868,18 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     # the partitions' arguments, grouped by what reads them: descriptors, the ring and its barriers, the kv lists
     # (_program), out and Lse (_finish), the key norms' bound, and k and v by pointer (_walk_again)
     shared = ((Q_DESC, K_DESC, V_DESC, O_DESC),
-              (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty),
-              (KV_COUNT, KV_INDEX, heads, group_size, q_tiles, items, ITEM_ORDER, stride_cb, stride_ch, stride_ib,
-               stride_ih, stride_iq),
+              (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, item_smem),
+              (KV_COUNT, KV_INDEX, heads, group_size, q_tiles, items, ITEM_ORDER, ITEM_COUNTER, stride_cb, stride_ch,
+               stride_ib, stride_ih, stride_iq),
               (Out, Lse, seq_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh),
               (KEY_NORMS, stride_nb, stride_nh),
               (K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs), scale_log2)
     gl.warp_specialize([
         (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT)),
+                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED)),
         (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT)),
-        (_loader, (shared, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, PERSISTENT)),
+                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED)),
+        (_loader, (shared, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, PERSISTENT, CLAIMED)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -929,6 +999,8 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
             static["KEY_NORMS"] = None
         if not settings["PERSISTENT"]:
             static["ITEM_ORDER"] = None
+        if not settings["CLAIMED"]:
+            static["ITEM_COUNTER"] = None
         # O_DESC only when out goes through the TMA unit; else None: no descriptor to build or encode on relaunches
         if settings["O_THROUGH_TMA"]:
             descriptors["O_DESC"] = host_descriptor(out, CONSUMER_ROWS)
@@ -952,23 +1024,29 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
     if settings["O_THROUGH_TMA"]:
         tensors["O_DESC"] = out
     if settings["PERSISTENT"]:
-        tensors["ITEM_ORDER"] = cached_query_tile_order(kv_count, batch, heads, heads // k.shape[1], block_q, q_tiles)
+        tensors["ITEM_ORDER"] = cached_query_tile_order(kv_count, batch, heads, heads // k.shape[1], block_q, q_tiles,
+                                                        chosen.causal)
+    if settings["CLAIMED"]:
+        # the programs' claims start at 0 each launch (a memset before the kernel; the counter ends past the items)
+        tensors["ITEM_COUNTER"] = torch.zeros(1, dtype=torch.int32, device=q.device)
     # (the persistent grid's size is arguments()'s too)
     launch_warp_specialized(attention_fwd_ws_kernel, (block_q, block_kv, scale_log2, chosen, STAGES[dim],
                                                       *settings.values(), PERSISTENT_PROGRAMS), tensors, arguments)
 
 
 def query_tile_order(kv_count: torch.Tensor, batch: int, heads: int, group_size: int, block_q: int,
-                     q_tiles: int) -> torch.Tensor:
+                     q_tiles: int, causal: bool = False) -> torch.Tensor:
     """int32 [q_tiles * batch * heads]: the persistent grid's work items, numbered as _program takes them (item =
-    tile + q_tiles * (b * heads + slot), slot s holding head (s % kv_heads) * group_size + s // kv_heads), longest
-    kv list first, ties in that numbering's order. kv_count int32 [Bm, Hm, nq] (size-1 dims broadcast), a list per
-    block of block_q rows, which a 128-row tile takes whole. With the programs taking the items in turn (_turn_item),
-    each starts long and ends short, as the hardware's scheduler of a program a tile gets by itself."""
+    tile + q_tiles * (b * heads + slot), slot s holding head (s % kv_heads) * group_size + s // kv_heads; causal:
+    the tile counted from the last), longest kv list first, ties in that numbering's order. kv_count int32 [Bm, Hm,
+    nq] (size-1 dims broadcast), a list per block of block_q rows, which a 128-row tile takes whole. With the
+    programs taking the items in turn (_turn_item) or as they free up (CLAIMED_DIMS), each starts long and ends
+    short, as the hardware's scheduler of a program a tile gets by itself."""
     kv_heads = heads // group_size
     slots = torch.arange(heads, device=kv_count.device)
     head_of_slot = (slots % kv_heads) * group_size + slots // kv_heads
-    block_of_tile = torch.arange(q_tiles, device=kv_count.device) * TILE_Q // block_q
+    tiles = torch.arange(q_tiles, device=kv_count.device)
+    block_of_tile = (tiles.flip(0) if causal else tiles) * TILE_Q // block_q
     counts = kv_count.expand(batch, heads, kv_count.shape[-1])[:, head_of_slot][:, :, block_of_tile]
     return torch.argsort(counts.reshape(-1), descending=True, stable=True).to(torch.int32)
 
@@ -978,19 +1056,21 @@ _QUERY_ORDERS: dict = {}
 
 
 def cached_query_tile_order(kv_count: torch.Tensor, batch: int, heads: int, group_size: int, block_q: int,
-                            q_tiles: int) -> torch.Tensor:
+                            q_tiles: int, causal: bool = False) -> torch.Tensor:
     """query_tile_order(kv_count, ...), computed once per lists tensor and terms."""
-    return replay.kept_per_lists(_QUERY_ORDERS, (kv_count, ), (batch, heads, group_size, block_q, q_tiles),
-                                 lambda counts: query_tile_order(counts, batch, heads, group_size, block_q, q_tiles))
+    return replay.kept_per_lists(_QUERY_ORDERS, (kv_count, ), (batch, heads, group_size, block_q, q_tiles, causal),
+                                 lambda counts: query_tile_order(counts, batch, heads, group_size, block_q, q_tiles,
+                                                                 causal))
 
 
 def _settings(chosen: Plan, dtype: torch.dtype, dim: int) -> dict:
     """The kernel's constexprs that the module's settings decide for a launch of plan `chosen` at dtype and head dim
-    `dim` (EMULATED_EXP2_DIMS, O_THROUGH_TMA, RISE_CHECKED_DTYPES and _DIMS, PERSISTENT_DIMS): what
+    `dim` (EMULATED_EXP2_DIMS, O_THROUGH_TMA, RISE_CHECKED_DTYPES and _DIMS, PERSISTENT_DIMS, CLAIMED_DIMS): what
     attention_forward_ws launches with and compile_sm90 compiles by default."""
+    claimed = dim in CLAIMED_DIMS
     return dict(EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, O_THROUGH_TMA=O_THROUGH_TMA,
                 CHECK_RISE=chosen.fixed_offsets and dtype in RISE_CHECKED_DTYPES and dim in RISE_CHECKED_DIMS,
-                PERSISTENT=dim in PERSISTENT_DIMS and not chosen.causal)
+                PERSISTENT=claimed or (dim in PERSISTENT_DIMS and not chosen.causal), CLAIMED=claimed)
 
 
 def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
@@ -1014,12 +1094,12 @@ def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
 def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                  dim: int = HEAD_DIM, emulate_exp2: Optional[bool] = None, o_through_tma: Optional[bool] = None,
                  fixed_offsets: Optional[bool] = None, check_rise: Optional[bool] = None,
-                 persistent: Optional[bool] = None):
+                 persistent: Optional[bool] = None, claimed: Optional[bool] = None):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for lists at (block_q, block_kv) and head dim `dim`, with the launch's tile choice (plan()), stages and
-    register settings; emulate_exp2, o_through_tma, fixed_offsets, check_rise and persistent None: as a launch at
-    `dim` and dtype would (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES and _DIMS,
-    PERSISTENT_DIMS)."""
+    register settings; emulate_exp2, o_through_tma, fixed_offsets, check_rise, persistent and claimed None: as a
+    launch at `dim` and dtype would (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES and
+    _DIMS, PERSISTENT_DIMS, CLAIMED_DIMS; claimed implies persistent)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     chosen = _plan(block_kv, dim, causal)
@@ -1028,7 +1108,7 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     sub_n = chosen.sub_n
     name = _GL_DTYPES[dtype][0]
     overrides = dict(EMULATE_EXP2=emulate_exp2, O_THROUGH_TMA=o_through_tma, CHECK_RISE=check_rise,
-                     PERSISTENT=persistent)
+                     PERSISTENT=True if claimed else persistent, CLAIMED=claimed)
     settings = {name: value if overrides[name] is None else overrides[name]
                 for name, value in _settings(chosen, dtype, dim).items()}
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap,
@@ -1039,6 +1119,8 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
         constants["O_DESC"] = None
     if not settings["PERSISTENT"]:
         constants["ITEM_ORDER"] = None
+    if not settings["CLAIMED"]:
+        constants["ITEM_COUNTER"] = None
     if not chosen.fixed_offsets or settings["CHECK_RISE"]:
         constants["KEY_NORMS"] = None
     signature = {}
@@ -1051,7 +1133,8 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
         else:
             signature[param.name] = {"Out": f"*{name}", "K": f"*{name}", "V": f"*{name}", "Lse": "*fp32",
                                      "KV_COUNT": "*i32", "KV_INDEX": "*i32", "ITEM_ORDER": "*i32",
-                                     "KEY_NORMS": "*fp32", "scale_log2": "fp32"}.get(param.name, "i32")
+                                     "ITEM_COUNTER": "*i32", "KEY_NORMS": "*fp32",
+                                     "scale_log2": "fp32"}.get(param.name, "i32")
     source = GluonASTSource(attention_fwd_ws_kernel, signature, constants)
     # with the options every launch passes (autotune.COMPILE_OPTIONS), so that what compiles here is what runs
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
