@@ -16,6 +16,7 @@ same block mask, in one process: ms and effective TFLOP/s per case, and each rat
     python benchmarks/ws_forward.py --cases d64 --fixed-offsets [--query-scale 8]   # and with running maxima only
     python benchmarks/ws_forward.py --cases d64 design --triton-fixed-offsets   # the Triton forward's, the other way
     python benchmarks/ws_forward.py --cases d64causal --fixed-offsets   # causal's row counts, at random positions
+    python benchmarks/ws_forward.py --cases d64 design causal --grid claimed   # every column on the persistent grid
 """
 
 import argparse
@@ -99,8 +100,15 @@ def main():
                         "(forward.FIXED_OFFSET_DIMS)")
     parser.add_argument("--query-scale", type=float, default=1.0,
                         help="multiply the queries by this (8: past the bound that lets D=64 keep its offsets fixed)")
+    parser.add_argument("--grid", choices=("tiles", "turns", "claimed"), default="tiles",
+                        help="the warp-specialized forward's grid for the whole run: a program a query tile, or the "
+                        "persistent grid with the tiles in turns (forward_ws.PERSISTENT_DIMS, not under is_causal) or "
+                        "claimed as programs free up (forward_ws.CLAIMED_DIMS)")
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out (its ratio columns read nan)")
     args = parser.parse_args()
+    if args.grid != "tiles":
+        setattr(forward_ws, "PERSISTENT_DIMS" if args.grid == "turns" else "CLAIMED_DIMS", (64, 128))
+        print(f"the warp-specialized forward on the persistent grid, its tiles {args.grid}")
     default_dims, default_stages = forward_ws.HEAD_DIMS, dict(forward_ws.STAGES)
     default_tiles, default_overlapped = dict(forward_ws.TILE_KEYS), dict(forward_ws.OVERLAPPED)
     default_emulated = forward_ws.EMULATED_EXP2_DIMS
