@@ -499,8 +499,8 @@ def test_persistent_grid_against_the_oracle(table, case, dim, o_through_tma, gri
         batch, heads, kv_heads, seq_q, seq_kv, block, dtype, causal = HEAD_DIM_64_CASES[case]
         layout = "bhsd"
     else:
-        batch, heads, kv_heads, seq_q, seq_kv, block, dtype, layout = globals()[table][case]
         causal = table == "CAUSAL_CASES"
+        batch, heads, kv_heads, seq_q, seq_kv, block, dtype, layout = (CAUSAL_CASES if causal else CASES)[case]
     heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
     q, k, v = qkv(batch, heads, seq_q, dim, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
     if layout == "bshd":

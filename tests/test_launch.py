@@ -412,7 +412,7 @@ def test_a_changed_forward_setting_reaches_the_planned_launch(monkeypatch, setti
     def planned_run(kernel_fn, site_key, tensors, build, fresh=(), seen=None):
         if site_key not in specs:  # a plan miss builds the launch; a hit relaunches what was built
             specs[site_key] = build()
-        calls.append((specs[site_key].static, specs[site_key].grid({})))
+        calls.append((specs[site_key].static, specs[site_key].grid({}), tensors))
     monkeypatch.setattr(launch, "run", planned_run)
 
     def meta(*shape, dtype=torch.bfloat16):
@@ -423,13 +423,18 @@ def test_a_changed_forward_setting_reaches_the_planned_launch(monkeypatch, setti
         forward_ws.attention_forward_ws(q, kv, kv, *lists, 128, 128, 0.1, q, meta(2, 4, 256, dtype=torch.float32),
                                         forward_ws.Plan(128))
         monkeypatch.setattr(forward_ws, setting, value)
-    assert [static[constexpr] for static, _ in calls] == [False, True]
+    assert [static[constexpr] for static, _, _ in calls] == [False, True]
     # a program a query tile (2 tiles, batch 2 x 4 heads), or the persistent grid's 5 programs (which claim their
     # items from a counter under CLAIMED_DIMS: a tensor argument, never in the plan)
     persistent = setting in ("PERSISTENT_DIMS", "CLAIMED_DIMS")
-    assert [tuple(grid) for _, grid in calls] == [(2, 8, 1), (5, 1, 1) if persistent else (2, 8, 1)]
-    assert [static["PERSISTENT"] for static, _ in calls] == [False, persistent]
-    assert "ITEM_COUNTER" not in calls[1][0] if setting == "CLAIMED_DIMS" else calls[1][0]["ITEM_COUNTER"] is None
+    assert [tuple(grid) for _, grid, _ in calls] == [(2, 8, 1), (5, 1, 1) if persistent else (2, 8, 1)]
+    assert [static["PERSISTENT"] for static, _, _ in calls] == [False, persistent]
+    static, _, tensors = calls[1]
+    if setting == "CLAIMED_DIMS":  # a fresh int32 [1] counter each call, which the plan leaves out
+        counter = tensors["ITEM_COUNTER"]
+        assert "ITEM_COUNTER" not in static and counter.shape == (1, ) and counter.dtype == torch.int32
+    else:
+        assert static["ITEM_COUNTER"] is None and "ITEM_COUNTER" not in tensors
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
