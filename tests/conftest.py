@@ -325,6 +325,45 @@ def sm90_report(call: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def meta(*shape, dtype=torch.bfloat16) -> torch.Tensor:
+    """An empty tensor on the meta device: the dispatch tests read shapes, dtypes and strides only."""
+    return torch.empty(*shape, device="meta", dtype=dtype)
+
+
+# Changes to q [2, 4, 1000, 128] and k = v [2, 2, 1024, 128] (a call both warp-specialized kernels take) that
+# neither can: declined_tensors names them.
+DECLINED_TENSORS = ("fp32", "mixed dtypes", "head dim 96", "value dim 64", "ragged keys", "unaligned stride",
+                    "strided last dim", "unaligned start", "batch-broadcast keys")
+
+
+def declined_tensors(change: str) -> tuple:
+    """(q, k, v) with one of DECLINED_TENSORS' changes (meta tensors, but for "unaligned start": a CPU view one
+    element into its storage)."""
+    q, k = meta(2, 4, 1000, 128), meta(2, 2, 1024, 128)
+    v = k
+    if change == "fp32":
+        q, k, v = (t.float() for t in (q, k, v))
+    elif change == "mixed dtypes":
+        v = meta(2, 2, 1024, 128, dtype=torch.float16)
+    elif change == "head dim 96":  # not in the kernels' HEAD_DIMS (64, 128)
+        q, k, v = meta(2, 4, 1000, 96), meta(2, 2, 1024, 96), meta(2, 2, 1024, 96)
+    elif change == "value dim 64":
+        v = meta(2, 2, 1024, 64)
+    elif change == "ragged keys":  # the sequence's end inside a key block needs element tests
+        k = v = meta(2, 2, 1000, 128)
+    elif change == "unaligned stride":  # rows 129 elements apart: 258 bytes, not a multiple of 16
+        k = v = meta(2, 2, 1024, 129)[..., :128]
+    elif change == "strided last dim":
+        k = v = meta(2, 2, 1024, 256)[..., ::2]
+    elif change == "unaligned start":
+        k = v = torch.empty(2 * 2 * 1024 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 2, 1024, 128)
+    elif change == "batch-broadcast keys":  # one k and v for every batch entry: stride 0, which TMA cannot take
+        k = v = meta(1, 2, 1024, 128).expand(2, 2, 1024, 128)
+    else:
+        raise ValueError(f"change: {change!r} is not one of {DECLINED_TENSORS}")
+    return q, k, v
+
+
 def interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block):
     """(heads, kv_heads, seq_q, seq_kv) for an oracle case: on a GPU as given; on the CPU (Triton's interpreter) two
     blocks a side plus the same query tail, two kv heads at most."""

@@ -11,12 +11,9 @@ import pytest
 import torch
 import blockattn
 from blockattn.kernels import backward, backward_ws, forward, replay
-from conftest import (DEVICE, ON_GPU, assert_output_and_gradients, captured_replay, expand, interpreter_share,
-                      no_host_reads, output_and_lse_loss, qkv, random_keep, sm90_report, stack_bytes)
-
-
-def _meta(*shape, dtype=torch.bfloat16):
-    return torch.empty(*shape, device="meta", dtype=dtype)
+from conftest import (DECLINED_TENSORS, DEVICE, ON_GPU, assert_output_and_gradients, captured_replay,
+                      declined_tensors, expand, interpreter_share, meta, no_host_reads, output_and_lse_loss, qkv,
+                      random_keep, sm90_report, stack_bytes)
 
 
 QUALIFYING = dict(block_q=128, block_kv=128, is_causal=False, token_mask=None, block_mask=None, kv_valid=None,
@@ -24,8 +21,8 @@ QUALIFYING = dict(block_q=128, block_kv=128, is_causal=False, token_mask=None, b
 
 
 def _qualifies(q=None, k=None, v=None, grad_out=None, **changes):
-    q = q if q is not None else _meta(2, 4, 1000, 128)
-    k = k if k is not None else _meta(2, 2, 1024, 128)
+    q = q if q is not None else meta(2, 4, 1000, 128)
+    k = k if k is not None else meta(2, 2, 1024, 128)
     v = v if v is not None else k
     grad_out = grad_out if grad_out is not None else q
     args = {**QUALIFYING, **changes}
@@ -38,28 +35,28 @@ def test_qualifying_calls():
     assert _qualifies(block_q=256, block_kv=256)
     assert _qualifies(is_causal=True)
     # key blocks of 64 (or an odd multiple): paired programs, two 64-key tiles each, so Sk a multiple of 128
-    mha = dict(q=_meta(2, 2, 1000, 128), grad_out=_meta(2, 2, 1000, 128))
+    mha = dict(q=meta(2, 2, 1000, 128), grad_out=meta(2, 2, 1000, 128))
     assert _qualifies(block_kv=64) and _qualifies(block_kv=64, **mha)
     assert _qualifies(block_q=64, block_kv=64, is_causal=True)
-    assert _qualifies(k=_meta(2, 2, 1152, 128), block_kv=192)
-    assert _qualifies(q=_meta(2, 4, 1000, 64), k=_meta(2, 2, 1024, 64))
-    assert _qualifies(q=_meta(2, 4, 1000, 128, dtype=torch.float16), k=_meta(2, 2, 1024, 128, dtype=torch.float16))
+    assert _qualifies(k=meta(2, 2, 1152, 128), block_kv=192)
+    assert _qualifies(q=meta(2, 4, 1000, 64), k=meta(2, 2, 1024, 64))
+    assert _qualifies(q=meta(2, 4, 1000, 128, dtype=torch.float16), k=meta(2, 2, 1024, 128, dtype=torch.float16))
     # paired GQA up to 2 ** HEAD_BITS query heads a kv head (merge_group_lists); 128-key tiles walk head by head
-    wide = _meta(1, 2 * 256, 128, 128)
+    wide = meta(1, 2 * 256, 128, 128)
     assert _qualifies(q=wide, grad_out=wide, block_kv=64)
-    wider = _meta(1, 2 * 257, 128, 128)
+    wider = meta(1, 2 * 257, 128, 128)
     assert _qualifies(q=wider, grad_out=wider)
     # bshd storage seen as bhsd: strides (S*H*D, D, H*D, 1), all 16-byte multiples
-    bshd = _meta(2, 1024, 4, 128).transpose(1, 2)
+    bshd = meta(2, 1024, 4, 128).transpose(1, 2)
     assert _qualifies(q=bshd, k=bshd, grad_out=bshd)
 
 
 @pytest.mark.parametrize("change", [
     dict(token_mask=object()), dict(block_mask=object()), dict(kv_valid=object()),
     dict(varlen=object()), dict(block_q=32), dict(block_q=96), dict(block_kv=32), dict(block_kv=96),
-    dict(block_kv=192), dict(block_kv=64, k=_meta(2, 2, 1088, 128)), dict(min_work=2 * 4 * 1000 * 1024 * 128 + 1),
-    dict(block_kv=64, q=_meta(1, 2 * 257, 128, 128), grad_out=_meta(1, 2 * 257, 128, 128),
-         k=_meta(1, 2, 1024, 128))])
+    dict(block_kv=192), dict(block_kv=64, k=meta(2, 2, 1088, 128)), dict(min_work=2 * 4 * 1000 * 1024 * 128 + 1),
+    dict(block_kv=64, q=meta(1, 2 * 257, 128, 128), grad_out=meta(1, 2 * 257, 128, 128),
+         k=meta(1, 2, 1024, 128))])
 def test_calls_it_declines(change):
     """Element tests other than the causal one, blocks not of whole 64-row steps or 64-key tiles, Sk not a multiple
     of the key block (192 at 1024) or of 128 (1088 = 17 tiles of 64: one would lack its pair), too little work, and
@@ -67,39 +64,23 @@ def test_calls_it_declines(change):
     assert not _qualifies(**change), change
 
 
-@pytest.mark.parametrize("tensors", ["fp32", "mixed dtypes", "grad dtype", "head dim 96", "value dim 64",
-                                     "value dim 128 at 64",
-                                     "ragged keys", "unaligned stride", "strided last dim", "unaligned start",
-                                     "broadcast grad", "batch-broadcast keys"])
+@pytest.mark.parametrize("tensors", DECLINED_TENSORS + ("grad dtype", "value dim 128 at 64", "broadcast grad"))
 def test_tensors_it_declines(tensors):
-    q, k = _meta(2, 4, 1000, 128), _meta(2, 2, 1024, 128)
-    v, grad_out = k, q
-    if tensors == "fp32":
-        q, k, v, grad_out = (t.float() for t in (q, k, v, grad_out))
-    elif tensors == "mixed dtypes":
-        v = _meta(2, 2, 1024, 128, dtype=torch.float16)
-    elif tensors == "grad dtype":
-        grad_out = q.float()
-    elif tensors == "head dim 96":  # not in HEAD_DIMS (64, 128)
-        q, k, v = _meta(2, 4, 1000, 96), _meta(2, 2, 1024, 96), _meta(2, 2, 1024, 96)
+    """The forward's declined tensors (with grad_out like q), and the backward's own: a gradient of another dtype,
+    Dv = 128 with D = 64, and a gradient broadcast along its rows."""
+    if tensors in DECLINED_TENSORS:
+        q, k, v = declined_tensors(tensors)
         grad_out = q
-    elif tensors == "value dim 64":
-        v = _meta(2, 2, 1024, 64)
-    elif tensors == "value dim 128 at 64":
-        q, k, v = _meta(2, 4, 1000, 64), _meta(2, 2, 1024, 64), _meta(2, 2, 1024, 128)
-        grad_out = _meta(2, 4, 1000, 128)
-    elif tensors == "ragged keys":  # the sequence's end inside a key block needs element tests
-        k = v = _meta(2, 2, 1000, 128)
-    elif tensors == "unaligned stride":  # rows 129 elements apart: 258 bytes, not a multiple of 16
-        k = v = _meta(2, 2, 1024, 129)[..., :128]
-    elif tensors == "strided last dim":
-        k = v = _meta(2, 2, 1024, 256)[..., ::2]
-    elif tensors == "unaligned start":
-        k = v = torch.empty(2 * 2 * 1024 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 2, 1024, 128)
-    elif tensors == "broadcast grad":  # e.g. the gradient of (out * w).sum(): stride 0 rows, which TMA cannot take
-        grad_out = _meta(128).expand(2, 4, 1000, 128)
-    elif tensors == "batch-broadcast keys":  # one k and v for every batch entry: stride 0 again
-        k = v = _meta(1, 2, 1024, 128).expand(2, 2, 1024, 128)
+    else:
+        q, k = meta(2, 4, 1000, 128), meta(2, 2, 1024, 128)
+        v, grad_out = k, q
+        if tensors == "grad dtype":
+            grad_out = q.float()
+        elif tensors == "value dim 128 at 64":
+            q, k, v = meta(2, 4, 1000, 64), meta(2, 2, 1024, 64), meta(2, 2, 1024, 128)
+            grad_out = meta(2, 4, 1000, 128)
+        else:  # "broadcast grad", e.g. the gradient of (out * w).sum(): stride 0 rows, which TMA cannot take
+            grad_out = meta(128).expand(2, 4, 1000, 128)
     assert not _qualifies(q=q, k=k, v=v, grad_out=grad_out), tensors
 
 

@@ -13,12 +13,9 @@ import pytest
 import torch
 import blockattn
 from blockattn.kernels import bounds, forward, forward_ws
-from conftest import (DEVICE, ON_GPU, aligned_scores, assert_output_and_gradients, check_against_oracle, expand,
-                      interpreter_share, output_and_lse_loss, qkv, random_keep, row_bounds, sm90_report, stack_bytes)
-
-
-def _meta(*shape, dtype=torch.bfloat16):
-    return torch.empty(*shape, device="meta", dtype=dtype)
+from conftest import (DECLINED_TENSORS, DEVICE, ON_GPU, aligned_scores, assert_output_and_gradients,
+                      check_against_oracle, declined_tensors, expand, interpreter_share, meta, output_and_lse_loss, qkv,
+                      random_keep, row_bounds, sm90_report, stack_bytes)
 
 
 QUALIFYING = dict(block_q=128, block_kv=128, is_causal=False, token_mask=None, block_mask=None, kv_valid=None,
@@ -26,8 +23,8 @@ QUALIFYING = dict(block_q=128, block_kv=128, is_causal=False, token_mask=None, b
 
 
 def _qualifies(q=None, k=None, v=None, **changes):
-    q = q if q is not None else _meta(2, 4, 1000, 128)
-    k = k if k is not None else _meta(2, 2, 1024, 128)
+    q = q if q is not None else meta(2, 4, 1000, 128)
+    k = k if k is not None else meta(2, 2, 1024, 128)
     v = v if v is not None else k
     args = {**QUALIFYING, **changes}
     return forward_ws.qualifies(q, k, v, args.pop("block_q"), args.pop("block_kv"), **args)
@@ -48,11 +45,11 @@ def test_qualifying_calls_and_their_tiles():
     assert _qualifies(block_q=256, block_kv=256) == _plan(128)
     assert _qualifies(is_causal=True) == _plan(128, causal=True)
     assert _qualifies(block_kv=64, is_causal=True) == _plan(64, causal=True)
-    wide = _meta(2, 2, 1152, 128)
+    wide = meta(2, 2, 1152, 128)
     assert _qualifies(k=wide, block_kv=192) == _plan(64)  # 128-key tiles do not nest in 192
-    assert _qualifies(q=_meta(2, 4, 1000, 128, dtype=torch.float16), k=_meta(2, 2, 1024, 128, dtype=torch.float16))
+    assert _qualifies(q=meta(2, 4, 1000, 128, dtype=torch.float16), k=meta(2, 2, 1024, 128, dtype=torch.float16))
     # bshd storage seen as bhsd: strides (S*H*D, D, H*D, 1), all 16-byte multiples
-    bshd = _meta(2, 1024, 4, 128).transpose(1, 2)
+    bshd = meta(2, 1024, 4, 128).transpose(1, 2)
     assert _qualifies(q=bshd, k=bshd) == _plan(128)
 
 
@@ -60,7 +57,7 @@ def test_fixed_offsets_in_the_plan(monkeypatch):
     """FIXED_OFFSET_DIMS picks the head dims whose walks may keep fixed offsets, except the causal walk with the
     overlap inside a warpgroup (D=128's), whose consumers spill under Triton 3.6 with them."""
     def dims(d):
-        return dict(q=_meta(2, 4, 1000, d), k=_meta(2, 2, 8192, d), v=_meta(2, 2, 8192, d))
+        return dict(q=meta(2, 4, 1000, d), k=meta(2, 2, 8192, d), v=meta(2, 2, 8192, d))
     monkeypatch.setattr(forward_ws, "FIXED_OFFSET_DIMS", (64, 128))
     assert _qualifies(**dims(128)).fixed_offsets
     assert not _qualifies(**dims(128), is_causal=True).fixed_offsets
@@ -88,7 +85,7 @@ def test_head_dims_it_takes(monkeypatch):
     """D=64 and D=128 (q, k and v alike) take the kernel; a value dim unlike the key's never does, nor a head dim
     left out of HEAD_DIMS or one without a ring depth in STAGES."""
     def dims(d, dv):
-        return dict(q=_meta(2, 4, 1000, d), k=_meta(2, 2, 1024, d), v=_meta(2, 2, 1024, dv))
+        return dict(q=meta(2, 4, 1000, d), k=meta(2, 2, 1024, d), v=meta(2, 2, 1024, dv))
     monkeypatch.setattr(forward_ws, "MIN_KEYS", {})  # (1024 keys: short of D=64's minimum, tested below)
     # at D=64 256-key tiles without the overlap, in 128-key boxes (or 64, or one 256-key box)
     assert _qualifies(**dims(64, 64)) == forward_ws.Plan(128, tile_n=256, overlap=False,
@@ -109,7 +106,7 @@ def test_head_dims_it_takes(monkeypatch):
 def test_at_head_dim_64_short_key_sequences_go_to_the_triton_forward():
     """At D=64 a call takes the kernel from MIN_KEYS[64] keys on (8192), any query length; D=128 at any length."""
     def dims(d, seq_kv):
-        return dict(q=_meta(2, 4, 1000, d), k=_meta(2, 2, seq_kv, d))
+        return dict(q=meta(2, 4, 1000, d), k=meta(2, 2, seq_kv, d))
     assert forward_ws.MIN_KEYS == {64: 8192}
     assert _qualifies(**dims(64, 8192)) == forward_ws.Plan(128, tile_n=256, overlap=False, fixed_offsets=True)
     assert _qualifies(**dims(64, 8192), block_kv=64) == forward_ws.Plan(64, tile_n=256, overlap=False,
@@ -127,30 +124,9 @@ def test_calls_it_declines(change):
     assert _qualifies(**change) is None, change
 
 
-@pytest.mark.parametrize("tensors", ["fp32", "mixed dtypes", "head dim 96", "value dim 64", "ragged keys",
-                                     "unaligned stride", "strided last dim", "unaligned start",
-                                     "batch-broadcast keys"])
+@pytest.mark.parametrize("tensors", DECLINED_TENSORS)
 def test_tensors_it_declines(tensors):
-    q, k = _meta(2, 4, 1000, 128), _meta(2, 2, 1024, 128)
-    v = k
-    if tensors == "fp32":
-        q, k, v = (t.float() for t in (q, k, v))
-    elif tensors == "mixed dtypes":
-        v = _meta(2, 2, 1024, 128, dtype=torch.float16)
-    elif tensors == "head dim 96":
-        q, k, v = _meta(2, 4, 1000, 96), _meta(2, 2, 1024, 96), _meta(2, 2, 1024, 96)
-    elif tensors == "value dim 64":
-        v = _meta(2, 2, 1024, 64)
-    elif tensors == "ragged keys":  # the sequence's end inside a key block needs element tests
-        k = v = _meta(2, 2, 1000, 128)
-    elif tensors == "unaligned stride":  # rows 129 elements apart: 258 bytes, not a multiple of 16
-        k = v = _meta(2, 2, 1024, 129)[..., :128]
-    elif tensors == "strided last dim":
-        k = v = _meta(2, 2, 1024, 256)[..., ::2]
-    elif tensors == "unaligned start":
-        k = v = torch.empty(2 * 2 * 1024 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 2, 1024, 128)
-    elif tensors == "batch-broadcast keys":  # one k and v for every batch entry: stride 0, which TMA cannot take
-        k = v = _meta(1, 2, 1024, 128).expand(2, 2, 1024, 128)
+    q, k, v = declined_tensors(tensors)
     assert _qualifies(q=q, k=k, v=v) is None, tensors
 
 

@@ -12,8 +12,8 @@ from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from blockattn.kernels import autotune, backward, forward, launch, lists
-from conftest import (DEVICE, ON_GPU, assert_output_and_gradients, check_against_oracle, expand, kernel, qkv,
-                      random_keep)
+from conftest import (DEVICE, ON_GPU, assert_output_and_gradients, check_against_oracle, expand, kernel, meta,
+                      qkv, random_keep)
 
 ARG_NAMES = ("X", "X_DESC", "Out", "n", "BLOCK")
 CONFIG = triton.Config({"BLOCK": 32}, num_warps=4, num_stages=2)
@@ -372,8 +372,6 @@ def test_warp_specialized_launchers_pass_every_parameter_by_name(monkeypatch, pl
     kernel_fn = forward_ws.attention_fwd_ws_kernel if which == "forward" else backward_ws.attention_bwd_ws_kernel
     monkeypatch.setattr(kernel_fn, "run", lambda *args, grid, warmup, **kwargs: calls.append((args, grid, kwargs)))
 
-    def meta(*shape, dtype=torch.bfloat16):
-        return torch.empty(*shape, device="meta", dtype=dtype)
     q, lists = meta(2, 4, 256, 128), (meta(1, 4, 2, dtype=torch.int32), meta(1, 4, 2, 2, dtype=torch.int32))
     kv = meta(2, 2, 256, 128)
     if which == "forward":
@@ -415,8 +413,6 @@ def test_a_changed_forward_setting_reaches_the_planned_launch(monkeypatch, setti
         calls.append((specs[site_key].static, specs[site_key].grid({}), tensors))
     monkeypatch.setattr(launch, "run", planned_run)
 
-    def meta(*shape, dtype=torch.bfloat16):
-        return torch.empty(*shape, device="meta", dtype=dtype)
     q, kv = meta(2, 4, 256, 128), meta(2, 2, 256, 128)
     lists = (meta(1, 4, 2, dtype=torch.int32), meta(1, 4, 2, 2, dtype=torch.int32))
     for _ in range(2):
