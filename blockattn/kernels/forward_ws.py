@@ -232,8 +232,8 @@ def _turn_item(lists, turn):
 def _claim(lists):
     """The next position of ITEM_ORDER for this program under CLAIMED, from the launch's counter (ITEM_COUNTER int32
     [1], zero at launch; positions past the items' count mean none is left): one atomic add by the loader warp's
-    first lane, its old value passed to the other lanes by a warp reduction (a scalar atomic shares its result
-    through shared memory behind a barrier of the whole program, which the partitions do not meet at)."""
+    first lane, its old value passed to the other lanes by a warp reduction (redux.sync), in registers (Triton 3.6
+    lowers a scalar atomic's result through a scratch word of shared memory and a warp barrier)."""
     lane_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     lane = gl.arange(0, 32, lane_layout)
     old = gl.atomic_add(lists[7] + lane * 0, gl.full([32], 1, gl.int32, lane_layout), mask=lane == 0, sem="relaxed")
