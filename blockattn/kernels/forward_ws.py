@@ -994,18 +994,10 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
             **stride_args("v", v, "bhs"), BLOCK_Q=block_q, BLOCK_KV=block_kv,
             SUB_N=chosen.sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap, STAGES=STAGES[dim],
             CAUSAL=chosen.causal, FIXED_OFFSETS=chosen.fixed_offsets, CONSUMER_REGS=CONSUMER_REGS,
-            LOADER_REGS=LOADER_REGS, **settings)
-        if key_norms is None:
-            static["KEY_NORMS"] = None
-        if not settings["PERSISTENT"]:
-            static["ITEM_ORDER"] = None
-        if not settings["CLAIMED"]:
-            static["ITEM_COUNTER"] = None
+            LOADER_REGS=LOADER_REGS, **settings, **unused)
         # O_DESC only when out goes through the TMA unit; else None: no descriptor to build or encode on relaunches
         if settings["O_THROUGH_TMA"]:
             descriptors["O_DESC"] = host_descriptor(out, CONSUMER_ROWS)
-        else:
-            static["O_DESC"] = None
         if settings["PERSISTENT"]:
             programs = PERSISTENT_PROGRAMS or launch.device_properties(q.device).multi_processor_count
             grid = (min(items, programs), 1, 1)
@@ -1016,9 +1008,9 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
     tensors = dict(Q_DESC=q, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index, K=k, V=v)
     # the module's settings as this call takes them: constexprs of the kernel, and so part of its launch plan's key
     settings = _settings(chosen, q.dtype, dim)
-    check_rise = settings["CHECK_RISE"]
+    unused = _unused_arguments(chosen, settings)
     # the other fixed offsets' bound (FIXED_OFFSET_DIMS): the largest key norms of each kv head's parts, one pass over k
-    key_norms = key_norm_parts(k) if chosen.fixed_offsets and not check_rise else None
+    key_norms = key_norm_parts(k) if "KEY_NORMS" not in unused else None
     if key_norms is not None:
         tensors["KEY_NORMS"] = key_norms
     if settings["O_THROUGH_TMA"]:
@@ -1073,6 +1065,16 @@ def _settings(chosen: Plan, dtype: torch.dtype, dim: int) -> dict:
                 PERSISTENT=claimed or (dim in PERSISTENT_DIMS and not chosen.causal), CLAIMED=claimed)
 
 
+def _unused_arguments(chosen: Plan, settings: dict) -> dict:
+    """{name: None} for the kernel's tensor arguments that a launch of plan `chosen` with `settings` (_settings)
+    leaves out: out's descriptor unless O_THROUGH_TMA, the key norms unless a bound keeps the offsets fixed (fixed
+    offsets without CHECK_RISE), the items' order off the persistent grid, and its counter unless CLAIMED. The
+    launcher passes them as None and compile_sm90 as constexpr None, so that both build the same kernel."""
+    taken = dict(O_DESC=settings["O_THROUGH_TMA"], KEY_NORMS=chosen.fixed_offsets and not settings["CHECK_RISE"],
+                 ITEM_ORDER=settings["PERSISTENT"], ITEM_COUNTER=settings["CLAIMED"])
+    return {name: None for name, takes in taken.items() if not takes}
+
+
 def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
                             arguments: Callable[[], tuple]) -> None:
     """Launch kernel_fn, this module's kernel or backward_ws's, with LAUNCH_CONFIG. tensors: every tensor argument
@@ -1113,16 +1115,7 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
                 for name, value in _settings(chosen, dtype, dim).items()}
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap,
                      STAGES=STAGES[dim], CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
-                     FIXED_OFFSETS=chosen.fixed_offsets, **settings)
-    # the arguments a launch passes as None
-    if not settings["O_THROUGH_TMA"]:
-        constants["O_DESC"] = None
-    if not settings["PERSISTENT"]:
-        constants["ITEM_ORDER"] = None
-    if not settings["CLAIMED"]:
-        constants["ITEM_COUNTER"] = None
-    if not chosen.fixed_offsets or settings["CHECK_RISE"]:
-        constants["KEY_NORMS"] = None
+                     FIXED_OFFSETS=chosen.fixed_offsets, **settings, **_unused_arguments(chosen, settings))
     signature = {}
     for param in attention_fwd_ws_kernel.params:
         if param.name in constants:
