@@ -1078,15 +1078,15 @@ _USES: dict = {}  # backward_uses' counts
 def cached_tile_order(q_count: torch.Tensor, kv_heads: int, tiles_per_block: int) -> torch.Tensor:
     """tile_order(q_count, ...), computed once per lists tensor (replay.kept_per_lists)."""
     return replay.kept_per_lists(_TILE_ORDERS, (q_count, ), (kv_heads, tiles_per_block),
-                           lambda counts: tile_order(counts, kv_heads, tiles_per_block))
+                                 lambda counts: tile_order(counts, kv_heads, tiles_per_block))
 
 
 def cached_paired_tile_order(q_count: torch.Tensor, q_index: torch.Tensor, kv_heads: int,
                              tiles_per_block: int) -> torch.Tensor:
     """paired_tile_order(q_count, q_index, ...), computed once per lists tensors (replay.kept_per_lists)."""
     return replay.kept_per_lists(_PAIRED_ORDERS, (q_count, q_index),
-                           (kv_heads, tiles_per_block, PAIR_BALANCE, PAIR_ROUNDS, PAIR_MIN_TILES, PAIR_MAX_TILES),
-                           lambda counts, index: paired_tile_order(counts, index, kv_heads, tiles_per_block))
+                                 (kv_heads, tiles_per_block, PAIR_BALANCE, PAIR_ROUNDS, PAIR_MIN_TILES, PAIR_MAX_TILES),
+                                 lambda counts, index: paired_tile_order(counts, index, kv_heads, tiles_per_block))
 
 
 def backward_uses(q_count: torch.Tensor, q_index: torch.Tensor) -> int:
@@ -1145,9 +1145,9 @@ def cached_pair_lists(q_count: torch.Tensor, q_index: torch.Tensor, order: Optio
                            PAIRED_COMMON_FIRST)
         return merge_group_lists(*lists, group) if group > 1 else lists
     return replay.kept_per_lists(_PAIR_LISTS, (q_count, q_index),
-                           (order is None, kv_heads, tiles_per_block, group, PAIRED_COMMON_FIRST, matched,
-                            PAIR_BALANCE, PAIR_ROUNDS, PAIR_MIN_TILES, PAIR_MAX_TILES), compute,
-                           () if order is None else (order, ))
+                                 (order is None, kv_heads, tiles_per_block, group, PAIRED_COMMON_FIRST, matched,
+                                  PAIR_BALANCE, PAIR_ROUNDS, PAIR_MIN_TILES, PAIR_MAX_TILES), compute,
+                                 () if order is None else (order, ))
 
 
 def merge_group_lists(counts: torch.Tensor, index: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
