@@ -5,7 +5,7 @@ A work item (a 128-row query tile of one head) takes its kv list's length in 128
 A program a tile: the hardware starts the items in launch order (tile fastest, the last tiles first under is_causal)
 on the first of 132 multiprocessors to come free (tail_sim.makespan). The persistent grid (forward_ws.PERSISTENT_DIMS):
 132 programs take the items at positions p, p + 132, ... of an order in turn, so a program's share is fixed before
-it starts: in launch order, or longest list first (forward_ws.query_tile_order); or (forward_ws.CLAIMED_DIMS) each
+it starts: in launch order, or longest list first by powers of two (forward_ws.query_tile_order); or (forward_ws.CLAIMED_DIMS) each
 program claims the next item of that order as it frees up, as the hardware hands out a program a tile. The table
 gives each makespan over the ideal (total work / 132). A model only: no L2, no clock, and no gain from the
 persistent grid's overlap of one item's end with the next one's start (the reason it exists).
@@ -14,6 +14,7 @@ persistent grid's overlap of one item's end with the next one's start (the reaso
 """
 
 import argparse
+import math
 
 import torch
 
@@ -54,8 +55,9 @@ def main():
     print("| --- | --- | --- | --- | --- | --- |")
     for case in CASES:
         lengths = item_lengths(case)
-        # longest first, ties in launch order: the stable sort query_tile_order makes
-        longest = [lengths[i] for i in sorted(range(len(lengths)), key=lambda i: -lengths[i])]
+        # longest first by powers of two, launch order within each: the stable sort query_tile_order makes
+        longest = [lengths[i] for i in sorted(range(len(lengths)), key=lambda i: -math.floor(math.log2(lengths[i]))
+                                              if lengths[i] > 0 else 1)]
         ideal = (sum(lengths) + args.overhead * len(lengths)) / MULTIPROCESSORS
         cells = [f"+{span / ideal - 1:.1%}" for span in (makespan(lengths, args.overhead),
                                                           fixed_turns(lengths, args.overhead),

@@ -417,14 +417,14 @@ def _fixed_offset_walks(q, k, keep, block, causal: bool, tile_n: int, checked: b
 def test_query_tile_order_puts_the_longest_lists_first(batch, heads, kv_heads, seq_q, block_q, shared, causal):
     """query_tile_order (the persistent grid's order of work items): a permutation of the items, numbered as _program
     decodes them (tile, then slot within the batch's heads, slot s holding head (s % kv_heads) * group + s //
-    kv_heads; causal: the tile counted from the last), whose kv counts never rise along it, ties in item order; with
-    256-row blocks two tiles share a block's list, and a tail tile its last; shared: one mask for every batch and
-    head (size-1 dims)."""
+    kv_heads; causal: the tile counted from the last), along which the kv counts' powers of two (empty lists below
+    any) never rise, in item order within each; with 256-row blocks two tiles share a block's list, and a tail tile
+    its last; shared: one mask for every batch and head (size-1 dims)."""
     group = heads // kv_heads
     nq = -(-seq_q // block_q)
     q_tiles = -(-seq_q // 128)
     gen = torch.Generator().manual_seed(5)
-    kv_count = torch.randint(0, 4, (1, 1, nq) if shared else (batch, heads, nq), generator=gen, dtype=torch.int32)
+    kv_count = torch.randint(0, 9, (1, 1, nq) if shared else (batch, heads, nq), generator=gen, dtype=torch.int32)
     order = forward_ws.query_tile_order(kv_count, batch, heads, group, block_q, q_tiles, causal)
     assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(q_tiles * batch * heads))
     full = kv_count.expand(batch, heads, nq)
@@ -434,9 +434,10 @@ def test_query_tile_order_puts_the_longest_lists_first(batch, heads, kv_heads, s
         tile = q_tiles - 1 - tile if causal else tile
         slot = bh % heads
         return int(full[bh // heads, (slot % kv_heads) * group + slot // kv_heads, tile * 128 // block_q])
-    counts = [count(item) for item in order.tolist()]
-    assert all(a > b or (a == b and i < j) for (a, i), (b, j) in zip(zip(counts, order.tolist()),
-                                                                   zip(counts[1:], order.tolist()[1:])))
+    scales = [count(item).bit_length() for item in order.tolist()]  # 0 for an empty list, k + 1 for 2^k..2^(k+1)-1
+    assert all(a > b or (a == b and i < j) for (a, i), (b, j) in zip(zip(scales, order.tolist()),
+                                                                   zip(scales[1:], order.tolist()[1:])))
+    assert len(set(scales)) >= 3
     cached = forward_ws.cached_query_tile_order(kv_count, batch, heads, group, block_q, q_tiles, causal)
     assert torch.equal(cached, order)
     assert forward_ws.cached_query_tile_order(kv_count, batch, heads, group, block_q, q_tiles, causal) is cached

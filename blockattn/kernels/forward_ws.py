@@ -1033,14 +1033,18 @@ def query_tile_order(kv_count: torch.Tensor, batch: int, heads: int, group_size:
     the tile counted from the last), longest kv list first, ties in that numbering's order. kv_count int32 [Bm, Hm,
     nq] (size-1 dims broadcast), a list per block of block_q rows, which a 128-row tile takes whole. With the
     programs taking the items in turn (_turn_item) or as they free up (CLAIMED_DIMS), each starts long and ends
-    short, as the hardware's scheduler of a program a tile gets by itself."""
+    short, as the hardware's scheduler of a program a tile gets by itself. Longest first by powers of two (lists of
+    2^k to 2^(k+1) - 1 blocks together, empty lists last), item order within each: a strict sort took each tile
+    position across every head together under is_causal, whose keys and values then missed L2 (kernels/README.md,
+    "The persistent grid")."""
     kv_heads = heads // group_size
     slots = torch.arange(heads, device=kv_count.device)
     head_of_slot = (slots % kv_heads) * group_size + slots // kv_heads
     tiles = torch.arange(q_tiles, device=kv_count.device)
     block_of_tile = (tiles.flip(0) if causal else tiles) * TILE_Q // block_q
     counts = kv_count.expand(batch, heads, kv_count.shape[-1])[:, head_of_slot][:, :, block_of_tile]
-    return torch.argsort(counts.reshape(-1), descending=True, stable=True).to(torch.int32)
+    scale = torch.where(counts > 0, counts.float().log2().floor(), -1.0)
+    return torch.argsort(scale.reshape(-1), descending=True, stable=True).to(torch.int32)
 
 
 # query_tile_order's results by (kv_count's (id, version), the call's terms) (replay.kept_per_lists)
