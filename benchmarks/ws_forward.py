@@ -100,15 +100,16 @@ def main():
                         "(forward.FIXED_OFFSET_DIMS)")
     parser.add_argument("--query-scale", type=float, default=1.0,
                         help="multiply the queries by this (8: past the bound that lets D=64 keep its offsets fixed)")
-    parser.add_argument("--grid", choices=("tiles", "turns", "claimed"), default="tiles",
-                        help="the warp-specialized forward's grid for the whole run: a program a query tile, or the "
-                        "persistent grid with the tiles in turns (forward_ws.PERSISTENT_DIMS, not under is_causal) or "
-                        "claimed as programs free up (forward_ws.CLAIMED_DIMS)")
+    parser.add_argument("--grid", choices=("default", "tiles", "turns", "claimed"), default="default",
+                        help="the warp-specialized forward's grid for the whole run: forward_ws's settings, a program a "
+                        "query tile, or the persistent grid with the tiles in turns (forward_ws.PERSISTENT_DIMS, not "
+                        "under is_causal) or claimed as programs free up (CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS)")
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out (its ratio columns read nan)")
     args = parser.parse_args()
-    if args.grid != "tiles":
-        setattr(forward_ws, "PERSISTENT_DIMS" if args.grid == "turns" else "CLAIMED_DIMS", (64, 128))
-        print(f"the warp-specialized forward on the persistent grid, its tiles {args.grid}")
+    if args.grid != "default":
+        forward_ws.CLAIMED_DIMS = forward_ws.CLAIMED_CAUSAL_DIMS = (64, 128) if args.grid == "claimed" else ()
+        forward_ws.PERSISTENT_DIMS = (64, 128) if args.grid == "turns" else ()
+        print(f"the warp-specialized forward's grid: {args.grid}")
     default_dims, default_stages = forward_ws.HEAD_DIMS, dict(forward_ws.STAGES)
     default_tiles, default_overlapped = dict(forward_ws.TILE_KEYS), dict(forward_ws.OVERLAPPED)
     default_emulated = forward_ws.EMULATED_EXP2_DIMS

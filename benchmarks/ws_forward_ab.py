@@ -11,7 +11,7 @@ Settings (module attributes of blockattn.kernels.forward_ws, set for the case's 
                   (PERSISTENT_DIMS)
   claimed         a persistent grid whose programs claim query tiles from a counter as they free up (under
                   is_causal too), or a program a query tile; with --also persistent, against the tiles in turn
-                  (CLAIMED_DIMS)
+                  (CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS)
 
     cd benchmarks && python ws_forward_ab.py --setting rise-checked --rounds 5
     cd benchmarks && python ws_forward_ab.py --setting emulated-exp2 --also rise-checked   # with the other on
@@ -51,14 +51,17 @@ SUITES = {"design": [Case(dim=64, block=block, density=d) for block in ((128, 12
 SETTINGS = {"rise-checked": ("RISE_CHECKED_DIMS", "checked", "bounded"),
             "emulated-exp2": ("EMULATED_EXP2_DIMS", "emulated", "special function unit"),
             "persistent": ("PERSISTENT_DIMS", "persistent", "a program a tile"),
-            "claimed": ("CLAIMED_DIMS", "claimed", "a program a tile or turns")}
+            "claimed": (("CLAIMED_DIMS", "CLAIMED_CAUSAL_DIMS"), "claimed", "a program a tile or turns")}
+ATTRIBUTES = [attribute for names, _, _ in SETTINGS.values()
+              for attribute in (names if isinstance(names, tuple) else (names, ))]
 
 
 def set_setting(name: str, dim: int, on: bool) -> None:
     """forward_ws's setting `name` on or off at head dim dim (rise-checked: for bf16)."""
-    attribute = SETTINGS[name][0]
-    dims = set(getattr(forward_ws, attribute)) - {dim}
-    setattr(forward_ws, attribute, tuple(sorted(dims | ({dim} if on else set()))))
+    names = SETTINGS[name][0]
+    for attribute in names if isinstance(names, tuple) else (names, ):
+        dims = set(getattr(forward_ws, attribute)) - {dim}
+        setattr(forward_ws, attribute, tuple(sorted(dims | ({dim} if on else set()))))
     if name == "rise-checked":
         forward_ws.RISE_CHECKED_DTYPES = (torch.bfloat16, )
 
@@ -71,7 +74,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cases", choices=sorted(SUITES), nargs="+", default=["design"])
     args = parser.parse_args()
-    saved = {name: getattr(forward_ws, attribute) for name, (attribute, _, _) in SETTINGS.items()}
+    saved = {attribute: getattr(forward_ws, attribute) for attribute in ATTRIBUTES}
     saved_dtypes = forward_ws.RISE_CHECKED_DTYPES
     _, on_name, off_name = SETTINGS[args.setting]
     device = torch.device("cuda")
@@ -90,8 +93,8 @@ def main():
             for on in (True, False):
                 set_setting(args.setting, case.dim, on)
                 times[on].append(_time_ms(lambda: blockattn.attention(q, k, v, blocks, is_causal=causal)))
-        for name, (attribute, _, _) in SETTINGS.items():
-            setattr(forward_ws, attribute, saved[name])
+        for attribute, value in saved.items():
+            setattr(forward_ws, attribute, value)
         forward_ws.RISE_CHECKED_DTYPES = saved_dtypes
         med = {key: statistics.median(value) for key, value in times.items()}
         flops = _flops(case, blocks.density())

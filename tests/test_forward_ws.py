@@ -173,7 +173,15 @@ def test_compiles_for_sm90_with_its_register_split(blocks, dtype, causal, dim, e
     FIXED_OFFSET_DIMS): the register split, wgmma and TMA in the PTX, shared memory within Hopper's, and a stack
     within SPILL_BUDGET."""
     _assert_compiles(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.{dtype}, causal={causal}, dim={dim}, "
-                     f"emulate_exp2={emulate}, o_through_tma={o_through_tma}, fixed_offsets={fixed})")
+                     f"emulate_exp2={emulate}, o_through_tma={o_through_tma}, fixed_offsets={fixed})",
+                     _launch_spill_budget(blocks, causal, dim))
+
+
+def _launch_spill_budget(blocks: tuple, causal: bool, dim: int) -> int:
+    """The stack a launch's kernel may have at these blocks: SPILL_BUDGET_CLAIMED where it claims its items
+    (CLAIMED_DIMS, CLAIMED_CAUSAL_DIMS), else SPILL_BUDGET."""
+    claimed = dim in (forward_ws.CLAIMED_CAUSAL_DIMS if causal else forward_ws.CLAIMED_DIMS)
+    return SPILL_BUDGET_CLAIMED if claimed else SPILL_BUDGET
 
 
 def _assert_compiles(call: str, spill_budget: int = SPILL_BUDGET) -> None:
@@ -192,7 +200,7 @@ def test_compiles_with_the_rise_checked(blocks, causal, dim):
     """bf16 fixed offsets with the rise checked after the walk (RISE_CHECKED_DTYPES), whose cold walk again runs
     Ampere products (mma_v2) on pointer loads: as _assert_compiles asks."""
     _assert_compiles(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.bfloat16, causal={causal}, dim={dim}, "
-                     "fixed_offsets=True, check_rise=True)")
+                     "fixed_offsets=True, check_rise=True)", _launch_spill_budget(blocks, causal, dim))
 
 
 @pytest.mark.parametrize("blocks, dim, o_through_tma, causal, claimed", [
@@ -448,6 +456,15 @@ def test_query_tile_order_puts_the_longest_lists_first(batch, heads, kv_heads, s
     assert forward_ws.cached_query_tile_order(kv_count, batch, heads, group, block_q, q_tiles, causal) is not cached
 
 
+def set_grid(monkeypatch, grid) -> None:
+    """The warp-specialized forward's grid at D=64 and 128, causal or not: None a program a tile, "turns" the
+    persistent grid's programs taking the items in turn (PERSISTENT_DIMS, never under is_causal), "claimed" claiming
+    them from a counter (CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS)."""
+    monkeypatch.setattr(forward_ws, "PERSISTENT_DIMS", (64, 128) if grid == "turns" else ())
+    for setting in ("CLAIMED_DIMS", "CLAIMED_CAUSAL_DIMS"):
+        monkeypatch.setattr(forward_ws, setting, (64, 128) if grid == "claimed" else ())
+
+
 # the persistent grid's cases: (a table, its case, head dim, out through the TMA unit, its programs' items: "turns"
 # (PERSISTENT_DIMS, never under is_causal) or "claimed" from a counter (CLAIMED_DIMS, under is_causal too))
 PERSISTENT_CASES = ([("CASES", case, 128, False, grid) for case in CASES for grid in ("turns", "claimed")]
@@ -461,13 +478,13 @@ PERSISTENT_CASES = ([("CASES", case, 128, False, grid) for case in CASES for gri
 @pytest.mark.parametrize("table, case, dim, o_through_tma, grid", PERSISTENT_CASES)
 def test_persistent_grid_against_the_oracle(table, case, dim, o_through_tma, grid, monkeypatch, poisoned,
                                             warp_specialized_calls):
-    """The persistent grid (PERSISTENT_DIMS or CLAIMED_DIMS; off by default) with 7 programs, so that each walks
+    """The persistent grid (set_grid: in turns or claimed) with 7 programs, so that each walks
     many items of unequal lists and the ring's stages and the barriers' phases carry over from item to item, its
     last turn shorter in some programs than in others (claimed: however many items each program claims, and the
     consumers stopped by the loader's post of none left): the tables' cases (a query block that keeps nothing, a
     head that keeps nothing, query tails; claimed also is_causal's, with rows that see no key in a tile), D=128 and
     64, and out through the TMA unit."""
-    monkeypatch.setattr(forward_ws, "PERSISTENT_DIMS" if grid == "turns" else "CLAIMED_DIMS", (64, 128))
+    set_grid(monkeypatch, grid)
     monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 7)
     monkeypatch.setattr(forward_ws, "O_THROUGH_TMA", o_through_tma)
     monkeypatch.setattr(forward_ws, "MIN_KEYS", {})
@@ -490,8 +507,7 @@ def test_persistent_grid_against_the_oracle(table, case, dim, o_through_tma, gri
                                                            causal, dim=dim))
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=causal)
     # an item's rows come out of the same instructions whichever program takes it: a program a tile's, bit for bit
-    monkeypatch.setattr(forward_ws, "PERSISTENT_DIMS", ())
-    monkeypatch.setattr(forward_ws, "CLAIMED_DIMS", ())
+    set_grid(monkeypatch, None)
     out_tiled, lse_tiled = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=causal,
                                                backend="triton")
     assert torch.equal(out, out_tiled) and torch.equal(lse, lse_tiled)
@@ -527,8 +543,7 @@ def test_fixed_offsets_against_the_oracle(case, checked, grid, inputs, monkeypat
     items in turns (PERSISTENT_DIMS) or claiming them (CLAIMED_DIMS, under is_causal too), where a walk again comes
     between one item and the next; None: a program an item."""
     monkeypatch.setattr(forward_ws, "MIN_KEYS", {})
-    monkeypatch.setattr(forward_ws, "PERSISTENT_DIMS", (64, 128) if grid == "turns" else ())
-    monkeypatch.setattr(forward_ws, "CLAIMED_DIMS", (64, 128) if grid == "claimed" else ())
+    set_grid(monkeypatch, grid)
     monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 5)
     monkeypatch.setattr(forward_ws, "FIXED_OFFSET_DIMS", (64, 128))
     monkeypatch.setattr(forward_ws, "RISE_CHECKED_DTYPES", (torch.bfloat16, ) if checked else ())

@@ -405,6 +405,8 @@ def test_a_changed_forward_setting_reaches_the_planned_launch(monkeypatch, setti
     from blockattn.kernels import forward_ws
     monkeypatch.setattr(forward_ws, "LAUNCH_PLANS", True)
     monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 5)  # (the persistent grid's size, no device to ask)
+    for grid_setting in ("PERSISTENT_DIMS", "CLAIMED_DIMS", "CLAIMED_CAUSAL_DIMS"):  # from a program a tile
+        monkeypatch.setattr(forward_ws, grid_setting, ())
     specs, calls = {}, []
 
     def planned_run(kernel_fn, site_key, tensors, build, fresh=(), seen=None):

@@ -143,11 +143,18 @@ EMULATED_EXP2_DIMS: tuple = ()
 # tile +6.3%); not yet timed, so off.
 PERSISTENT_DIMS: tuple = ()
 # Head dims whose kernel runs the persistent grid with each program claiming its next item from a counter (an atomic
-# add by the loader) as it finishes the last, the items' order still longest list first: work goes to the programs
-# that free up, as the hardware hands a program a tile to the first free SM, so under is_causal too (kernels/README.md,
-# "The persistent grid"). Takes precedence over PERSISTENT_DIMS. Written with no GPU (fifty-second session): not
-# yet run, so off.
-CLAIMED_DIMS: tuple = ()
+# add by the loader) as it finishes the last, the items' order longest list first (query_tile_order): work goes to
+# the programs that free up, as the hardware hands a program a tile to the first free SM (kernels/README.md, "The
+# persistent grid"). Takes precedence over PERSISTENT_DIMS. Measured on an H100 (fifty-third session,
+# `benchmarks/ws_forward_ab.py --setting claimed --cases grid skewed causal`, B1 H24 S32k bf16 unless said, against a
+# program a tile): 1.07x / 1.06x as fast at D=64 d=0.1 (128x128 / 128x64), 1.02x at D=64 d=0.5, 1.01-1.03x at D=128
+# d=1 and 0.1, 1.03x at B8 H16 S2048 / 4096 d=0.5, 1.06x / 1.04x on the skewed mask (D=128 / 64).
+CLAIMED_DIMS: tuple = (64, 128)
+# The head dims whose is_causal launches claim too. Off: with the items' order a strict sort by list length, each
+# causal tile position ran across every head at once, whose keys and values then missed L2, and the same run measured
+# 0.65x at B8 H16 S4096 and 0.78-0.83x at D=64; the order by powers of two since, which keeps a head's tiles together,
+# is not yet timed.
+CLAIMED_CAUSAL_DIMS: tuple = ()
 PERSISTENT_PROGRAMS: Optional[int] = None
 
 _ROWS = gl.constexpr(CONSUMER_ROWS)
@@ -1061,9 +1068,10 @@ def cached_query_tile_order(kv_count: torch.Tensor, batch: int, heads: int, grou
 
 def _settings(chosen: Plan, dtype: torch.dtype, dim: int) -> dict:
     """The kernel's constexprs that the module's settings decide for a launch of plan `chosen` at dtype and head dim
-    `dim` (EMULATED_EXP2_DIMS, O_THROUGH_TMA, RISE_CHECKED_DTYPES and _DIMS, PERSISTENT_DIMS, CLAIMED_DIMS): what
+    `dim` (EMULATED_EXP2_DIMS, O_THROUGH_TMA, RISE_CHECKED_DTYPES and _DIMS, PERSISTENT_DIMS, CLAIMED_DIMS and
+    CLAIMED_CAUSAL_DIMS): what
     attention_forward_ws launches with and compile_sm90 compiles by default."""
-    claimed = dim in CLAIMED_DIMS
+    claimed = dim in (CLAIMED_CAUSAL_DIMS if chosen.causal else CLAIMED_DIMS)
     return dict(EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, O_THROUGH_TMA=O_THROUGH_TMA,
                 CHECK_RISE=chosen.fixed_offsets and dtype in RISE_CHECKED_DTYPES and dim in RISE_CHECKED_DIMS,
                 PERSISTENT=claimed or (dim in PERSISTENT_DIMS and not chosen.causal), CLAIMED=claimed)
