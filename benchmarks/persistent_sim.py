@@ -5,10 +5,11 @@ A work item (a 128-row query tile of one head) takes its kv list's length in 128
 A program a tile: the hardware starts the items in launch order (tile fastest, the last tiles first under is_causal)
 on the first of 132 multiprocessors to come free (tail_sim.makespan). The persistent grid (forward_ws.PERSISTENT_DIMS):
 132 programs take the items at positions p, p + 132, ... of an order in turn, so a program's share is fixed before
-it starts: in launch order, or longest list first by powers of two (forward_ws.query_tile_order); or (forward_ws.CLAIMED_DIMS) each
-program claims the next item of that order as it frees up, as the hardware hands out a program a tile. The table
-gives each makespan over the ideal (total work / 132). A model only: no L2, no clock, and no gain from the
-persistent grid's overlap of one item's end with the next one's start (the reason it exists).
+it starts: in launch order, or longest list first by powers of two (forward_ws.query_tile_order); or
+(forward_ws.CLAIMED_DIMS) each program claims the next item of that order as it frees up, as the hardware hands out
+a program a tile. The table gives each makespan over the ideal (total work / 132). A model only: no L2 (which made
+a strict sort by length lose under is_causal: it ran a tile position across every head at once), no clock, and no
+gain from the persistent grid's overlap of one item's end with the next one's start (the reason it exists).
 
     python benchmarks/persistent_sim.py [--overhead 1]
 """

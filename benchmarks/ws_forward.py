@@ -101,9 +101,10 @@ def main():
     parser.add_argument("--query-scale", type=float, default=1.0,
                         help="multiply the queries by this (8: past the bound that lets D=64 keep its offsets fixed)")
     parser.add_argument("--grid", choices=("default", "tiles", "turns", "claimed"), default="default",
-                        help="the warp-specialized forward's grid for the whole run: forward_ws's settings, a program a "
-                        "query tile, or the persistent grid with the tiles in turns (forward_ws.PERSISTENT_DIMS, not "
-                        "under is_causal) or claimed as programs free up (CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS)")
+                        help="the warp-specialized forward's grid for the whole run: forward_ws's settings, a "
+                        "program a query tile, or the persistent grid with the tiles in turns (forward_ws."
+                        "PERSISTENT_DIMS, not under is_causal) or claimed as programs free up (CLAIMED_DIMS and "
+                        "CLAIMED_CAUSAL_DIMS)")
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out (its ratio columns read nan)")
     args = parser.parse_args()
     if args.grid != "default":
