@@ -171,7 +171,7 @@ SPILL_BUDGET_CLAIMED = 96
 def test_compiles_for_sm90_with_its_register_split(blocks, dtype, causal, dim, emulate, o_through_tma, fixed):
     """The launch's settings, and out through the TMA unit and fixed offsets either way (O_THROUGH_TMA,
     FIXED_OFFSET_DIMS): the register split, wgmma and TMA in the PTX, shared memory within Hopper's, and a stack
-    within SPILL_BUDGET."""
+    within SPILL_BUDGET, or SPILL_BUDGET_CLAIMED where the launch claims its items (_launch_spill_budget)."""
     _assert_compiles(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.{dtype}, causal={causal}, dim={dim}, "
                      f"emulate_exp2={emulate}, o_through_tma={o_through_tma}, fixed_offsets={fixed})",
                      _launch_spill_budget(blocks, causal, dim))
@@ -198,7 +198,7 @@ def _assert_compiles(call: str, spill_budget: int = SPILL_BUDGET) -> None:
                                                   ((128, 64), True, 64)])
 def test_compiles_with_the_rise_checked(blocks, causal, dim):
     """bf16 fixed offsets with the rise checked after the walk (RISE_CHECKED_DTYPES), whose cold walk again runs
-    Ampere products (mma_v2) on pointer loads: as _assert_compiles asks."""
+    Ampere products (mma_v2) on pointer loads: as _assert_compiles asks, with the launch's stack budget."""
     _assert_compiles(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.bfloat16, causal={causal}, dim={dim}, "
                      "fixed_offsets=True, check_rise=True)", _launch_spill_budget(blocks, causal, dim))
 
@@ -466,7 +466,7 @@ def set_grid(monkeypatch, grid) -> None:
 
 
 # the persistent grid's cases: (a table, its case, head dim, out through the TMA unit, its programs' items: "turns"
-# (PERSISTENT_DIMS, never under is_causal) or "claimed" from a counter (CLAIMED_DIMS, under is_causal too))
+# (PERSISTENT_DIMS, never under is_causal) or "claimed" from a counter (set_grid: under is_causal too))
 PERSISTENT_CASES = ([("CASES", case, 128, False, grid) for case in CASES for grid in ("turns", "claimed")]
                     + [("HEAD_DIM_64_CASES", case, 64, False, grid) for case, spec in HEAD_DIM_64_CASES.items()
                        for grid in ("turns", "claimed") if grid == "claimed" or not spec[7]]
@@ -540,8 +540,8 @@ def test_fixed_offsets_against_the_oracle(case, checked, grid, inputs, monkeypat
     past 2^RISE_LIMIT ("bound 160") the rows are walked again with running maxima (the cold _walk_again), else
     their overflowed sums would show here. Against the oracle, with the share of tiles taking each walk and the
     scores' rise computed on the host. grid: with the rise checked, on the persistent grid of 5 programs taking their
-    items in turns (PERSISTENT_DIMS) or claiming them (CLAIMED_DIMS, under is_causal too), where a walk again comes
-    between one item and the next; None: a program an item."""
+    items in turns or claiming them (set_grid; claimed under is_causal too), where a walk again comes between one
+    item and the next; None: a program an item."""
     monkeypatch.setattr(forward_ws, "MIN_KEYS", {})
     set_grid(monkeypatch, grid)
     monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 5)

@@ -140,7 +140,8 @@ EMULATED_EXP2_DIMS: tuple = ()
 # a program a tile is within 2%, and 0.92x / 0.95x causal: a program's share of the items is fixed, and those that
 # drew long lists ended late. Since then the programs take the items longest list first (query_tile_order), which
 # benchmarks/persistent_sim.py models at +3.9% over the ideal on the skewed mask (launch order +39%, a program a
-# tile +6.3%); not yet timed, so off.
+# tile +6.3%); never timed that way, and off: the claimed items below (+1.0% in the model), on where not causal,
+# take precedence.
 PERSISTENT_DIMS: tuple = ()
 # Head dims whose kernel runs the persistent grid with each program claiming its next item from a counter (an atomic
 # add by the loader) as it finishes the last, the items' order longest list first (query_tile_order): work goes to
@@ -1037,13 +1038,13 @@ def query_tile_order(kv_count: torch.Tensor, batch: int, heads: int, group_size:
                      q_tiles: int, causal: bool = False) -> torch.Tensor:
     """int32 [q_tiles * batch * heads]: the persistent grid's work items, numbered as _program takes them (item =
     tile + q_tiles * (b * heads + slot), slot s holding head (s % kv_heads) * group_size + s // kv_heads; causal:
-    the tile counted from the last), longest kv list first, ties in that numbering's order. kv_count int32 [Bm, Hm,
-    nq] (size-1 dims broadcast), a list per block of block_q rows, which a 128-row tile takes whole. With the
-    programs taking the items in turn (_turn_item) or as they free up (CLAIMED_DIMS), each starts long and ends
-    short, as the hardware's scheduler of a program a tile gets by itself. Longest first by powers of two (lists of
-    2^k to 2^(k+1) - 1 blocks together, empty lists last), item order within each: a strict sort took each tile
+    the tile counted from the last), longest kv list first by powers of two (lists of 2^k to 2^(k+1) - 1 blocks
+    together, empty lists last), in that numbering's order within each: a strict sort by length took each tile
     position across every head together under is_causal, whose keys and values then missed L2 (kernels/README.md,
-    "The persistent grid")."""
+    "The persistent grid"). kv_count int32 [Bm, Hm, nq] (size-1 dims broadcast), a list per block of block_q rows,
+    which a 128-row tile takes whole. With the programs taking the items in turn (_turn_item) or as they free up
+    (CLAIMED_DIMS), each starts long and ends short, as the hardware's scheduler of a program a tile gets by
+    itself."""
     kv_heads = heads // group_size
     slots = torch.arange(heads, device=kv_count.device)
     head_of_slot = (slots % kv_heads) * group_size + slots // kv_heads
@@ -1069,8 +1070,7 @@ def cached_query_tile_order(kv_count: torch.Tensor, batch: int, heads: int, grou
 def _settings(chosen: Plan, dtype: torch.dtype, dim: int) -> dict:
     """The kernel's constexprs that the module's settings decide for a launch of plan `chosen` at dtype and head dim
     `dim` (EMULATED_EXP2_DIMS, O_THROUGH_TMA, RISE_CHECKED_DTYPES and _DIMS, PERSISTENT_DIMS, CLAIMED_DIMS and
-    CLAIMED_CAUSAL_DIMS): what
-    attention_forward_ws launches with and compile_sm90 compiles by default."""
+    CLAIMED_CAUSAL_DIMS): what attention_forward_ws launches with and compile_sm90 compiles by default."""
     claimed = dim in (CLAIMED_CAUSAL_DIMS if chosen.causal else CLAIMED_DIMS)
     return dict(EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, O_THROUGH_TMA=O_THROUGH_TMA,
                 CHECK_RISE=chosen.fixed_offsets and dtype in RISE_CHECKED_DTYPES and dim in RISE_CHECKED_DIMS,
@@ -1113,7 +1113,7 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     kernel for lists at (block_q, block_kv) and head dim `dim`, with the launch's tile choice (plan()), stages and
     register settings; emulate_exp2, o_through_tma, fixed_offsets, check_rise, persistent and claimed None: as a
     launch at `dim` and dtype would (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES and
-    _DIMS, PERSISTENT_DIMS, CLAIMED_DIMS; claimed implies persistent)."""
+    _DIMS, PERSISTENT_DIMS, CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS; claimed implies persistent)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     chosen = _plan(block_kv, dim, causal)
