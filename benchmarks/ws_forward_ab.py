@@ -8,7 +8,7 @@ Settings (module attributes of blockattn.kernels.forward_ws, set for the case's 
   emulated-exp2   one exponential in four from the FMA units' polynomial, or all from the special function unit
                   (EMULATED_EXP2_DIMS)
   persistent      a persistent grid, a program an SM taking query tiles in turn, or a program a query tile
-                  (PERSISTENT_DIMS)
+                  (PERSISTENT_DIMS; the claims, which take precedence, off both ways unless named too)
   claimed         a persistent grid whose programs claim query tiles from a counter as they free up (under
                   is_causal too), or a program a query tile; with --also persistent, against the tiles in turn
                   (CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS)
@@ -21,7 +21,7 @@ Settings (module attributes of blockattn.kernels.forward_ws, set for the case's 
 
 The fifty-first session timed the walk in turn's wait for V, its last tile peeled off the loop and the causal walk's
 split this way (BENCHMARKS.md) and kept the two that won, which have no switch since; and the persistent grid, which
-lost on skewed and causal masks and stays off.
+lost on skewed and causal masks in turns. The fifty-third session timed its claimed items, on since where not causal.
 """
 
 import argparse
@@ -48,18 +48,17 @@ SUITES = {"design": [Case(dim=64, block=block, density=d) for block in ((128, 12
           + [Case(dim=64, block=(128, 64), density=0.1)]
           + [Case(pattern="causal", block=(128, 64), density=0.5), Case(dim=64, pattern="causal", density=0.5)]
           + [Case(batch=8, heads=16, kv_heads=16, seq=s, density=0.5) for s in (2048, 4096)]}
-SETTINGS = {"rise-checked": ("RISE_CHECKED_DIMS", "checked", "bounded"),
-            "emulated-exp2": ("EMULATED_EXP2_DIMS", "emulated", "special function unit"),
-            "persistent": ("PERSISTENT_DIMS", "persistent", "a program a tile"),
+# each setting's module attributes (head dims), and its two ways' names
+SETTINGS = {"rise-checked": (("RISE_CHECKED_DIMS", ), "checked", "bounded"),
+            "emulated-exp2": (("EMULATED_EXP2_DIMS", ), "emulated", "special function unit"),
+            "persistent": (("PERSISTENT_DIMS", ), "persistent", "a program a tile"),
             "claimed": (("CLAIMED_DIMS", "CLAIMED_CAUSAL_DIMS"), "claimed", "a program a tile or turns")}
-ATTRIBUTES = [attribute for names, _, _ in SETTINGS.values()
-              for attribute in (names if isinstance(names, tuple) else (names, ))]
+ATTRIBUTES = [attribute for attributes, _, _ in SETTINGS.values() for attribute in attributes]
 
 
 def set_setting(name: str, dim: int, on: bool) -> None:
     """forward_ws's setting `name` on or off at head dim dim (rise-checked: for bf16)."""
-    names = SETTINGS[name][0]
-    for attribute in names if isinstance(names, tuple) else (names, ):
+    for attribute in SETTINGS[name][0]:
         dims = set(getattr(forward_ws, attribute)) - {dim}
         setattr(forward_ws, attribute, tuple(sorted(dims | ({dim} if on else set()))))
     if name == "rise-checked":
@@ -88,6 +87,8 @@ def main():
         causal = case.pattern == "causal"
         for name in args.also:
             set_setting(name, case.dim, True)
+        if "persistent" in (args.setting, *args.also) and "claimed" not in (args.setting, *args.also):
+            set_setting("claimed", case.dim, False)  # (on by default where not causal, it would take precedence)
         times = {True: [], False: []}
         for _ in range(args.rounds):
             for on in (True, False):

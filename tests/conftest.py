@@ -364,6 +364,16 @@ def declined_tensors(change: str) -> tuple:
     return q, k, v
 
 
+def set_grid(monkeypatch, grid) -> None:
+    """The warp-specialized forward's grid at D=64 and 128, causal or not: None a program a tile, "turns" the
+    persistent grid's programs taking the items in turn (PERSISTENT_DIMS, never under is_causal), "claimed" claiming
+    them from a counter (CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS)."""
+    from blockattn.kernels import forward_ws  # (Gluon's module: imported where a test needs it)
+    monkeypatch.setattr(forward_ws, "PERSISTENT_DIMS", (64, 128) if grid == "turns" else ())
+    for setting in ("CLAIMED_DIMS", "CLAIMED_CAUSAL_DIMS"):
+        monkeypatch.setattr(forward_ws, setting, (64, 128) if grid == "claimed" else ())
+
+
 def interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block):
     """(heads, kv_heads, seq_q, seq_kv) for an oracle case: on a GPU as given; on the CPU (Triton's interpreter) two
     blocks a side plus the same query tail, two kv heads at most."""

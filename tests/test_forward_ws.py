@@ -15,7 +15,7 @@ import blockattn
 from blockattn.kernels import bounds, forward, forward_ws
 from conftest import (DECLINED_TENSORS, DEVICE, ON_GPU, aligned_scores, assert_output_and_gradients,
                       check_against_oracle, declined_tensors, expand, interpreter_share, meta, output_and_lse_loss, qkv,
-                      random_keep, row_bounds, sm90_report, stack_bytes)
+                      random_keep, row_bounds, set_grid, sm90_report, stack_bytes)
 
 
 QUALIFYING = dict(block_q=128, block_kv=128, is_causal=False, token_mask=None, block_mask=None, kv_valid=None,
@@ -454,15 +454,6 @@ def test_query_tile_order_puts_the_longest_lists_first(batch, heads, kv_heads, s
     assert torch.equal(other, forward_ws.query_tile_order(kv_count, batch, heads, group, block_q, q_tiles, not causal))
     kv_count.add_(1)
     assert forward_ws.cached_query_tile_order(kv_count, batch, heads, group, block_q, q_tiles, causal) is not cached
-
-
-def set_grid(monkeypatch, grid) -> None:
-    """The warp-specialized forward's grid at D=64 and 128, causal or not: None a program a tile, "turns" the
-    persistent grid's programs taking the items in turn (PERSISTENT_DIMS, never under is_causal), "claimed" claiming
-    them from a counter (CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS)."""
-    monkeypatch.setattr(forward_ws, "PERSISTENT_DIMS", (64, 128) if grid == "turns" else ())
-    for setting in ("CLAIMED_DIMS", "CLAIMED_CAUSAL_DIMS"):
-        monkeypatch.setattr(forward_ws, setting, (64, 128) if grid == "claimed" else ())
 
 
 # the persistent grid's cases: (a table, its case, head dim, out through the TMA unit, its programs' items: "turns"

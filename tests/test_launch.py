@@ -13,7 +13,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from blockattn.kernels import autotune, backward, forward, launch, lists
 from conftest import (DEVICE, ON_GPU, assert_output_and_gradients, check_against_oracle, expand, kernel, meta,
-                      qkv, random_keep)
+                      qkv, random_keep, set_grid)
 
 ARG_NAMES = ("X", "X_DESC", "Out", "n", "BLOCK")
 CONFIG = triton.Config({"BLOCK": 32}, num_warps=4, num_stages=2)
@@ -405,8 +405,7 @@ def test_a_changed_forward_setting_reaches_the_planned_launch(monkeypatch, setti
     from blockattn.kernels import forward_ws
     monkeypatch.setattr(forward_ws, "LAUNCH_PLANS", True)
     monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 5)  # (the persistent grid's size, no device to ask)
-    for grid_setting in ("PERSISTENT_DIMS", "CLAIMED_DIMS", "CLAIMED_CAUSAL_DIMS"):  # from a program a tile
-        monkeypatch.setattr(forward_ws, grid_setting, ())
+    set_grid(monkeypatch, None)  # from a program a tile
     specs, calls = {}, []
 
     def planned_run(kernel_fn, site_key, tensors, build, fresh=(), seen=None):

@@ -1067,11 +1067,14 @@ def cached_query_tile_order(kv_count: torch.Tensor, batch: int, heads: int, grou
                                                                  causal))
 
 
-def _settings(chosen: Plan, dtype: torch.dtype, dim: int) -> dict:
+def _settings(chosen: Plan, dtype: torch.dtype, dim: int, claimed: Optional[bool] = None) -> dict:
     """The kernel's constexprs that the module's settings decide for a launch of plan `chosen` at dtype and head dim
     `dim` (EMULATED_EXP2_DIMS, O_THROUGH_TMA, RISE_CHECKED_DTYPES and _DIMS, PERSISTENT_DIMS, CLAIMED_DIMS and
-    CLAIMED_CAUSAL_DIMS): what attention_forward_ws launches with and compile_sm90 compiles by default."""
-    claimed = dim in (CLAIMED_CAUSAL_DIMS if chosen.causal else CLAIMED_DIMS)
+    CLAIMED_CAUSAL_DIMS): what attention_forward_ws launches with and compile_sm90 compiles by default. claimed:
+    whether the items are claimed (None: as CLAIMED_DIMS or CLAIMED_CAUSAL_DIMS say), which makes the grid
+    persistent."""
+    if claimed is None:
+        claimed = dim in (CLAIMED_CAUSAL_DIMS if chosen.causal else CLAIMED_DIMS)
     return dict(EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, O_THROUGH_TMA=O_THROUGH_TMA,
                 CHECK_RISE=chosen.fixed_offsets and dtype in RISE_CHECKED_DTYPES and dim in RISE_CHECKED_DIMS,
                 PERSISTENT=claimed or (dim in PERSISTENT_DIMS and not chosen.causal), CLAIMED=claimed)
@@ -1113,7 +1116,8 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     kernel for lists at (block_q, block_kv) and head dim `dim`, with the launch's tile choice (plan()), stages and
     register settings; emulate_exp2, o_through_tma, fixed_offsets, check_rise, persistent and claimed None: as a
     launch at `dim` and dtype would (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES and
-    _DIMS, PERSISTENT_DIMS, CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS; claimed implies persistent)."""
+    _DIMS, PERSISTENT_DIMS, CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS). Claimed items imply the persistent grid, so
+    persistent decides only where they are not claimed (claimed=False, persistent=True: the items in turns)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     chosen = _plan(block_kv, dim, causal)
@@ -1121,10 +1125,11 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
         chosen = chosen._replace(fixed_offsets=fixed_offsets)
     sub_n = chosen.sub_n
     name = _GL_DTYPES[dtype][0]
+    settings = _settings(chosen, dtype, dim, claimed)
     overrides = dict(EMULATE_EXP2=emulate_exp2, O_THROUGH_TMA=o_through_tma, CHECK_RISE=check_rise,
-                     PERSISTENT=True if claimed else persistent, CLAIMED=claimed)
-    settings = {name: value if overrides[name] is None else overrides[name]
-                for name, value in _settings(chosen, dtype, dim).items()}
+                     PERSISTENT=None if settings["CLAIMED"] else persistent)
+    settings = {name: overrides[name] if overrides.get(name) is not None else value
+                for name, value in settings.items()}
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap,
                      STAGES=STAGES[dim], CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
                      FIXED_OFFSETS=chosen.fixed_offsets, **settings, **_unused_arguments(chosen, settings))
