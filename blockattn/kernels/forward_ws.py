@@ -149,12 +149,15 @@ PERSISTENT_DIMS: tuple = ()
 # persistent grid"). Takes precedence over PERSISTENT_DIMS. Measured on an H100 (fifty-third session,
 # `benchmarks/ws_forward_ab.py --setting claimed --cases grid skewed causal`, B1 H24 S32k bf16 unless said, against a
 # program a tile): 1.07x / 1.06x as fast at D=64 d=0.1 (128x128 / 128x64), 1.02x at D=64 d=0.5, 1.01-1.03x at D=128
-# d=1 and 0.1, 1.03x at B8 H16 S2048 / 4096 d=0.5, 1.06x / 1.04x on the skewed mask (D=128 / 64).
+# d=1 and 0.1, 1.03x at B8 H16 S2048 / 4096 d=0.5, 1.06x / 1.04x on the skewed mask (D=128 / 64). With the order by
+# powers of two (fifty-fourth session, H100, `--cases grid`): 1.10x / 1.05x at D=64 d=0.1, 1.05x at D=128 d=1,
+# 1.00x / 1.04x at D=128 d=0.1 (128x128 / 128x64), 1.05x / 1.00x at B8 H16 S2048 / 4096.
 CLAIMED_DIMS: tuple = (64, 128)
 # The head dims whose is_causal launches claim too. Off: with the items' order a strict sort by list length, each
 # causal tile position ran across every head at once, whose keys and values then missed L2, and the same run measured
-# 0.65x at B8 H16 S4096 and 0.78-0.83x at D=64; the order by powers of two since, which keeps a head's tiles together,
-# is not yet timed.
+# 0.65x at B8 H16 S4096 and 0.78-0.83x at D=64. With the order by powers of two since, which keeps a head's tiles
+# together, the loss is gone but there is no gain (fifty-fourth session, H100, five rounds in turns: 1.01x / 0.98x at
+# D=128 128x128 / 128x64, 0.97x / 0.99x at D=64, 0.955x at B8 H16 S4096).
 CLAIMED_CAUSAL_DIMS: tuple = ()
 PERSISTENT_PROGRAMS: Optional[int] = None
 
