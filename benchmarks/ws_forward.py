@@ -108,8 +108,8 @@ def main():
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out (its ratio columns read nan)")
     args = parser.parse_args()
     if args.grid != "default":
-        forward_ws.CLAIMED_DIMS = forward_ws.CLAIMED_CAUSAL_DIMS = (64, 128) if args.grid == "claimed" else ()
-        forward_ws.PERSISTENT_DIMS = (64, 128) if args.grid == "turns" else ()
+        for setting, dims in forward_ws.grid_settings(None if args.grid == "tiles" else args.grid).items():
+            setattr(forward_ws, setting, dims)
         print(f"the warp-specialized forward's grid: {args.grid}")
     default_dims, default_stages = forward_ws.HEAD_DIMS, dict(forward_ws.STAGES)
     default_tiles, default_overlapped = dict(forward_ws.TILE_KEYS), dict(forward_ws.OVERLAPPED)

@@ -365,13 +365,11 @@ def declined_tensors(change: str) -> tuple:
 
 
 def set_grid(monkeypatch, grid) -> None:
-    """The warp-specialized forward's grid at D=64 and 128, causal or not: None a program a tile, "turns" the
-    persistent grid's programs taking the items in turn (PERSISTENT_DIMS, never under is_causal), "claimed" claiming
-    them from a counter (CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS)."""
+    """The warp-specialized forward's grid at D=64 and 128, causal or not, for the test (forward_ws.grid_settings:
+    None a program a tile, "turns" the items in turn, "claimed" claimed from a counter)."""
     from blockattn.kernels import forward_ws  # (Gluon's module: imported where a test needs it)
-    monkeypatch.setattr(forward_ws, "PERSISTENT_DIMS", (64, 128) if grid == "turns" else ())
-    for setting in ("CLAIMED_DIMS", "CLAIMED_CAUSAL_DIMS"):
-        monkeypatch.setattr(forward_ws, setting, (64, 128) if grid == "claimed" else ())
+    for setting, dims in forward_ws.grid_settings(grid).items():
+        monkeypatch.setattr(forward_ws, setting, dims)
 
 
 def interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block):

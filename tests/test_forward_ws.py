@@ -179,9 +179,8 @@ def test_compiles_for_sm90_with_its_register_split(blocks, dtype, causal, dim, e
 
 def _launch_spill_budget(blocks: tuple, causal: bool, dim: int) -> int:
     """The stack a launch's kernel may have at these blocks: SPILL_BUDGET_CLAIMED where it claims its items
-    (CLAIMED_DIMS, CLAIMED_CAUSAL_DIMS), else SPILL_BUDGET."""
-    claimed = dim in (forward_ws.CLAIMED_CAUSAL_DIMS if causal else forward_ws.CLAIMED_DIMS)
-    return SPILL_BUDGET_CLAIMED if claimed else SPILL_BUDGET
+    (forward_ws._claims: CLAIMED_DIMS, CLAIMED_CAUSAL_DIMS), else SPILL_BUDGET."""
+    return SPILL_BUDGET_CLAIMED if forward_ws._claims(dim, causal) else SPILL_BUDGET
 
 
 def _assert_compiles(call: str, spill_budget: int = SPILL_BUDGET) -> None:
@@ -469,10 +468,10 @@ PERSISTENT_CASES = ([("CASES", case, 128, False, grid) for case in CASES for gri
 @pytest.mark.parametrize("table, case, dim, o_through_tma, grid", PERSISTENT_CASES)
 def test_persistent_grid_against_the_oracle(table, case, dim, o_through_tma, grid, monkeypatch, poisoned,
                                             warp_specialized_calls):
-    """The persistent grid (set_grid: in turns or claimed) with 7 programs, so that each walks
-    many items of unequal lists and the ring's stages and the barriers' phases carry over from item to item, its
-    last turn shorter in some programs than in others (claimed: however many items each program claims, and the
-    consumers stopped by the loader's post of none left): the tables' cases (a query block that keeps nothing, a
+    """The persistent grid (set_grid: in turns or claimed) with 7 programs, so that each walks many items of unequal
+    lists and the ring's stages and the barriers' phases carry over from item to item, its last turn shorter in some
+    programs than in others (claimed: however many items each program claims, and the consumers stopped by the
+    loader's post of none left): the tables' cases (a query block that keeps nothing, a
     head that keeps nothing, query tails; claimed also is_causal's, with rows that see no key in a tile), D=128 and
     64, and out through the TMA unit."""
     set_grid(monkeypatch, grid)

@@ -1070,6 +1070,23 @@ def cached_query_tile_order(kv_count: torch.Tensor, batch: int, heads: int, grou
                                                                  causal))
 
 
+def _claims(dim: int, causal: bool) -> bool:
+    """Whether a launch at head dim `dim` claims its items (CLAIMED_DIMS, or CLAIMED_CAUSAL_DIMS under is_causal)."""
+    return dim in (CLAIMED_CAUSAL_DIMS if causal else CLAIMED_DIMS)
+
+
+def grid_settings(grid: Optional[str]) -> dict:
+    """The module's grid settings (PERSISTENT_DIMS, CLAIMED_DIMS, CLAIMED_CAUSAL_DIMS: name -> head dims) that put
+    every head dim's launches on one grid, for tests and benchmarks to set: None a program a tile, "turns" the
+    persistent grid's programs taking the items in turn (never under is_causal), "claimed" claiming them from a
+    counter (causal too)."""
+    if grid not in (None, "turns", "claimed"):
+        raise ValueError(f"grid must be None, 'turns' or 'claimed', got {grid!r}")
+    claimed = HEAD_DIMS if grid == "claimed" else ()
+    return dict(PERSISTENT_DIMS=HEAD_DIMS if grid == "turns" else (), CLAIMED_DIMS=claimed,
+                CLAIMED_CAUSAL_DIMS=claimed)
+
+
 def _settings(chosen: Plan, dtype: torch.dtype, dim: int, claimed: Optional[bool] = None) -> dict:
     """The kernel's constexprs that the module's settings decide for a launch of plan `chosen` at dtype and head dim
     `dim` (EMULATED_EXP2_DIMS, O_THROUGH_TMA, RISE_CHECKED_DTYPES and _DIMS, PERSISTENT_DIMS, CLAIMED_DIMS and
@@ -1077,7 +1094,7 @@ def _settings(chosen: Plan, dtype: torch.dtype, dim: int, claimed: Optional[bool
     whether the items are claimed (None: as CLAIMED_DIMS or CLAIMED_CAUSAL_DIMS say), which makes the grid
     persistent."""
     if claimed is None:
-        claimed = dim in (CLAIMED_CAUSAL_DIMS if chosen.causal else CLAIMED_DIMS)
+        claimed = _claims(dim, chosen.causal)
     return dict(EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, O_THROUGH_TMA=O_THROUGH_TMA,
                 CHECK_RISE=chosen.fixed_offsets and dtype in RISE_CHECKED_DTYPES and dim in RISE_CHECKED_DIMS,
                 PERSISTENT=claimed or (dim in PERSISTENT_DIMS and not chosen.causal), CLAIMED=claimed)
