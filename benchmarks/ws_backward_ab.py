@@ -3,7 +3,8 @@ on the machine falls on both ways alike, and the two ways' gradients compared.
 
 Settings (module attributes of blockattn.kernels.backward_ws):
   split-causal    the causal walk's steps that cross the diagonal in a loop of their own, the rest without the
-                  causal test, or every step in one loop with it (SPLIT_CAUSAL)
+                  causal test, or every step in one loop with it (SPLIT_CAUSAL_DIMS for MHA walks,
+                  SPLIT_CAUSAL_GROUPED_DIMS for GQA ones: both at the case's head dim)
 
     cd benchmarks && python ws_backward_ab.py --setting split-causal --rounds 3
 """
@@ -20,9 +21,18 @@ SUITES = {
     # is_causal over the block-causal mask: MHA and GQA walks of 128-key blocks, D=128 and 64, long and short
     "causal": [Case(pattern="causal", density=0.5), Case(dim=64, pattern="causal", density=0.5),
                Case(heads=32, kv_heads=8, seq=16384, pattern="causal", density=0.5),
+               Case(heads=32, kv_heads=8, seq=16384, dim=64, pattern="causal", density=0.5),
                Case(batch=8, heads=16, kv_heads=16, seq=4096, pattern="causal", density=0.5)],
 }
-SETTINGS = {"split-causal": ("SPLIT_CAUSAL", "split", "one loop")}
+# each setting's module attributes (head dims), and its two ways' names
+SETTINGS = {"split-causal": (("SPLIT_CAUSAL_DIMS", "SPLIT_CAUSAL_GROUPED_DIMS"), "split", "one loop")}
+
+
+def set_setting(attributes: tuple, dim: int, on: bool) -> None:
+    """backward_ws's head-dim settings `attributes` on or off at head dim dim."""
+    for attribute in attributes:
+        dims = set(getattr(backward_ws, attribute)) - {dim}
+        setattr(backward_ws, attribute, tuple(sorted(dims | ({dim} if on else set()))))
 
 
 def main():
@@ -31,8 +41,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cases", choices=sorted(SUITES), nargs="+", default=["causal"])
     args = parser.parse_args()
-    attribute, on_name, off_name = SETTINGS[args.setting]
-    saved = getattr(backward_ws, attribute)
+    attributes, on_name, off_name = SETTINGS[args.setting]
+    saved = {attribute: getattr(backward_ws, attribute) for attribute in attributes}
     device = torch.device("cuda")
     print(f"{args.setting} each way (backward only, effective TFLOP/s in brackets)")
     print(f"| case | {on_name} ms (each round) | {off_name} ms (each round) | {off_name} / {on_name} (medians) | "
@@ -44,11 +54,12 @@ def main():
         try:
             for _ in range(args.rounds):
                 for on in (True, False):
-                    setattr(backward_ws, attribute, on)
+                    set_setting(attributes, case.dim, on)
                     grads[on] = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
                     times[on].append(_time_ms(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)))
         finally:
-            setattr(backward_ws, attribute, saved)
+            for attribute, value in saved.items():
+                setattr(backward_ws, attribute, value)
         med = {key: statistics.median(value) for key, value in times.items()}
         flops = 2.5 * _flops(case, blocks.density())
         gaps = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(grads[True], grads[False])]

@@ -115,8 +115,8 @@ def test_switched_off_deterministic_or_off_hopper_it_declines(monkeypatch):
 # Bytes of spilled registers a consumer thread may have (stack_bytes). Some variants spill: measured for the variants
 # below, 0-232 bytes under Triton 3.9 (the CPU tests'; the most with paired GQA causal split in parts) and 0-104
 # under Triton 3.6 (the H200's, whose speed BENCHMARKS.md reports; the most with 128-key GQA causal), none at D=64
-# with 128-key tiles (thirty-ninth session); with SPLIT_CAUSAL (fifty-first session) 312 under 3.9 and 80 under 3.6
-# at GQA causal, 32 and 112 at MHA causal. The budget catches a change that spills much more than that.
+# with 128-key tiles (thirty-ninth session); with the causal walk split (fifty-first session) 312 under 3.9 and 80
+# under 3.6 at GQA causal, 32 and 112 at MHA causal. The budget catches a change that spills much more than that.
 SPILL_BUDGET = 384
 
 
@@ -128,15 +128,17 @@ SPILL_BUDGET = 384
     ((128, 64), "bfloat16", False, False, None, 128, None), ((128, 64), "float16", True, True, None, 128, True),
     ((64, 64), "bfloat16", False, True, None, 64, False), ((128, 192), "bfloat16", True, False, None, 64, None),
     ((128, 64), "bfloat16", False, True, None, 128, "own dQ"),
-    # the causal walk's crossing steps apart (SPLIT_CAUSAL)
-    ((128, 128), "bfloat16", False, True, None, 128, "split"), ((128, 128), "bfloat16", True, True, None, 128, "split"),
+    # the causal walk's crossing steps apart or not, the other way than a launch's (splits_causal)
+    ((128, 128), "bfloat16", False, True, None, 128, "split"),
+    ((128, 128), "bfloat16", True, True, None, 128, "one loop"),
     ((128, 128), "float16", False, True, None, 64, "split")])
 def test_compiles_for_sm90_with_its_register_split(blocks, dtype, grouped, causal, lagged, dim, ordered):
     """Each variant (lagged, ordered: None as a launch would, LAGGED_DQ and ORDERED; "own dQ": paired programs
-    without PAIRED_SUMMED_DQ; "split": SPLIT_CAUSAL on) compiles with the register split, wgmma, TMA copies and
-    adds, in shared memory, and spills no more than SPILL_BUDGET bytes a thread."""
-    variant = {"own dQ": "ordered=None, summed=False", "split": "ordered=None, split_causal=True"}.get(
-        ordered, f"ordered={ordered}")
+    without PAIRED_SUMMED_DQ; "split" / "one loop": the causal walk's crossing steps apart or not) compiles with the
+    register split, wgmma, TMA copies and adds, in shared memory, and spills no more than SPILL_BUDGET bytes a
+    thread."""
+    variant = {"own dQ": "ordered=None, summed=False", "split": "ordered=None, split_causal=True",
+               "one loop": "ordered=None, split_causal=False"}.get(ordered, f"ordered={ordered}")
     report = sm90_report(f"backward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.{dtype}, grouped={grouped}, "
                          f"causal={causal}, lagged={lagged}, dim={dim}, {variant})")
     assert {backward_ws.CONSUMER_REGS, backward_ws.LOADER_REGS} <= set(report["registers"]), report
@@ -492,10 +494,14 @@ def test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls):
 
 
 @pytest.mark.parametrize("case", list(CAUSAL_CASES))
-def test_causal_split_against_the_oracle(case, monkeypatch, poisoned, warp_specialized_calls):
-    """The causal cases above with each walk's crossing steps in a loop of their own and the rest without the
-    causal test (SPLIT_CAUSAL; the paired walks of 64-key blocks keep one loop)."""
-    monkeypatch.setattr(backward_ws, "SPLIT_CAUSAL", True)
+def test_causal_split_the_other_way_against_the_oracle(case, monkeypatch, poisoned, warp_specialized_calls):
+    """The causal cases above with each walk of 128-key blocks taking the other loop structure than by default:
+    MHA walks with their crossing steps in a loop of their own and the rest without the causal test, GQA walks
+    (split by default at D=128) every step in one loop with it (SPLIT_CAUSAL_DIMS, SPLIT_CAUSAL_GROUPED_DIMS; the
+    paired walks of 64-key blocks keep one loop)."""
+    assert backward_ws.splits_causal(True, 128) and not backward_ws.splits_causal(False, 128)
+    monkeypatch.setattr(backward_ws, "SPLIT_CAUSAL_DIMS", backward_ws.HEAD_DIMS)
+    monkeypatch.setattr(backward_ws, "SPLIT_CAUSAL_GROUPED_DIMS", ())
     test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls)
 
 

@@ -83,9 +83,13 @@ ORDERED = True
 # stores in them): Triton 3.6, the H200's: D=64 419 / 413 -> 364 / 361 untested, no spill either way; GQA D=128
 # 524 / 514 (8 / 12 local) -> 440 / 448 (0 / 1); MHA D=128 543 / 503 (8 / 4) -> 450 / 468 but with 10 / 18 local,
 # the stack 64 -> 112 bytes. Triton 3.9: MHA D=128 513 / 515 (17 / 15) -> 445 / 449 (2 / 2); GQA 521 / 529 (21 / 21)
-# -> 476 / 477 (19 / 21), its crossing loop 605 / 613 (58 / 62), stack 144 -> 312. Off (SASS unchanged) until timed:
-# `benchmarks/ws_backward_ab.py --setting split-causal`.
-SPLIT_CAUSAL = False
+# -> 476 / 477 (19 / 21), its crossing loop 605 / 613 (58 / 62), stack 144 -> 312. The head dims whose MHA walks
+# split (SPLIT_CAUSAL_DIMS) and whose GQA walks do (SPLIT_CAUSAL_GROUPED_DIMS). Timed in turns
+# (`benchmarks/ws_backward_ab.py --setting split-causal`; one loop's time / split's): GQA 32/8 S16k D=128 1.11x on an
+# H100 (fifty-third session) and 1.046x on the H200 (fifty-fifth); MHA D=128 0.93-0.94x at S32k and at B8 S4096,
+# D=64 0.99x. So GQA walks at D=128 split, MHA walks do not.
+SPLIT_CAUSAL_DIMS: tuple = ()
+SPLIT_CAUSAL_GROUPED_DIMS: tuple = (128, )
 # Key blocks of 64 keys (or an odd multiple: 128x64 is the library's default block): each program takes two 64-key
 # tiles, one per consumer, whose q lists differ, so the consumers walk apart; the loader interleaves their steps in
 # one ring (a stage holds one consumer's step) and each consumer computes the dQ over its own keys for all of D. Its
@@ -910,6 +914,7 @@ def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_
     ordered = ORDERED
     paired, tile_keys, stages = _tiling(block_kv, heads != parts)
     summed = paired and PAIRED_COMMON_FIRST and PAIRED_SUMMED_DQ
+    split_causal = causal and not paired and splits_causal(heads != parts, q.shape[3])  # (paired walks: one loop)
     order = q_count  # (unordered, the kernel reads no order: q_count stands in for the pointer)
     matched = ordered and paired and PAIR_BY_SHARED and backward_uses(q_count, q_index) >= MATCH_FROM_USE
     if matched:
@@ -938,11 +943,11 @@ def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_
             **stride_args("dk", dk_out, "bhs"), **stride_args("dv", dv_out, "bhs"), BLOCK_Q=block_q,
             BLOCK_KV=block_kv, STAGES=stages, GROUPED=heads != parts, CAUSAL=causal, LAGGED_DQ=LAGGED_DQ,
             ORDERED=ordered, PAIRED=paired, SUMMED_DQ=summed, KV_SPLIT=split, CONSUMER_REGS=CONSUMER_REGS,
-            LOADER_REGS=LOADER_REGS, SPLIT_CAUSAL=SPLIT_CAUSAL)
+            LOADER_REGS=LOADER_REGS, SPLIT_CAUSAL=split_causal)
         return (seq_kv // TILE_N, *launch.batch_head_axes(batch, parts)), descriptors, static
     launch_warp_specialized(attention_bwd_ws_kernel,
                             (block_q, block_kv, scale_log2, causal, stages, LAGGED_DQ, ordered, summed, split,
-                             SPLIT_CAUSAL),
+                             split_causal),
                             dict(Q_DESC=q, K_DESC=k, V_DESC=v, DO_DESC=grad_out, DQ_DESC=dq_acc, DK_DESC=dk_out,
                                  DV_DESC=dv_out, DK=dk_out, DV=dv_out,
                                  TERMS_DESC=row_terms, Q_COUNT=q_count, Q_INDEX=q_index, TILE_ORDER=order),
@@ -950,6 +955,12 @@ def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_
     if split > 1:
         dk.copy_(dk_out)
         dv.copy_(dv_out)
+
+
+def splits_causal(grouped: bool, dim: int) -> bool:
+    """Whether a causal walk of 128-key blocks at head dim `dim` runs its crossing steps in a loop of their own
+    (SPLIT_CAUSAL_GROUPED_DIMS for GQA walks, grouped; SPLIT_CAUSAL_DIMS for MHA ones)."""
+    return dim in (SPLIT_CAUSAL_GROUPED_DIMS if grouped else SPLIT_CAUSAL_DIMS)
 
 
 def _l2_bytes(device: torch.device) -> int:
@@ -1200,7 +1211,7 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
     steps' dQ summed over both tiles or not (None: as a launch would, PAIRED_COMMON_FIRST and PAIRED_SUMMED_DQ);
     kv_split > 1: each kv head's group split in that many parts, dK and dV added into fp32 sums (KV_SPLIT; grouped
     then says whether a part holds several query heads); split_causal: the causal walk's crossing steps apart (None:
-    SPLIT_CAUSAL)."""
+    as a launch would, splits_causal)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     name = _GL_DTYPES[dtype][0]
@@ -1218,7 +1229,8 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
                      CAUSAL=causal, LAGGED_DQ=LAGGED_DQ if lagged is None else lagged,
                      ORDERED=ORDERED if ordered is None else ordered, PAIRED=paired,
                      SUMMED_DQ=paired and (PAIRED_COMMON_FIRST and PAIRED_SUMMED_DQ if summed is None else summed),
-                     KV_SPLIT=kv_split, SPLIT_CAUSAL=SPLIT_CAUSAL if split_causal is None else split_causal,
+                     KV_SPLIT=kv_split,
+                     SPLIT_CAUSAL=splits_causal(grouped, dim) if split_causal is None else split_causal,
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
     signature = {}
     for param in attention_bwd_ws_kernel.params:
