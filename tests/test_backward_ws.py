@@ -128,7 +128,7 @@ SPILL_BUDGET = 384
     ((128, 64), "bfloat16", False, False, None, 128, None), ((128, 64), "float16", True, True, None, 128, True),
     ((64, 64), "bfloat16", False, True, None, 64, False), ((128, 192), "bfloat16", True, False, None, 64, None),
     ((128, 64), "bfloat16", False, True, None, 128, "own dQ"),
-    # the causal walk's crossing steps apart or not, the other way than a launch's (splits_causal)
+    # the causal walk's crossing steps apart or in one loop with the rest (a launch's choice: splits_causal)
     ((128, 128), "bfloat16", False, True, None, 128, "split"),
     ((128, 128), "bfloat16", True, True, None, 128, "one loop"),
     ((128, 128), "float16", False, True, None, 64, "split")])
@@ -495,13 +495,13 @@ def test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls):
 
 @pytest.mark.parametrize("case", list(CAUSAL_CASES))
 def test_causal_split_the_other_way_against_the_oracle(case, monkeypatch, poisoned, warp_specialized_calls):
-    """The causal cases above with each walk of 128-key blocks taking the other loop structure than by default:
-    MHA walks with their crossing steps in a loop of their own and the rest without the causal test, GQA walks
-    (split by default at D=128) every step in one loop with it (SPLIT_CAUSAL_DIMS, SPLIT_CAUSAL_GROUPED_DIMS; the
-    paired walks of 64-key blocks keep one loop)."""
-    assert backward_ws.splits_causal(True, 128) and not backward_ws.splits_causal(False, 128)
-    monkeypatch.setattr(backward_ws, "SPLIT_CAUSAL_DIMS", backward_ws.HEAD_DIMS)
-    monkeypatch.setattr(backward_ws, "SPLIT_CAUSAL_GROUPED_DIMS", ())
+    """The causal cases above with each walk of 128-key blocks, MHA and GQA, taking the other loop structure than a
+    launch's by default at its head dim: its crossing steps in a loop of their own and the rest without the causal
+    test where it would run every step in one loop with the test, and the other way round (SPLIT_CAUSAL_DIMS and
+    SPLIT_CAUSAL_GROUPED_DIMS swapped for their complements; the paired walks of 64-key blocks keep one loop)."""
+    for setting in ("SPLIT_CAUSAL_DIMS", "SPLIT_CAUSAL_GROUPED_DIMS"):
+        split_dims = getattr(backward_ws, setting)
+        monkeypatch.setattr(backward_ws, setting, tuple(d for d in backward_ws.HEAD_DIMS if d not in split_dims))
     test_gradients_against_the_oracle(case, poisoned, warp_specialized_calls)
 
 
