@@ -53,6 +53,19 @@ def test_qualifying_calls_and_their_tiles():
     assert _qualifies(q=bshd, k=bshd) == _plan(128)
 
 
+def test_narrow_sub_tiles_in_the_plan(monkeypatch):
+    """NARROW_SUB_TILE_DIMS: at its head dims the sub tiles take 64 keys whatever the key block where not causal;
+    elsewhere the largest of the tile, 128 and 64 that divides it."""
+    def dims(d):
+        return dict(q=meta(2, 4, 1000, d), k=meta(2, 2, 8192, d), v=meta(2, 2, 8192, d))
+    assert _qualifies(**dims(64)) == _plan(128, dim=64)  # (256-key tiles of two 128-key blocks)
+    monkeypatch.setattr(forward_ws, "NARROW_SUB_TILE_DIMS", (64, ))
+    assert _qualifies(**dims(64)) == _plan(64, dim=64)
+    assert _qualifies(**dims(64), block_q=256, block_kv=256) == _plan(64, dim=64)
+    assert _qualifies(**dims(64), is_causal=True) == _plan(128, causal=True, dim=64)
+    assert _qualifies(**dims(128)) == _plan(128)
+
+
 def test_fixed_offsets_in_the_plan(monkeypatch):
     """FIXED_OFFSET_DIMS picks the head dims whose walks may keep fixed offsets, except the causal walk with the
     overlap inside a warpgroup (D=128's), whose consumers spill under Triton 3.6 with them."""
@@ -215,6 +228,14 @@ def test_compiles_with_the_persistent_grid(blocks, dim, o_through_tma, causal, c
                      SPILL_BUDGET_CLAIMED if claimed else SPILL_BUDGET_PERSISTENT)
 
 
+@pytest.mark.parametrize("blocks", [(128, 128), (256, 256)])
+def test_compiles_with_narrow_sub_tiles(blocks):
+    """D=64 with 64-key sub tiles in blocks of more keys (NARROW_SUB_TILE_DIMS, not causal), with the launch's other
+    settings: as _assert_compiles asks, with the launch's stack budget."""
+    _assert_compiles(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.bfloat16, dim=64, sub_n=64)",
+                     _launch_spill_budget(blocks, False, 64))
+
+
 # ---------------------------------------------------------------- against the oracle
 
 CASES = {
@@ -367,18 +388,33 @@ def test_head_dim_64_against_the_oracle(case, emulate, tiling, monkeypatch, pois
     tiles it took before: a query tail, a query block that keeps nothing, and under is_causal a last query block
     whose one kept key block starts halfway down it."""
     monkeypatch.setattr(forward_ws, "EMULATED_EXP2_DIMS", (64, ) if emulate else ())
-    monkeypatch.setattr(forward_ws, "MIN_KEYS", {})  # these sequences are short: the kernel at any length
     tile_n, overlap, stages = HEAD_DIM_64_TILINGS[tiling]
     for table, value in ((forward_ws.TILE_KEYS, tile_n), (forward_ws.OVERLAPPED, overlap), (forward_ws.STAGES, stages)):
         monkeypatch.setitem(table, 64, value)
+    block = HEAD_DIM_64_CASES[case][5]
+    _check_head_dim_64_case(case, next(n for n in (tile_n, 128, 64) if block[1] % n == 0), monkeypatch,
+                            warp_specialized_calls)
+
+
+@pytest.mark.parametrize("case", ["128x128 bf16", "128x64 bf16"])
+def test_narrow_sub_tiles_against_the_oracle(case, monkeypatch, poisoned, warp_specialized_calls):
+    """D=64 with its key tiles loaded in 64-key sub tiles whatever the key block (NARROW_SUB_TILE_DIMS): two a
+    128-key block, with a query tail and a query block that keeps nothing (at 128x64 the kernel a launch takes
+    anyway)."""
+    monkeypatch.setattr(forward_ws, "NARROW_SUB_TILE_DIMS", (64, ))
+    _check_head_dim_64_case(case, 64, monkeypatch, warp_specialized_calls)
+
+
+def _check_head_dim_64_case(case: str, sub_n: int, monkeypatch, warp_specialized_calls) -> None:
+    """HEAD_DIM_64_CASES[case] through attention() on the Triton backend: the warp-specialized forward's plan with
+    sub tiles of sub_n keys where a Hopper GPU runs it, out and LSE against the oracle."""
+    monkeypatch.setattr(forward_ws, "MIN_KEYS", {})  # these sequences are short: the kernel at any length
     batch, heads, kv_heads, seq_q, seq_kv, block, dtype, causal = HEAD_DIM_64_CASES[case]
     heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
     q, k, v = qkv(batch, heads, seq_q, 64, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
     keep = _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, 0.4, halfway_last=causal)
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=causal, backend="triton")
-    sub_n = next(n for n in (tile_n, 128, 64) if block[1] % n == 0)
-    plan = _plan(sub_n, causal, dim=64)
-    assert warp_specialized_calls == _expected_calls(plan)
+    assert warp_specialized_calls == _expected_calls(_plan(sub_n, causal, dim=64))
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=causal)
 
 

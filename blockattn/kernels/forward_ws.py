@@ -66,6 +66,15 @@ HEAD_DIMS = (64, HEAD_DIM)
 # (and 4 stages), in one process. At D=64: 256 keys, which halves the walk's steps for the same exponentials
 # (see OVERLAPPED).
 TILE_KEYS = {128: 128, 64: 256}
+# Head dims whose key tiles load in 64-key sub tiles (TMA boxes) whatever the key block, instead of the largest of
+# the tile, 128 and 64 that divides it, where not causal (causal at D=64 with 256-key blocks it spilled 72 bytes
+# under Triton 3.9, offline). Off: written in the fifty-fifth session with no device time left to time it.
+# On the H200 with the claimed items, D=64 ran 128x128 blocks 4-6% slower than 128x64 at d=0.5 and 0.25 (6.54-6.65
+# against 6.24-6.25 ms at d=0.5) though the consumers' loops are the same SASS (535 / 711 instructions a tile, Triton
+# 3.6) and a program a tile ran both at par: what differs is the loads (two 128-key boxes a tile against four of 64
+# keys) or the keys' pattern in memory. This tells the two apart: `benchmarks/ws_forward_ab.py --setting
+# narrow-sub-tiles --cases design` (at 128x64 both ways are the same kernel: the run's noise).
+NARROW_SUB_TILE_DIMS: tuple = ()
 # Whether a consumer issues each key tile's Q K^T together with the previous tile's P V, per head dim
 # (FlashAttention-3's overlap inside a warpgroup: the softmax of one tile runs under the other's products). At D=64
 # with 256-key tiles it would hold two tiles' P in registers and spill; without it each consumer runs its products,
@@ -896,8 +905,9 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
 
 class Plan(NamedTuple):
     """The kernel's sub tile height (keys per TMA box: the largest of the tile, 128 and 64 that divides the key
-    block), whether it tests the causal diagonal, its keys a tile (TILE_KEYS) and whether its consumers overlap a
-    tile's products with the softmax (OVERLAPPED), and whether its rows' offsets may stay fixed (FIXED_OFFSET_DIMS)."""
+    block, or 64 at NARROW_SUB_TILE_DIMS where not causal), whether it tests the causal diagonal, its keys a tile (TILE_KEYS) and
+    whether its consumers overlap a tile's products with the softmax (OVERLAPPED), and whether its rows' offsets may
+    stay fixed (FIXED_OFFSET_DIMS)."""
     sub_n: int
     causal: bool = False
     tile_n: int = 128
@@ -947,7 +957,8 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, b
 def _plan(block_kv: int, dim: int, causal: bool) -> Plan:
     """The tiling of a call that qualifies: key tiles of TILE_KEYS[dim] keys, sub tiles as Plan says."""
     tile_n = TILE_KEYS.get(dim, 128)
-    sub_n = next(n for n in (tile_n, 128, 64) if block_kv % n == 0)
+    narrow = dim in NARROW_SUB_TILE_DIMS and not causal
+    sub_n = next(n for n in ((64, ) if narrow else (tile_n, 128, 64)) if block_kv % n == 0)
     overlap = OVERLAPPED.get(dim, True)
     return Plan(sub_n, causal, tile_n, overlap, dim in FIXED_OFFSET_DIMS and not (causal and overlap))
 
@@ -1131,18 +1142,21 @@ def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
 def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                  dim: int = HEAD_DIM, emulate_exp2: Optional[bool] = None, o_through_tma: Optional[bool] = None,
                  fixed_offsets: Optional[bool] = None, check_rise: Optional[bool] = None,
-                 persistent: Optional[bool] = None, claimed: Optional[bool] = None):
+                 persistent: Optional[bool] = None, claimed: Optional[bool] = None, sub_n: Optional[int] = None):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for lists at (block_q, block_kv) and head dim `dim`, with the launch's tile choice (plan()), stages and
-    register settings; emulate_exp2, o_through_tma, fixed_offsets, check_rise, persistent and claimed None: as a
-    launch at `dim` and dtype would (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES and
-    _DIMS, PERSISTENT_DIMS, CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS). Claimed items imply the persistent grid, so
-    persistent decides only where they are not claimed (claimed=False, persistent=True: the items in turns)."""
+    register settings; emulate_exp2, o_through_tma, fixed_offsets, check_rise, persistent, claimed and sub_n (keys a
+    sub tile) None: as a launch at `dim` and dtype would (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS,
+    RISE_CHECKED_DTYPES and _DIMS, PERSISTENT_DIMS, CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS, NARROW_SUB_TILE_DIMS).
+    Claimed items imply the persistent grid, so persistent decides only where they are not claimed (claimed=False,
+    persistent=True: the items in turns)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     chosen = _plan(block_kv, dim, causal)
     if fixed_offsets is not None:
         chosen = chosen._replace(fixed_offsets=fixed_offsets)
+    if sub_n is not None:
+        chosen = chosen._replace(sub_n=sub_n)
     sub_n = chosen.sub_n
     name = _GL_DTYPES[dtype][0]
     settings = _settings(chosen, dtype, dim, claimed)
