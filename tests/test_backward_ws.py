@@ -128,7 +128,7 @@ SPILL_BUDGET = 384
     ((128, 64), "bfloat16", False, False, None, 128, None), ((128, 64), "float16", True, True, None, 128, True),
     ((64, 64), "bfloat16", False, True, None, 64, False), ((128, 192), "bfloat16", True, False, None, 64, None),
     ((128, 64), "bfloat16", False, True, None, 128, "own dQ"),
-    # the causal walk's crossing steps apart or in one loop with the rest (a launch's choice: splits_causal)
+    # the causal walk's crossing steps apart or in one loop with the rest (a launch's choice: _splits_causal)
     ((128, 128), "bfloat16", False, True, None, 128, "split"),
     ((128, 128), "bfloat16", True, True, None, 128, "one loop"),
     ((128, 128), "float16", False, True, None, 64, "split")])

@@ -914,7 +914,7 @@ def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_
     ordered = ORDERED
     paired, tile_keys, stages = _tiling(block_kv, heads != parts)
     summed = paired and PAIRED_COMMON_FIRST and PAIRED_SUMMED_DQ
-    split_causal = causal and not paired and splits_causal(heads != parts, q.shape[3])  # (paired walks: one loop)
+    split_causal = _splits_causal(heads != parts, q.shape[3], causal, paired)
     order = q_count  # (unordered, the kernel reads no order: q_count stands in for the pointer)
     matched = ordered and paired and PAIR_BY_SHARED and backward_uses(q_count, q_index) >= MATCH_FROM_USE
     if matched:
@@ -957,10 +957,11 @@ def attention_backward_ws(q, k, v, grad_out, row_terms, q_count, q_index, block_
         dv.copy_(dv_out)
 
 
-def splits_causal(grouped: bool, dim: int) -> bool:
-    """Whether a causal walk of 128-key blocks at head dim `dim` runs its crossing steps in a loop of their own
-    (SPLIT_CAUSAL_GROUPED_DIMS for GQA walks, grouped; SPLIT_CAUSAL_DIMS for MHA ones)."""
-    return dim in (SPLIT_CAUSAL_GROUPED_DIMS if grouped else SPLIT_CAUSAL_DIMS)
+def _splits_causal(grouped: bool, dim: int, causal: bool, paired: bool) -> bool:
+    """Whether a launch's walks at head dim `dim` run their crossing steps in a loop of their own (SPLIT_CAUSAL): only
+    causal walks of 128-key blocks (paired walks keep one loop), per SPLIT_CAUSAL_GROUPED_DIMS for GQA walks
+    (grouped) and SPLIT_CAUSAL_DIMS for MHA ones."""
+    return causal and not paired and dim in (SPLIT_CAUSAL_GROUPED_DIMS if grouped else SPLIT_CAUSAL_DIMS)
 
 
 def _l2_bytes(device: torch.device) -> int:
@@ -1211,7 +1212,7 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
     steps' dQ summed over both tiles or not (None: as a launch would, PAIRED_COMMON_FIRST and PAIRED_SUMMED_DQ);
     kv_split > 1: each kv head's group split in that many parts, dK and dV added into fp32 sums (KV_SPLIT; grouped
     then says whether a part holds several query heads); split_causal: the causal walk's crossing steps apart (None:
-    as a launch would, splits_causal)."""
+    as a launch would, _splits_causal)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     name = _GL_DTYPES[dtype][0]
@@ -1230,7 +1231,8 @@ def compile_sm90(block_q: int = 128, block_kv: int = 128, dtype: torch.dtype = t
                      ORDERED=ORDERED if ordered is None else ordered, PAIRED=paired,
                      SUMMED_DQ=paired and (PAIRED_COMMON_FIRST and PAIRED_SUMMED_DQ if summed is None else summed),
                      KV_SPLIT=kv_split,
-                     SPLIT_CAUSAL=splits_causal(grouped, dim) if split_causal is None else split_causal,
+                     SPLIT_CAUSAL=(_splits_causal(grouped, dim, causal, paired) if split_causal is None
+                                   else split_causal),
                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
     signature = {}
     for param in attention_bwd_ws_kernel.params:

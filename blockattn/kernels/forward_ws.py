@@ -905,9 +905,9 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
 
 class Plan(NamedTuple):
     """The kernel's sub tile height (keys per TMA box: the largest of the tile, 128 and 64 that divides the key
-    block, or 64 at NARROW_SUB_TILE_DIMS where not causal), whether it tests the causal diagonal, its keys a tile (TILE_KEYS) and
-    whether its consumers overlap a tile's products with the softmax (OVERLAPPED), and whether its rows' offsets may
-    stay fixed (FIXED_OFFSET_DIMS)."""
+    block, or 64 at NARROW_SUB_TILE_DIMS where not causal), whether it tests the causal diagonal, its keys a tile
+    (TILE_KEYS) and whether its consumers overlap a tile's products with the softmax (OVERLAPPED), and whether its
+    rows' offsets may stay fixed (FIXED_OFFSET_DIMS)."""
     sub_n: int
     causal: bool = False
     tile_n: int = 128
