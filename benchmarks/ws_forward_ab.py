@@ -12,15 +12,15 @@ Settings (module attributes of blockattn.kernels.forward_ws, set for the case's 
   claimed         a persistent grid whose programs claim query tiles from a counter as they free up (under
                   is_causal too), or a program a query tile; with --also persistent, against the tiles in turn
                   (CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS)
-  narrow-sub-tiles  key tiles loaded in 64-key sub tiles whatever the key block (not causal), or in the largest
-                  of the tile, 128 and 64 that divides it (NARROW_SUB_TILE_DIMS; at 128x64 the same kernel both ways)
+  split-key-blocks  each key block walked as 64-key blocks, from lists split once per mask, or as listed
+                  (SPLIT_KEY_BLOCK_DIMS; at 128x64 the same kernel both ways)
 
     cd benchmarks && python ws_forward_ab.py --setting rise-checked --rounds 5
     cd benchmarks && python ws_forward_ab.py --setting emulated-exp2 --also rise-checked   # with the other on
     cd benchmarks && python ws_forward_ab.py --setting rise-checked --cases causal
     cd benchmarks && python ws_forward_ab.py --setting persistent --cases grid skewed
     cd benchmarks && python ws_forward_ab.py --setting claimed --cases grid skewed
-    cd benchmarks && python ws_forward_ab.py --setting narrow-sub-tiles --cases design --rounds 5
+    cd benchmarks && python ws_forward_ab.py --setting split-key-blocks --cases design --rounds 5
 
 The fifty-first session timed the walk in turn's wait for V, its last tile peeled off the loop and the causal walk's
 split this way (BENCHMARKS.md) and kept the two that won, which have no switch since; and the persistent grid, which
@@ -56,7 +56,7 @@ SETTINGS = {"rise-checked": (("RISE_CHECKED_DIMS", ), "checked", "bounded"),
             "emulated-exp2": (("EMULATED_EXP2_DIMS", ), "emulated", "special function unit"),
             "persistent": (("PERSISTENT_DIMS", ), "persistent", "a program a tile"),
             "claimed": (("CLAIMED_DIMS", "CLAIMED_CAUSAL_DIMS"), "claimed", "a program a tile or turns"),
-            "narrow-sub-tiles": (("NARROW_SUB_TILE_DIMS", ), "64-key sub tiles", "the block's sub tiles")}
+            "split-key-blocks": (("SPLIT_KEY_BLOCK_DIMS", ), "64-key blocks", "the mask's blocks")}
 ATTRIBUTES = [attribute for attributes, _, _ in SETTINGS.values() for attribute in attributes]
 
 

@@ -39,6 +39,15 @@ def _plan(sub_n: int, causal: bool = False, dim: int = 128) -> forward_ws.Plan:
                            dim in forward_ws.FIXED_OFFSET_DIMS and not (causal and overlap))
 
 
+def _plan_for_block(block_kv: int, causal: bool = False, dim: int = 128) -> forward_ws.Plan:
+    """_plan for a call with key blocks of block_kv keys under the module's tables as they stand: its blocks walked as
+    64-key ones at SPLIT_KEY_BLOCK_DIMS, in sub tiles of the largest of the tile, 128 and 64 that divides the block
+    it walks."""
+    parts = block_kv // 64 if dim in forward_ws.SPLIT_KEY_BLOCK_DIMS else 1
+    sub_n = next(n for n in (forward_ws.TILE_KEYS[dim], 128, 64) if block_kv // parts % n == 0)
+    return _plan(sub_n, causal, dim)._replace(block_parts=parts)
+
+
 def test_qualifying_calls_and_their_tiles():
     assert _qualifies() == _plan(128)
     assert _qualifies(block_kv=64) == _plan(64)
@@ -53,17 +62,38 @@ def test_qualifying_calls_and_their_tiles():
     assert _qualifies(q=bshd, k=bshd) == _plan(128)
 
 
-def test_narrow_sub_tiles_in_the_plan(monkeypatch):
-    """NARROW_SUB_TILE_DIMS: at its head dims the sub tiles take 64 keys whatever the key block where not causal;
-    elsewhere the largest of the tile, 128 and 64 that divides it."""
+def test_split_key_blocks_in_the_plan(monkeypatch):
+    """SPLIT_KEY_BLOCK_DIMS: at its head dims the kernel walks each key block as block_kv / 64 blocks of 64 keys (the
+    sub tiles follow those), causal or not; elsewhere as listed."""
     def dims(d):
         return dict(q=meta(2, 4, 1000, d), k=meta(2, 2, 8192, d), v=meta(2, 2, 8192, d))
+    monkeypatch.setattr(forward_ws, "SPLIT_KEY_BLOCK_DIMS", ())
     assert _qualifies(**dims(64)) == _plan(128, dim=64)  # (256-key tiles of two 128-key blocks)
-    monkeypatch.setattr(forward_ws, "NARROW_SUB_TILE_DIMS", (64, ))
-    assert _qualifies(**dims(64)) == _plan(64, dim=64)
-    assert _qualifies(**dims(64), block_q=256, block_kv=256) == _plan(64, dim=64)
-    assert _qualifies(**dims(64), is_causal=True) == _plan(128, causal=True, dim=64)
+    monkeypatch.setattr(forward_ws, "SPLIT_KEY_BLOCK_DIMS", (64, ))
+    assert _qualifies(**dims(64)) == _plan(64, dim=64)._replace(block_parts=2)
+    assert _qualifies(**dims(64), block_q=256, block_kv=256) == _plan(64, dim=64)._replace(block_parts=4)
+    assert _qualifies(**dims(64), block_kv=64) == _plan(64, dim=64)
+    assert _qualifies(**dims(64), is_causal=True) == _plan(64, causal=True, dim=64)._replace(block_parts=2)
     assert _qualifies(**dims(128)) == _plan(128)
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_split_key_blocks_lists_equal_the_finer_masks(broadcast):
+    """split_key_blocks of a mask's lists at (128, 128) or (128, 192) lists, entry for entry up to each count, the
+    keys that mask's lists at (128, 64) list (the mask with each key block repeated), empty rows included; a mask
+    shared across batch and heads keeps its size-1 dims."""
+    for block_kv in (128, 192):
+        parts = block_kv // 64
+        keep = random_keep(1 if broadcast else 2, 1 if broadcast else 3, 512, 1536, (128, block_kv), density=0.4)
+        keep[..., 2, :] = False
+        coarse = blockattn.BlockSparsity.from_mask(keep, (128, block_kv), 512, 1536)
+        fine = blockattn.BlockSparsity.from_mask(keep.repeat_interleave(parts, dim=-1), (128, 64), 512, 1536)
+        count, index = forward_ws.split_key_blocks(coarse.kv_count, coarse.kv_index, parts)
+        assert count.shape == fine.kv_count.shape and index.shape[:-1] == fine.kv_index.shape[:-1]
+        assert torch.equal(count, fine.kv_count) and int(count[..., 2].abs().sum()) == 0
+        for row in itertools.product(*map(range, count.shape)):
+            n = int(count[row])
+            assert torch.equal(index[row][:n], fine.kv_index[row][:n])
 
 
 def test_fixed_offsets_in_the_plan(monkeypatch):
@@ -100,12 +130,13 @@ def test_head_dims_it_takes(monkeypatch):
     def dims(d, dv):
         return dict(q=meta(2, 4, 1000, d), k=meta(2, 2, 1024, d), v=meta(2, 2, 1024, dv))
     monkeypatch.setattr(forward_ws, "MIN_KEYS", {})  # (1024 keys: short of D=64's minimum, tested below)
-    # at D=64 256-key tiles without the overlap, in 128-key boxes (or 64, or one 256-key box)
-    assert _qualifies(**dims(64, 64)) == forward_ws.Plan(128, tile_n=256, overlap=False,
-                                                       fixed_offsets=True)
+    # at D=64 256-key tiles without the overlap, over 64-key blocks (SPLIT_KEY_BLOCK_DIMS) in 64-key boxes
+    assert _qualifies(**dims(64, 64)) == forward_ws.Plan(64, tile_n=256, overlap=False, fixed_offsets=True,
+                                                       block_parts=2)
     assert _qualifies(**dims(64, 64), block_kv=64, is_causal=True) == forward_ws.Plan(64, True, 256, False, True)
-    assert _qualifies(**dims(64, 64), block_q=256, block_kv=256) == forward_ws.Plan(256, tile_n=256, overlap=False,
-                                                                                     fixed_offsets=True)
+    assert _qualifies(**dims(64, 64), block_q=256, block_kv=256) == forward_ws.Plan(64, tile_n=256, overlap=False,
+                                                                                     fixed_offsets=True,
+                                                                                     block_parts=4)
     assert _qualifies(**dims(64, 128)) is None
     assert _qualifies(**dims(128, 64)) is None
     assert _qualifies(**dims(96, 96)) is None
@@ -121,7 +152,8 @@ def test_at_head_dim_64_short_key_sequences_go_to_the_triton_forward():
     def dims(d, seq_kv):
         return dict(q=meta(2, 4, 1000, d), k=meta(2, 2, seq_kv, d))
     assert forward_ws.MIN_KEYS == {64: 8192}
-    assert _qualifies(**dims(64, 8192)) == forward_ws.Plan(128, tile_n=256, overlap=False, fixed_offsets=True)
+    assert _qualifies(**dims(64, 8192)) == forward_ws.Plan(64, tile_n=256, overlap=False, fixed_offsets=True,
+                                                         block_parts=2)
     assert _qualifies(**dims(64, 8192), block_kv=64) == forward_ws.Plan(64, tile_n=256, overlap=False,
                                                                         fixed_offsets=True)
     assert _qualifies(**dims(64, 8064)) is None
@@ -228,14 +260,6 @@ def test_compiles_with_the_persistent_grid(blocks, dim, o_through_tma, causal, c
                      SPILL_BUDGET_CLAIMED if claimed else SPILL_BUDGET_PERSISTENT)
 
 
-@pytest.mark.parametrize("blocks", [(128, 128), (256, 256)])
-def test_compiles_with_narrow_sub_tiles(blocks):
-    """D=64 with 64-key sub tiles in blocks of more keys (NARROW_SUB_TILE_DIMS, not causal), with the launch's other
-    settings: as _assert_compiles asks, with the launch's stack budget."""
-    _assert_compiles(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.bfloat16, dim=64, sub_n=64)",
-                     _launch_spill_budget(blocks, False, 64))
-
-
 # ---------------------------------------------------------------- against the oracle
 
 CASES = {
@@ -315,7 +339,7 @@ def test_causal_against_the_oracle(case, poisoned, warp_specialized_calls):
     batch, heads, seq_q, seq_kv, block, q, k, v = _case_inputs(CAUSAL_CASES, case)
     keep = _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, 0.6, halfway_last=True)
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=True, backend="triton")
-    assert warp_specialized_calls == _expected_calls(_plan(128 if block[1] % 128 == 0 else 64, True))
+    assert warp_specialized_calls == _expected_calls(_plan_for_block(block[1], True))
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=True)
 
 
@@ -334,7 +358,7 @@ def test_against_the_oracle_with_empty_rows(case, poisoned, warp_specialized_cal
     q, k, v = args
     out, lse = blockattn.attention(q, k, v, keep[0, 0] if one_mask else keep, block, return_lse=True,
                                    backend="triton")
-    assert warp_specialized_calls == _expected_calls(_plan(128 if block[1] % 128 == 0 else 64))
+    assert warp_specialized_calls == _expected_calls(_plan_for_block(block[1]))
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv))
 
 
@@ -346,7 +370,7 @@ def test_out_through_the_tma_unit_against_the_oracle(case, monkeypatch, poisoned
     batch, heads, seq_q, seq_kv, block, q, k, v = _case_inputs(CASES, case)
     keep = _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, 0.4, halfway_last=False)
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, backend="triton")
-    assert warp_specialized_calls == _expected_calls(_plan(128 if block[1] % 128 == 0 else 64))
+    assert warp_specialized_calls == _expected_calls(_plan_for_block(block[1]))
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv))
 
 
@@ -391,30 +415,29 @@ def test_head_dim_64_against_the_oracle(case, emulate, tiling, monkeypatch, pois
     tile_n, overlap, stages = HEAD_DIM_64_TILINGS[tiling]
     for table, value in ((forward_ws.TILE_KEYS, tile_n), (forward_ws.OVERLAPPED, overlap), (forward_ws.STAGES, stages)):
         monkeypatch.setitem(table, 64, value)
-    block = HEAD_DIM_64_CASES[case][5]
-    _check_head_dim_64_case(case, next(n for n in (tile_n, 128, 64) if block[1] % n == 0), monkeypatch,
-                            warp_specialized_calls)
+    _check_head_dim_64_case(case, monkeypatch, warp_specialized_calls)
 
 
-@pytest.mark.parametrize("case", ["128x128 bf16", "128x64 bf16"])
-def test_narrow_sub_tiles_against_the_oracle(case, monkeypatch, poisoned, warp_specialized_calls):
-    """D=64 with its key tiles loaded in 64-key sub tiles whatever the key block (NARROW_SUB_TILE_DIMS): two a
-    128-key block, with a query tail and a query block that keeps nothing (at 128x64 the kernel a launch takes
-    anyway)."""
-    monkeypatch.setattr(forward_ws, "NARROW_SUB_TILE_DIMS", (64, ))
-    _check_head_dim_64_case(case, 64, monkeypatch, warp_specialized_calls)
+@pytest.mark.parametrize("case", ["128x128 bf16", "256x256 bf16 causal", "128x192 bf16 causal"])
+def test_key_blocks_as_listed_against_the_oracle(case, monkeypatch, poisoned, warp_specialized_calls):
+    """D=64 with each key block walked as listed (SPLIT_KEY_BLOCK_DIMS off; on, as the other D=64 tests run, two,
+    four or three 64-key blocks a block): sub tiles of 128, 256 or 64 keys, with a query tail, a query block that
+    keeps nothing and, under is_causal, a last query block whose one kept key block starts halfway down it."""
+    monkeypatch.setattr(forward_ws, "SPLIT_KEY_BLOCK_DIMS", ())
+    _check_head_dim_64_case(case, monkeypatch, warp_specialized_calls)
 
 
-def _check_head_dim_64_case(case: str, sub_n: int, monkeypatch, warp_specialized_calls) -> None:
-    """HEAD_DIM_64_CASES[case] through attention() on the Triton backend: the warp-specialized forward's plan with
-    sub tiles of sub_n keys where a Hopper GPU runs it, out and LSE against the oracle."""
+def _check_head_dim_64_case(case: str, monkeypatch, warp_specialized_calls) -> None:
+    """HEAD_DIM_64_CASES[case] through attention() on the Triton backend: the warp-specialized forward's plan under
+    the module's tables as they stand (_plan_for_block) where a Hopper GPU runs it, out and LSE against the
+    oracle."""
     monkeypatch.setattr(forward_ws, "MIN_KEYS", {})  # these sequences are short: the kernel at any length
     batch, heads, kv_heads, seq_q, seq_kv, block, dtype, causal = HEAD_DIM_64_CASES[case]
     heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
     q, k, v = qkv(batch, heads, seq_q, 64, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
     keep = _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, 0.4, halfway_last=causal)
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=causal, backend="triton")
-    assert warp_specialized_calls == _expected_calls(_plan(sub_n, causal, dim=64))
+    assert warp_specialized_calls == _expected_calls(_plan_for_block(block[1], causal, dim=64))
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=causal)
 
 
@@ -528,9 +551,7 @@ def test_persistent_grid_against_the_oracle(table, case, dim, o_through_tma, gri
     keep = _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, 0.4, halfway_last=causal)
     keep[0, 0] = False  # a head that keeps nothing: items with empty lists among the others
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=causal, backend="triton")
-    tile_n = forward_ws.TILE_KEYS[dim]
-    assert warp_specialized_calls == _expected_calls(_plan(next(n for n in (tile_n, 128, 64) if block[1] % n == 0),
-                                                           causal, dim=dim))
+    assert warp_specialized_calls == _expected_calls(_plan_for_block(block[1], causal, dim))
     check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv), is_causal=causal)
     # an item's rows come out of the same instructions whichever program takes it: a program a tile's, bit for bit
     set_grid(monkeypatch, None)
@@ -588,9 +609,7 @@ def test_fixed_offsets_against_the_oracle(case, checked, grid, inputs, monkeypat
         q, k = (t.to(dtype) for t in aligned_scores(q, k, largest_bound))
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=causal, backend="triton")
     tile_n = forward_ws.TILE_KEYS[dim]
-    sub_n = next(n for n in (tile_n, 128, 64) if block[1] % n == 0)
-    plan = _plan(sub_n, causal, dim)
-    assert warp_specialized_calls == _expected_calls(plan)
+    assert warp_specialized_calls == _expected_calls(_plan_for_block(block[1], causal, dim))
     share, rise = _fixed_offset_walks(q, k, keep, block, causal, tile_n, checked)
     if checked:
         assert share == 1, share

@@ -66,15 +66,18 @@ HEAD_DIMS = (64, HEAD_DIM)
 # (and 4 stages), in one process. At D=64: 256 keys, which halves the walk's steps for the same exponentials
 # (see OVERLAPPED).
 TILE_KEYS = {128: 128, 64: 256}
-# Head dims whose key tiles load in 64-key sub tiles (TMA boxes) whatever the key block, instead of the largest of
-# the tile, 128 and 64 that divides it, where not causal (causal at D=64 with 256-key blocks it spilled 72 bytes
-# under Triton 3.9, offline). Off: written in the fifty-fifth session with no device time left to time it.
-# On the H200 with the claimed items, D=64 ran 128x128 blocks 4-6% slower than 128x64 at d=0.5 and 0.25 (6.54-6.65
-# against 6.24-6.25 ms at d=0.5) though the consumers' loops are the same SASS (535 / 711 instructions a tile, Triton
-# 3.6) and a program a tile ran both at par: what differs is the loads (two 128-key boxes a tile against four of 64
-# keys) or the keys' pattern in memory. This tells the two apart: `benchmarks/ws_forward_ab.py --setting
-# narrow-sub-tiles --cases design` (at 128x64 both ways are the same kernel: the run's noise).
-NARROW_SUB_TILE_DIMS: tuple = ()
+# Head dims whose kernel walks each listed key block of more than 64 keys as that many 64-key blocks, from lists
+# derived once per lists tensor (split_key_blocks: entry e becomes e * parts .. e * parts + parts - 1; they take
+# `parts` times the list memory, 12.6 MB more at B1 H24 S32k 128x128) and the kernel runs with 64-key blocks. At
+# D=64 the kernel with 64-key blocks ran the same keys 4-7% faster than with 128-key blocks (H100, fifty-sixth
+# session: under Nsight Compute, `benchmarks/profile_case.py --dim 64 --density 0.5 --forward-only --block 128 64
+# --mask-keys 128`, 5.92 against 6.16-6.28 ms at 128x128 as listed), though their consumers' loops are the same SASS; the
+# profile differs in stalls (barrier 4.1 against 4.4 and MIO throttle 0.6 against 0.9 cycles an instruction), and
+# the cause is not known. Loading 128-key blocks in 64-key sub tiles, the same boxes at the same rows as the split
+# lists, did not close it (0.96-1.00x; the fifty-fifth session's NARROW_SUB_TILE_DIMS, removed). Timed in turns
+# (`benchmarks/ws_forward_ab.py --setting split-key-blocks --cases design`, H100, B1 H24 S32k bf16): D=64 128x128
+# 1.044x / 1.023x / 1.043x as fast at d=0.5 / 0.25 / 0.1, causal 0.997x; D=128 128x128 d=0.1 0.976x, so not there.
+SPLIT_KEY_BLOCK_DIMS: tuple = (64, )
 # Whether a consumer issues each key tile's Q K^T together with the previous tile's P V, per head dim
 # (FlashAttention-3's overlap inside a warpgroup: the softmax of one tile runs under the other's products). At D=64
 # with 256-key tiles it would hold two tiles' P in registers and spill; without it each consumer runs its products,
@@ -905,14 +908,16 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
 
 class Plan(NamedTuple):
     """The kernel's sub tile height (keys per TMA box: the largest of the tile, 128 and 64 that divides the key
-    block, or 64 at NARROW_SUB_TILE_DIMS where not causal), whether it tests the causal diagonal, its keys a tile
-    (TILE_KEYS) and whether its consumers overlap a tile's products with the softmax (OVERLAPPED), and whether its
-    rows' offsets may stay fixed (FIXED_OFFSET_DIMS)."""
+    block it walks), whether it tests the causal diagonal, its keys a tile (TILE_KEYS) and whether its consumers
+    overlap a tile's products with the softmax (OVERLAPPED), whether its rows' offsets may stay fixed
+    (FIXED_OFFSET_DIMS), and the 64-key blocks it walks each listed key block as (SPLIT_KEY_BLOCK_DIMS; 1: as
+    listed)."""
     sub_n: int
     causal: bool = False
     tile_n: int = 128
     overlap: bool = True
     fixed_offsets: bool = False
+    block_parts: int = 1
 
 
 def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_kv: int, *, is_causal: bool,
@@ -955,12 +960,13 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, b
 
 
 def _plan(block_kv: int, dim: int, causal: bool) -> Plan:
-    """The tiling of a call that qualifies: key tiles of TILE_KEYS[dim] keys, sub tiles as Plan says."""
+    """The tiling of a call that qualifies: key tiles of TILE_KEYS[dim] keys, sub tiles and key blocks as Plan
+    says."""
     tile_n = TILE_KEYS.get(dim, 128)
-    narrow = dim in NARROW_SUB_TILE_DIMS and not causal
-    sub_n = next(n for n in ((64, ) if narrow else (tile_n, 128, 64)) if block_kv % n == 0)
+    parts = block_kv // 64 if dim in SPLIT_KEY_BLOCK_DIMS else 1
+    sub_n = next(n for n in (tile_n, 128, 64) if block_kv // parts % n == 0)
     overlap = OVERLAPPED.get(dim, True)
-    return Plan(sub_n, causal, tile_n, overlap, dim in FIXED_OFFSET_DIMS and not (causal and overlap))
+    return Plan(sub_n, causal, tile_n, overlap, dim in FIXED_OFFSET_DIMS and not (causal and overlap), parts)
 
 
 _GL_DTYPES = {torch.bfloat16: ("bf16", gl.bfloat16), torch.float16: ("fp16", gl.float16),
@@ -1000,6 +1006,9 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
                          chosen: Plan) -> None:
     """Run the kernel into out [B, H, Sq, D] and lse fp32 [B, H, Sq] (plan() said chosen)."""
     from .forward import stride_args  # (forward imports this module lazily: no cycle)
+    if chosen.block_parts > 1:
+        kv_count, kv_index = cached_split_key_blocks(kv_count, kv_index, chosen.block_parts)
+        block_kv //= chosen.block_parts
     batch, heads, seq_q, dim = q.shape
     q_tiles = triton.cdiv(seq_q, TILE_Q)
     items = q_tiles * batch * heads
@@ -1071,6 +1080,23 @@ def query_tile_order(kv_count: torch.Tensor, batch: int, heads: int, group_size:
 
 # query_tile_order's results by (kv_count's (id, version), the call's terms) (replay.kept_per_lists)
 _QUERY_ORDERS: dict = {}
+# split_key_blocks's results by the lists' (id, version) and the parts (replay.kept_per_lists)
+_SPLIT_LISTS: dict = {}
+
+
+def split_key_blocks(kv_count: torch.Tensor, kv_index: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kv lists (int32 kv_count [Bm, Hm, nq], kv_index [Bm, Hm, nq, L]) at key blocks `parts` times smaller:
+    (kv_count * parts, kv_index [Bm, Hm, nq, L * parts]) with entry e as the entries e * parts .. e * parts + parts
+    - 1, in order, so ascending lists stay ascending (SPLIT_KEY_BLOCK_DIMS)."""
+    offsets = torch.arange(parts, device=kv_index.device, dtype=kv_index.dtype)
+    return kv_count * parts, (kv_index.unsqueeze(-1) * parts + offsets).flatten(-2)
+
+
+def cached_split_key_blocks(kv_count: torch.Tensor, kv_index: torch.Tensor,
+                            parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """split_key_blocks(kv_count, kv_index, parts), computed once per lists tensors."""
+    return replay.kept_per_lists(_SPLIT_LISTS, (kv_count, kv_index), (parts, ),
+                                 lambda counts, index: split_key_blocks(counts, index, parts))
 
 
 def cached_query_tile_order(kv_count: torch.Tensor, batch: int, heads: int, group_size: int, block_q: int,
@@ -1142,12 +1168,13 @@ def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
 def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                  dim: int = HEAD_DIM, emulate_exp2: Optional[bool] = None, o_through_tma: Optional[bool] = None,
                  fixed_offsets: Optional[bool] = None, check_rise: Optional[bool] = None,
-                 persistent: Optional[bool] = None, claimed: Optional[bool] = None, sub_n: Optional[int] = None):
+                 persistent: Optional[bool] = None, claimed: Optional[bool] = None):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for lists at (block_q, block_kv) and head dim `dim`, with the launch's tile choice (plan()), stages and
-    register settings; emulate_exp2, o_through_tma, fixed_offsets, check_rise, persistent, claimed and sub_n (keys a
-    sub tile) None: as a launch at `dim` and dtype would (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS,
-    RISE_CHECKED_DTYPES and _DIMS, PERSISTENT_DIMS, CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS, NARROW_SUB_TILE_DIMS).
+    register settings (the key blocks it walks too: SPLIT_KEY_BLOCK_DIMS); emulate_exp2, o_through_tma,
+    fixed_offsets, check_rise, persistent and claimed None: as a launch at `dim` and dtype would (EMULATED_EXP2_DIMS,
+    O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES and _DIMS, PERSISTENT_DIMS, CLAIMED_DIMS and
+    CLAIMED_CAUSAL_DIMS).
     Claimed items imply the persistent grid, so persistent decides only where they are not claimed (claimed=False,
     persistent=True: the items in turns)."""
     from triton.backends.compiler import GPUTarget
@@ -1155,9 +1182,8 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     chosen = _plan(block_kv, dim, causal)
     if fixed_offsets is not None:
         chosen = chosen._replace(fixed_offsets=fixed_offsets)
-    if sub_n is not None:
-        chosen = chosen._replace(sub_n=sub_n)
     sub_n = chosen.sub_n
+    block_kv //= chosen.block_parts
     name = _GL_DTYPES[dtype][0]
     settings = _settings(chosen, dtype, dim, claimed)
     overrides = dict(EMULATE_EXP2=emulate_exp2, O_THROUGH_TMA=o_through_tma, CHECK_RISE=check_rise,
