@@ -73,8 +73,8 @@ TILE_KEYS = {128: 128, 64: 256}
 # session: under Nsight Compute, `benchmarks/profile_case.py --dim 64 --density 0.5 --forward-only --block 128 64
 # --mask-keys 128`, 5.92 against 6.16-6.28 ms at 128x128 as listed), though their consumers' loops are the same
 # SASS; the profile differs in stalls (barrier 4.1 against 4.4 and MIO throttle 0.6 against 0.9 cycles an
-# instruction), and the cause is not known. Loading 128-key blocks in 64-key sub tiles, the same boxes at the same rows as the split
-# lists, did not close it (0.96-1.00x; the fifty-fifth session's NARROW_SUB_TILE_DIMS, removed). Timed in turns
+# instruction), and the cause is not known. Loading 128-key blocks in 64-key sub tiles, the same boxes at the same
+# rows as the split lists, did not close it (0.96-1.00x; the fifty-fifth session's NARROW_SUB_TILE_DIMS, removed). Timed in turns
 # (`benchmarks/ws_forward_ab.py --setting split-key-blocks --cases design`, H100, B1 H24 S32k bf16): D=64 128x128
 # 1.044x / 1.023x / 1.043x as fast at d=0.5 / 0.25 / 0.1, causal 0.997x; D=128 128x128 d=0.1 0.976x, so not there.
 SPLIT_KEY_BLOCK_DIMS: tuple = (64, )
