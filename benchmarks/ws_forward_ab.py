@@ -13,7 +13,7 @@ Settings (module attributes of blockattn.kernels.forward_ws, set for the case's 
                   is_causal too), or a program a query tile; with --also persistent, against the tiles in turn
                   (CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS)
   split-key-blocks  each key block walked as 64-key blocks, from lists split once per mask, or as listed
-                  (SPLIT_KEY_BLOCK_DIMS; at 128x64 the same kernel both ways)
+                  (SPLIT_KEY_BLOCK_DIMS; at 128x64 and under is_causal the same kernel both ways)
 
     cd benchmarks && python ws_forward_ab.py --setting rise-checked --rounds 5
     cd benchmarks && python ws_forward_ab.py --setting emulated-exp2 --also rise-checked   # with the other on

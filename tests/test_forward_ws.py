@@ -41,9 +41,9 @@ def _plan(sub_n: int, causal: bool = False, dim: int = 128) -> forward_ws.Plan:
 
 def _plan_for_block(block_kv: int, causal: bool = False, dim: int = 128) -> forward_ws.Plan:
     """_plan for a call with key blocks of block_kv keys under the module's tables as they stand: its blocks walked as
-    64-key ones at SPLIT_KEY_BLOCK_DIMS, in sub tiles of the largest of the tile, 128 and 64 that divides the block
-    it walks."""
-    parts = block_kv // 64 if dim in forward_ws.SPLIT_KEY_BLOCK_DIMS else 1
+    64-key ones at SPLIT_KEY_BLOCK_DIMS where not causal, in sub tiles of the largest of the tile, 128 and 64 that
+    divides the block it walks."""
+    parts = block_kv // 64 if dim in forward_ws.SPLIT_KEY_BLOCK_DIMS and not causal else 1
     sub_n = next(n for n in (forward_ws.TILE_KEYS[dim], 128, 64) if block_kv // parts % n == 0)
     return _plan(sub_n, causal, dim)._replace(block_parts=parts)
 
@@ -64,7 +64,7 @@ def test_qualifying_calls_and_their_tiles():
 
 def test_split_key_blocks_in_the_plan(monkeypatch):
     """SPLIT_KEY_BLOCK_DIMS: at its head dims the kernel walks each key block as block_kv / 64 blocks of 64 keys (the
-    sub tiles follow those), causal or not; elsewhere as listed."""
+    sub tiles follow those) where not causal; elsewhere as listed."""
     def dims(d):
         return dict(q=meta(2, 4, 1000, d), k=meta(2, 2, 8192, d), v=meta(2, 2, 8192, d))
     monkeypatch.setattr(forward_ws, "SPLIT_KEY_BLOCK_DIMS", ())
@@ -73,7 +73,7 @@ def test_split_key_blocks_in_the_plan(monkeypatch):
     assert _qualifies(**dims(64)) == _plan(64, dim=64)._replace(block_parts=2)
     assert _qualifies(**dims(64), block_q=256, block_kv=256) == _plan(64, dim=64)._replace(block_parts=4)
     assert _qualifies(**dims(64), block_kv=64) == _plan(64, dim=64)
-    assert _qualifies(**dims(64), is_causal=True) == _plan(64, causal=True, dim=64)._replace(block_parts=2)
+    assert _qualifies(**dims(64), is_causal=True) == _plan(128, causal=True, dim=64)
     assert _qualifies(**dims(128)) == _plan(128)
 
 
@@ -418,21 +418,28 @@ def test_head_dim_64_against_the_oracle(case, emulate, tiling, monkeypatch, pois
     _check_head_dim_64_case(case, monkeypatch, warp_specialized_calls)
 
 
-@pytest.mark.parametrize("case", ["128x128 bf16", "256x256 bf16 causal", "128x192 bf16 causal"])
-def test_key_blocks_as_listed_against_the_oracle(case, monkeypatch, poisoned, warp_specialized_calls):
-    """D=64 with each key block walked as listed (SPLIT_KEY_BLOCK_DIMS off; on, as the other D=64 tests run, two,
-    four or three 64-key blocks a block): sub tiles of 128, 256 or 64 keys, with a query tail, a query block that
-    keeps nothing and, under is_causal, a last query block whose one kept key block starts halfway down it."""
-    monkeypatch.setattr(forward_ws, "SPLIT_KEY_BLOCK_DIMS", ())
-    _check_head_dim_64_case(case, monkeypatch, warp_specialized_calls)
+# D=64 cases (as HEAD_DIM_64_CASES') whose key blocks split into four or three 64-key blocks where not causal
+SPLIT_CASES = {
+    "256x256 bf16": (1, 2, 2, 1000, 1024, (256, 256), torch.bfloat16, False),
+    "128x192 fp16": (1, 4, 2, 1100, 1152, (128, 192), torch.float16, False),
+}
 
 
-def _check_head_dim_64_case(case: str, monkeypatch, warp_specialized_calls) -> None:
-    """HEAD_DIM_64_CASES[case] through attention() on the Triton backend: the warp-specialized forward's plan under
-    the module's tables as they stand (_plan_for_block) where a Hopper GPU runs it, out and LSE against the
-    oracle."""
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("case", ["128x128 bf16", *SPLIT_CASES])
+def test_key_blocks_split_or_as_listed_against_the_oracle(case, split, monkeypatch, poisoned,
+                                                           warp_specialized_calls):
+    """D=64 with each key block walked as two, four or three 64-key blocks (SPLIT_KEY_BLOCK_DIMS, as D=64 runs) or as
+    listed (in sub tiles of 128, 256 or 64 keys): a query tail and a query block that keeps nothing."""
+    monkeypatch.setattr(forward_ws, "SPLIT_KEY_BLOCK_DIMS", (64, ) if split else ())
+    _check_head_dim_64_case(case, monkeypatch, warp_specialized_calls, {**HEAD_DIM_64_CASES, **SPLIT_CASES})
+
+
+def _check_head_dim_64_case(case: str, monkeypatch, warp_specialized_calls, cases: dict = HEAD_DIM_64_CASES) -> None:
+    """cases[case] through attention() on the Triton backend: the warp-specialized forward's plan under the module's
+    tables as they stand (_plan_for_block) where a Hopper GPU runs it, out and LSE against the oracle."""
     monkeypatch.setattr(forward_ws, "MIN_KEYS", {})  # these sequences are short: the kernel at any length
-    batch, heads, kv_heads, seq_q, seq_kv, block, dtype, causal = HEAD_DIM_64_CASES[case]
+    batch, heads, kv_heads, seq_q, seq_kv, block, dtype, causal = cases[case]
     heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
     q, k, v = qkv(batch, heads, seq_q, 64, kv_heads=kv_heads, seq_kv=seq_kv, dtype=dtype)
     keep = _keep_with_edge_rows(batch, heads, seq_q, seq_kv, block, 0.4, halfway_last=causal)

@@ -66,17 +66,18 @@ HEAD_DIMS = (64, HEAD_DIM)
 # (and 4 stages), in one process. At D=64: 256 keys, which halves the walk's steps for the same exponentials
 # (see OVERLAPPED).
 TILE_KEYS = {128: 128, 64: 256}
-# Head dims whose kernel walks each listed key block of more than 64 keys as that many 64-key blocks, from lists derived
-# once per lists tensor (split_key_blocks: entry e becomes e * parts .. e * parts + parts - 1; they take `parts` times
-# the list memory, 12.6 MB more at B1 H24 S32k 128x128) and the kernel runs with 64-key blocks. At D=64 the kernel with
-# 64-key blocks ran the same keys 4-7% faster than with 128-key blocks (H100, fifty-sixth session: under Nsight Compute,
-# `benchmarks/profile_case.py --dim 64 --density 0.5 --forward-only --block 128 64 --mask-keys 128`, 5.92 against
-# 6.16-6.28 ms at 128x128 as listed), though their consumers' loops are the same SASS; the profile differs in stalls
-# (barrier 4.1 against 4.4 and MIO throttle 0.6 against 0.9 cycles an instruction), and the cause is not known. Loading
-# 128-key blocks in 64-key sub tiles, the same boxes at the same rows as the split lists, did not close it (0.96-1.00x;
-# the fifty-fifth session's NARROW_SUB_TILE_DIMS, removed). Timed in turns (`benchmarks/ws_forward_ab.py --setting
-# split-key-blocks --cases design`, H100, B1 H24 S32k bf16): D=64 128x128 1.044x / 1.023x / 1.043x as fast at d=0.5 /
-# 0.25 / 0.1, causal 0.997x; D=128 128x128 d=0.1 0.976x, so not there.
+# Head dims whose kernel, where not causal, walks each listed key block of more than 64 keys as that many 64-key blocks,
+# from lists derived once per lists tensor (split_key_blocks: entry e becomes e * parts .. e * parts + parts - 1; they
+# take `parts` times the list memory, 12.6 MB more at B1 H24 S32k 128x128) and the kernel runs with 64-key blocks. At
+# D=64 the kernel with 64-key blocks ran the same keys 4-7% faster than with 128-key blocks (H100, fifty-sixth session:
+# under Nsight Compute, `benchmarks/profile_case.py --dim 64 --density 0.5 --forward-only --block 128 64 --mask-keys
+# 128`, 5.92 against 6.16-6.28 ms at 128x128 as listed), though their consumers' loops are the same SASS; the profile
+# differs in stalls (barrier 4.1 against 4.4 and MIO throttle 0.6 against 0.9 cycles an instruction), and the cause is
+# not known. Loading 128-key blocks in 64-key sub tiles, the same boxes at the same rows as the split lists, did not
+# close it (0.96-1.00x; the fifty-fifth session's NARROW_SUB_TILE_DIMS, removed). Timed in turns
+# (`benchmarks/ws_forward_ab.py --setting split-key-blocks --cases design`, H100, B1 H24 S32k bf16): D=64 128x128 1.044x
+# / 1.023x / 1.043x as fast at d=0.5 / 0.25 / 0.1, D=128 128x128 d=0.1 0.976x, so not there; causal 0.997x and 0.970x
+# (three rounds, `--cases causal`), so not causal. Skewed / uniform at D=64 d=0.25 with it: 0.986 (target 6).
 SPLIT_KEY_BLOCK_DIMS: tuple = (64, )
 # Whether a consumer issues each key tile's Q K^T together with the previous tile's P V, per head dim
 # (FlashAttention-3's overlap inside a warpgroup: the softmax of one tile runs under the other's products). At D=64
@@ -910,7 +911,7 @@ class Plan(NamedTuple):
     """The kernel's sub tile height (keys per TMA box: the largest of the tile, 128 and 64 that divides the key
     block it walks), whether it tests the causal diagonal, its keys a tile (TILE_KEYS) and whether its consumers
     overlap a tile's products with the softmax (OVERLAPPED), whether its rows' offsets may stay fixed
-    (FIXED_OFFSET_DIMS), and the 64-key blocks it walks each listed key block as (SPLIT_KEY_BLOCK_DIMS; 1: as
+    (FIXED_OFFSET_DIMS), and how many 64-key blocks it walks each listed key block as (SPLIT_KEY_BLOCK_DIMS; 1: as
     listed)."""
     sub_n: int
     causal: bool = False
@@ -963,7 +964,7 @@ def _plan(block_kv: int, dim: int, causal: bool) -> Plan:
     """The tiling of a call that qualifies: key tiles of TILE_KEYS[dim] keys, sub tiles and key blocks as Plan
     says."""
     tile_n = TILE_KEYS.get(dim, 128)
-    parts = block_kv // 64 if dim in SPLIT_KEY_BLOCK_DIMS else 1
+    parts = block_kv // 64 if dim in SPLIT_KEY_BLOCK_DIMS and not causal else 1
     sub_n = next(n for n in (tile_n, 128, 64) if block_kv // parts % n == 0)
     overlap = OVERLAPPED.get(dim, True)
     return Plan(sub_n, causal, tile_n, overlap, dim in FIXED_OFFSET_DIMS and not (causal and overlap), parts)
