@@ -71,10 +71,12 @@ TILE_KEYS = {128: 128, 64: 256}
 # take `parts` times the list memory, 12.6 MB more at B1 H24 S32k 128x128) and the kernel runs with 64-key blocks. At
 # D=64 the kernel with 64-key blocks ran the same keys 4-7% faster than with 128-key blocks (H100, fifty-sixth session:
 # under Nsight Compute, `benchmarks/profile_case.py --dim 64 --density 0.5 --forward-only --block 128 64 --mask-keys
-# 128`, 5.92 against 6.16-6.28 ms at 128x128 as listed), though their consumers' loops are the same SASS; the profile
-# differs in stalls (barrier 4.1 against 4.4 and MIO throttle 0.6 against 0.9 cycles an instruction), and the cause is
-# not known. Loading 128-key blocks in 64-key sub tiles, the same boxes at the same rows as the split lists, did not
-# close it (0.96-1.00x; the fifty-fifth session's NARROW_SUB_TILE_DIMS, removed). Timed in turns
+# 128`, 5.92 against 6.16-6.28 ms at 128x128 as listed), with the same instructions in their consumers' loops but not in
+# the same order: ptxas (Triton 3.6) starts the fixed loop's exponentials 37 instructions in for the consumer placed
+# first in the SASS and 110 for the other with 64-key blocks, 110 and 37 with 128-key blocks (38 and 38 with the 64-key
+# sub tiles below; kernels/README.md). The profile differs in stalls (barrier 4.1 against 4.4 and MIO throttle 0.6
+# against 0.9 cycles an instruction). Loading 128-key blocks in 64-key sub tiles, the same boxes at the same rows as the
+# split lists, did not close it (0.96-1.00x; the fifty-fifth session's NARROW_SUB_TILE_DIMS, removed). Timed in turns
 # (`benchmarks/ws_forward_ab.py --setting split-key-blocks --cases design`, H100, B1 H24 S32k bf16): D=64 128x128 1.044x
 # / 1.023x / 1.043x as fast at d=0.5 / 0.25 / 0.1, D=128 128x128 d=0.1 0.976x, so not there; causal 0.997x and 0.970x
 # (three rounds, `--cases causal`), so not causal. Skewed / uniform at D=64 d=0.25 with it: 0.986 (target 6).
