@@ -103,17 +103,22 @@ def _tool(name, cubin_path, *flags):
     return subprocess.run([path, *flags, cubin_path], capture_output=True, text=True, check=True).stdout
 
 
-def innermost_loop(sass: str) -> list:
-    """The shortest span from a label to a conditional branch back to it that holds a tensor-core instruction."""
+def loops(sass: str) -> list:
+    """Every span of nvdisasm's lines from a label to a conditional branch back to it (a loop's step), as
+    (the label's line number, the span's lines), in SASS order."""
     lines = sass.splitlines()
     labels = {line.rstrip(":"): i for i, line in enumerate(lines) if re.match(r"^\.L_x_\d+:", line)}
     spans = []
     for i, line in enumerate(lines):
         branch = re.search(r"@!?P\d\s+BRA `\((\.L_x_\d+)\)", line)
         if branch and labels.get(branch.group(1), i) < i:
-            body = lines[labels[branch.group(1)]:i + 1]
-            if any("HGMMA" in b for b in body):
-                spans.append(body)
+            spans.append((labels[branch.group(1)], lines[labels[branch.group(1)]:i + 1]))
+    return spans
+
+
+def innermost_loop(sass: str) -> list:
+    """The shortest span from a label to a conditional branch back to it that holds a tensor-core instruction."""
+    spans = [body for _, body in loops(sass) if any("HGMMA" in b for b in body)]
     return min(spans, key=len) if spans else []
 
 

@@ -14,7 +14,7 @@ import statistics
 
 import torch
 
-from blockattn.bench import Case, _flops, _time_ms, backward_inputs
+from blockattn.bench import Case, _flops, _set_head_dim, _time_ms, backward_inputs
 from blockattn.kernels import backward_ws
 
 SUITES = {
@@ -26,13 +26,6 @@ SUITES = {
 }
 # each setting's module attributes (head dims), and its two ways' names
 SETTINGS = {"split-causal": (("SPLIT_CAUSAL_DIMS", "SPLIT_CAUSAL_GROUPED_DIMS"), "split", "one loop")}
-
-
-def set_setting(attributes: tuple, dim: int, on: bool) -> None:
-    """backward_ws's head-dim settings `attributes` on or off at head dim dim."""
-    for attribute in attributes:
-        dims = set(getattr(backward_ws, attribute)) - {dim}
-        setattr(backward_ws, attribute, tuple(sorted(dims | ({dim} if on else set()))))
 
 
 def main():
@@ -54,7 +47,8 @@ def main():
         try:
             for _ in range(args.rounds):
                 for on in (True, False):
-                    set_setting(attributes, case.dim, on)
+                    for attribute in attributes:
+                        _set_head_dim(backward_ws, attribute, case.dim, on)
                     grads[on] = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
                     times[on].append(_time_ms(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)))
         finally:

@@ -33,7 +33,7 @@ import statistics
 import torch
 
 import blockattn
-from blockattn.bench import Case, _flops, _inputs, _time_ms, block_mask
+from blockattn.bench import Case, _flops, _inputs, _set_head_dim, _time_ms, block_mask
 from blockattn.kernels import forward_ws
 
 SUITES = {"design": [Case(dim=64, block=block, density=d) for block in ((128, 128), (128, 64))
@@ -63,8 +63,7 @@ ATTRIBUTES = [attribute for attributes, _, _ in SETTINGS.values() for attribute 
 def set_setting(name: str, dim: int, on: bool) -> None:
     """forward_ws's setting `name` on or off at head dim dim (rise-checked: for bf16)."""
     for attribute in SETTINGS[name][0]:
-        dims = set(getattr(forward_ws, attribute)) - {dim}
-        setattr(forward_ws, attribute, tuple(sorted(dims | ({dim} if on else set()))))
+        _set_head_dim(forward_ws, attribute, dim, on)
     if name == "rise-checked":
         forward_ws.RISE_CHECKED_DTYPES = (torch.bfloat16, )
 

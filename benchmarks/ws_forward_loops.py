@@ -18,28 +18,22 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sass_loop import _tool  # noqa: E402  (stubs torch where it is missing, and puts the package on the path)
+from sass_loop import _tool, loops  # noqa: E402  (stubs torch where it is missing, and puts the package on the path)
 
 from blockattn.kernels import forward_ws  # noqa: E402
 
 
 def product_loops(sass: str) -> list:
     """(line of the loop's label, instructions a step, exponentials a step, the first exponential's place) of each
-    loop (a label and a branch back to it) that holds both HGMMA and MUFU, in SASS order."""
-    lines = sass.splitlines()
-    labels = {line.strip().rstrip(":"): i for i, line in enumerate(lines) if re.match(r"^\.L_x_\d+:", line.strip())}
-    loops = []
-    for i, line in enumerate(lines):
-        branch = re.search(r"BRA `\((\.L_x_\d+)\)", line)
-        if not branch or labels.get(branch.group(1), i) >= i:
-            continue
-        start = labels[branch.group(1)]
-        ops = [m.group(2).split(".")[0] for m in (re.search(r"\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", x)
-                                                   for x in lines[start:i + 1]) if m]
+    loop (sass_loop.loops) that holds both HGMMA and MUFU, in SASS order."""
+    found = []
+    for start, body in loops(sass):
+        ops = [m.group(2).split(".")[0] for m in (re.search(r"\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", line)
+                                                   for line in body) if m]
         # (the innermost loops only: an outer loop spans thousands of instructions)
         if "HGMMA" in ops and "MUFU" in ops and len(ops) < 1500:
-            loops.append((start, len(ops), ops.count("MUFU"), ops.index("MUFU")))
-    return loops
+            found.append((start, len(ops), ops.count("MUFU"), ops.index("MUFU")))
+    return found
 
 
 def main():

@@ -111,6 +111,13 @@ def _time_ms(fn: Callable, calls: int = 25, device: Optional[torch.device] = Non
                                    return_mode="median")
 
 
+def _set_head_dim(module, attribute: str, dim: int, on: bool) -> None:
+    """Put head dim `dim` into or out of a kernel module's head-dim setting (a tuple such as
+    forward_ws.SPLIT_KEY_BLOCK_DIMS), the other dims kept: the benchmarks' A/B timings of one setting."""
+    dims = set(getattr(module, attribute)) - {dim}
+    setattr(module, attribute, tuple(sorted(dims | ({dim} if on else set()))))
+
+
 def _flops(case: Case, density: float) -> float:
     return 4.0 * case.batch * case.heads * case.seq * case.seq * case.dim * density
 
