@@ -93,8 +93,8 @@ def main():
                         "(forward_ws.FIXED_OFFSET_DIMS)")
     parser.add_argument("--rise-checked", action="store_true",
                         help="also time the warp-specialized forward with the rise of bf16's fixed offsets checked "
-                        "the other way (forward_ws.RISE_CHECKED_DTYPES and _DIMS: after the walk, or bounded by the "
-                        "key norms)")
+                        "the other way (forward_ws.RISE_CHECKED_DTYPES, _DIMS and _CAUSAL_DIMS: after the walk, or "
+                        "bounded by the key norms)")
     parser.add_argument("--triton-fixed-offsets", action="store_true",
                         help="also time the Triton forward with fixed offsets the other way "
                         "(forward.FIXED_OFFSET_DIMS)")
@@ -118,6 +118,7 @@ def main():
     default_fixed = forward_ws.FIXED_OFFSET_DIMS
     default_triton_fixed = forward.FIXED_OFFSET_DIMS
     default_checked, default_checked_dims = forward_ws.RISE_CHECKED_DTYPES, forward_ws.RISE_CHECKED_DIMS
+    default_checked_causal_dims = forward_ws.RISE_CHECKED_CAUSAL_DIMS
     device = torch.device("cuda")
     print("| case | Triton forward ms | warp-specialized ms | flex ms | Triton vs flex | warp-specialized vs flex |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -178,11 +179,13 @@ def main():
             variant("fixed offsets" if fixed else "running maxima only")
             forward_ws.FIXED_OFFSET_DIMS = default_fixed
         if args.rise_checked:
-            checked = not (torch.bfloat16 in default_checked and case.dim in default_checked_dims)
+            checked_dims = default_checked_causal_dims if causal else default_checked_dims
+            checked = not (torch.bfloat16 in default_checked and case.dim in checked_dims)
             forward_ws.RISE_CHECKED_DTYPES = (torch.bfloat16, ) if checked else ()
-            forward_ws.RISE_CHECKED_DIMS = (case.dim, )
+            forward_ws.RISE_CHECKED_DIMS = forward_ws.RISE_CHECKED_CAUSAL_DIMS = (case.dim, )
             variant("the rise checked after the walk" if checked else "the rise bounded")
             forward_ws.RISE_CHECKED_DTYPES, forward_ws.RISE_CHECKED_DIMS = default_checked, default_checked_dims
+            forward_ws.RISE_CHECKED_CAUSAL_DIMS = default_checked_causal_dims
         if args.o_through_tma:
             forward_ws.O_THROUGH_TMA = not default_o_through_tma
             variant("out through the TMA unit" if forward_ws.O_THROUGH_TMA else "out by pointer stores")

@@ -4,7 +4,7 @@ on the machine falls on both ways alike. One-off runs of `ws_forward.py --rise-c
 
 Settings (module attributes of blockattn.kernels.forward_ws, set for the case's head dim):
   rise-checked    bf16's fixed offsets with the rise checked after the walk, or bounded by the key norms
-                  (RISE_CHECKED_DTYPES and RISE_CHECKED_DIMS)
+                  (RISE_CHECKED_DTYPES, RISE_CHECKED_DIMS and RISE_CHECKED_CAUSAL_DIMS)
   emulated-exp2   one exponential in four from the FMA units' polynomial, or all from the special function unit
                   (EMULATED_EXP2_DIMS)
   persistent      a persistent grid, a program an SM taking query tiles in turn, or a program a query tile
@@ -52,7 +52,7 @@ SUITES = {"design": [Case(dim=64, block=block, density=d) for block in ((128, 12
           + [Case(pattern="causal", block=(128, 64), density=0.5), Case(dim=64, pattern="causal", density=0.5)]
           + [Case(batch=8, heads=16, kv_heads=16, seq=s, density=0.5) for s in (2048, 4096)]}
 # each setting's module attributes (head dims), and its two ways' names
-SETTINGS = {"rise-checked": (("RISE_CHECKED_DIMS", ), "checked", "bounded"),
+SETTINGS = {"rise-checked": (("RISE_CHECKED_DIMS", "RISE_CHECKED_CAUSAL_DIMS"), "checked", "bounded"),
             "emulated-exp2": (("EMULATED_EXP2_DIMS", ), "emulated", "special function unit"),
             "persistent": (("PERSISTENT_DIMS", ), "persistent", "a program a tile"),
             "claimed": (("CLAIMED_DIMS", "CLAIMED_CAUSAL_DIMS"), "claimed", "a program a tile or turns"),

@@ -109,6 +109,28 @@ def test_fixed_offsets_in_the_plan(monkeypatch):
     assert not _qualifies(**dims(64)).fixed_offsets
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_rise_checked_or_bounded_as_the_tables_say(causal, monkeypatch):
+    """A launch with fixed offsets checks the rise after the walk, and takes no key norms (no pass over k), for the
+    dtypes in RISE_CHECKED_DTYPES at the head dims in RISE_CHECKED_DIMS, or RISE_CHECKED_CAUSAL_DIMS under is_causal;
+    else the key norms' bound keeps the offsets. D=64, whose causal walk keeps fixed offsets too."""
+    monkeypatch.setattr(forward_ws, "FIXED_OFFSET_DIMS", (64, 128))
+    monkeypatch.setattr(forward_ws, "RISE_CHECKED_DTYPES", (torch.bfloat16, ))
+    chosen = forward_ws._plan(128, 64, causal)
+    assert chosen.fixed_offsets
+
+    def checked(dtype):
+        settings = forward_ws._settings(chosen, dtype, 64)
+        takes_norms = "KEY_NORMS" not in forward_ws._unused_arguments(chosen, settings)
+        assert takes_norms != settings["CHECK_RISE"], settings
+        return settings["CHECK_RISE"]
+    for plain, causal_dims in [((64, ), ()), ((), (64, )), ((64, 128), (64, 128)), ((), ())]:
+        monkeypatch.setattr(forward_ws, "RISE_CHECKED_DIMS", plain)
+        monkeypatch.setattr(forward_ws, "RISE_CHECKED_CAUSAL_DIMS", causal_dims)
+        assert checked(torch.bfloat16) == (64 in (causal_dims if causal else plain)), (plain, causal_dims)
+        assert not checked(torch.float16)  # (fp16 P would overflow past 65504: always the bound)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_host_descriptors_take_gluons_layout_for_their_box(dtype):
     """host_descriptor's box and shared-memory layout (cached per box and dtype) are what Gluon picks for that box,
@@ -602,6 +624,7 @@ def test_fixed_offsets_against_the_oracle(case, checked, grid, inputs, monkeypat
     monkeypatch.setattr(forward_ws, "FIXED_OFFSET_DIMS", (64, 128))
     monkeypatch.setattr(forward_ws, "RISE_CHECKED_DTYPES", (torch.bfloat16, ) if checked else ())
     monkeypatch.setattr(forward_ws, "RISE_CHECKED_DIMS", (64, 128))
+    monkeypatch.setattr(forward_ws, "RISE_CHECKED_CAUSAL_DIMS", (64, 128))
     batch, heads, kv_heads, seq_q, seq_kv, block, dtype, causal, dim = FIXED_OFFSET_CASES[case]
     heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, kv_heads, seq_q, seq_kv, block)
     # (under the interpreter too: keys past the first tile, and under is_causal rows that see them)

@@ -112,15 +112,18 @@ FIXED_OFFSET_DIMS: tuple = (64, 128)
 # the cold walk again included (tests/test_forward_ws.py, "bound 160"); its hot loops are the bounded walk's,
 # instruction for instruction but for order (offline SASS, Triton 3.6).
 RISE_CHECKED_DTYPES: tuple = (torch.bfloat16, )
-# Head dims where the rise is checked (RISE_CHECKED_DTYPES); the others keep the bound. Fiftieth session
-# (BENCHMARKS.md; `benchmarks/ws_forward_ab.py`, the two settings in turns, B1 H24 S32k bf16): D=128 128x128 d=0.1
-# 1.04x as fast checked (H100; 1.08-1.15x on the H200 where the bound fails, `ws_forward.py --query-scale 8`), but
-# D=64 0.92x / 0.95x / 0.96x at d=0.5 / 0.25 / 0.1 (128x128) and 0.96x / 1.02x / 0.97x (128x64); only its causal walk
-# ran faster, 1.07x. On the H200 the checked D=64 forward ran 6.95-7.13 ms at d=0.5 against 6.32 for the bounded one
-# in the forty-sixth session. The two D=64 builds' fixed loops hold the same instructions; ptxas orders them
-# differently, packing P after the wait for V in the checked build (kernels/README.md, "Where the walk in turn waits
-# for V").
-RISE_CHECKED_DIMS: tuple = (128, )
+# Head dims where the rise is checked (RISE_CHECKED_DTYPES) when not causal; the others keep the bound, and its pass
+# over k (bounds.key_norm_parts: 42-53 us at D=64, B1 H24 S32k, 3% of a d=0.1 forward; H100, fifty-seventh session).
+# In turns (`benchmarks/ws_forward_ab.py --setting rise-checked --cases design --rounds 5`, B1 H24 S32k bf16, H100,
+# fifty-seventh session, with SPLIT_KEY_BLOCK_DIMS): D=64 checked 1.022x / 1.026x / 1.013x as fast at d=0.5 / 0.25 /
+# 0.1 (128x128) and 1.019x / 1.006x / 1.022x (128x64); D=128 128x128 d=0.1 0.988x (1.04x in the fiftieth session, and
+# 1.08-1.15x on the H200 where the bound fails, `ws_forward.py --query-scale 8`). Before the split (fiftieth and
+# fifty-first sessions) D=64 ran 0.92-1.04x checked: ptxas orders the two builds' fixed loops differently
+# (kernels/README.md, "Where the walk in turn waits for V"), so re-time after a change to the loop or to Triton.
+RISE_CHECKED_DIMS: tuple = (64, 128)
+# The same under is_causal. D=64's causal walk ran 0.96x as fast checked (the fifty-first and fifty-seventh sessions,
+# H100), so it keeps the bound; D=128's (overlapped) keeps no fixed offsets at all (FIXED_OFFSET_DIMS).
+RISE_CHECKED_CAUSAL_DIMS: tuple = ()
 # Ring stages per head dim: as many as Hopper's 227 KiB of shared memory per program allows. At D=128 Q takes 32 KiB
 # and a stage 64 KiB (3 stages measured 5.22 ms against 5.88 with 2). At D=64 a 256-key stage is 64 KiB too (2
 # stages measured the same in benchmarks/exp_gluon_fwd.py; with 128-key tiles, 4 stages of 32 KiB had run 1-8%
@@ -1129,14 +1132,15 @@ def grid_settings(grid: Optional[str]) -> dict:
 
 def _settings(chosen: Plan, dtype: torch.dtype, dim: int, claimed: Optional[bool] = None) -> dict:
     """The kernel's constexprs that the module's settings decide for a launch of plan `chosen` at dtype and head dim
-    `dim` (EMULATED_EXP2_DIMS, O_THROUGH_TMA, RISE_CHECKED_DTYPES and _DIMS, PERSISTENT_DIMS, CLAIMED_DIMS and
-    CLAIMED_CAUSAL_DIMS): what attention_forward_ws launches with and compile_sm90 compiles by default. claimed:
-    whether the items are claimed (None: as CLAIMED_DIMS or CLAIMED_CAUSAL_DIMS say), which makes the grid
-    persistent."""
+    `dim` (EMULATED_EXP2_DIMS, O_THROUGH_TMA, RISE_CHECKED_DTYPES, _DIMS and _CAUSAL_DIMS, PERSISTENT_DIMS,
+    CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS): what attention_forward_ws launches with and compile_sm90 compiles by
+    default. claimed: whether the items are claimed (None: as CLAIMED_DIMS or CLAIMED_CAUSAL_DIMS say), which makes
+    the grid persistent."""
     if claimed is None:
         claimed = _claims(dim, chosen.causal)
     return dict(EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, O_THROUGH_TMA=O_THROUGH_TMA,
-                CHECK_RISE=chosen.fixed_offsets and dtype in RISE_CHECKED_DTYPES and dim in RISE_CHECKED_DIMS,
+                CHECK_RISE=chosen.fixed_offsets and dtype in RISE_CHECKED_DTYPES
+                and dim in (RISE_CHECKED_CAUSAL_DIMS if chosen.causal else RISE_CHECKED_DIMS),
                 PERSISTENT=claimed or (dim in PERSISTENT_DIMS and not chosen.causal), CLAIMED=claimed)
 
 
@@ -1176,8 +1180,8 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     kernel for lists at (block_q, block_kv) and head dim `dim`, with the launch's tile choice (plan()), stages and
     register settings (the key blocks it walks too: SPLIT_KEY_BLOCK_DIMS); emulate_exp2, o_through_tma,
     fixed_offsets, check_rise, persistent and claimed None: as a launch at `dim` and dtype would (EMULATED_EXP2_DIMS,
-    O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES and _DIMS, PERSISTENT_DIMS, CLAIMED_DIMS and
-    CLAIMED_CAUSAL_DIMS).
+    O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES, _DIMS and _CAUSAL_DIMS, PERSISTENT_DIMS, CLAIMED_DIMS
+    and CLAIMED_CAUSAL_DIMS).
     Claimed items imply the persistent grid, so persistent decides only where they are not claimed (claimed=False,
     persistent=True: the items in turns)."""
     from triton.backends.compiler import GPUTarget
