@@ -104,13 +104,13 @@ MIN_KEYS = {64: 8192}
 # with the overlap inside a warpgroup (D=128's): compiled by Triton 3.6, the H200 machine's, its consumers spill
 # 24-32 bytes with fixed offsets (forty-fourth session, offline; Triton 3.9 spills nothing).
 FIXED_OFFSET_DIMS: tuple = (64, 128)
-# Dtypes whose fixed offsets need no bound, at the head dims in RISE_CHECKED_DIMS: they stay wherever every row of a
-# warpgroup has a key in its first tile, and the rise is checked after the walk (CHECK_RISE: a warpgroup whose rows'
-# sums passed 2^bounds.RISE_LIMIT, or whose accumulator overflowed, is walked again with running maxima,
-# _walk_again). So these take no pass over k for the key norms, and keep the offsets where real data's norms leave
-# the bound too loose. bf16 only could: its P reaches 2^128, while fp16's overflows past 65504. Its GPU tests pass,
-# the cold walk again included (tests/test_forward_ws.py, "bound 160"); its hot loops are the bounded walk's,
-# instruction for instruction but for order (offline SASS, Triton 3.6).
+# Dtypes whose fixed offsets need no bound, at the head dims in RISE_CHECKED_DIMS (RISE_CHECKED_CAUSAL_DIMS under
+# is_causal): they stay wherever every row of a warpgroup has a key in its first tile, and the rise is checked after
+# the walk (CHECK_RISE: a warpgroup whose rows' sums passed 2^bounds.RISE_LIMIT, or whose accumulator overflowed, is
+# walked again with running maxima, _walk_again). So these take no pass over k for the key norms, and keep the
+# offsets where real data's norms leave the bound too loose. bf16 only could: its P reaches 2^128, while fp16's
+# overflows past 65504. Its GPU tests pass, the cold walk again included (tests/test_forward_ws.py, "bound 160"); its
+# hot loops are the bounded walk's, instruction for instruction but for order (offline SASS, Triton 3.6).
 RISE_CHECKED_DTYPES: tuple = (torch.bfloat16, )
 # Head dims where the rise is checked (RISE_CHECKED_DTYPES) when not causal; the others keep the bound, and its pass
 # over k (bounds.key_norm_parts: 42-53 us at D=64, B1 H24 S32k, 3% of a d=0.1 forward; H100, fifty-seventh session).
