@@ -250,14 +250,15 @@ def _launch_spill_budget(blocks: tuple, causal: bool, dim: int) -> int:
     return SPILL_BUDGET_CLAIMED if forward_ws._claims(dim, causal) else SPILL_BUDGET
 
 
-def _assert_compiles(call: str, spill_budget: int = SPILL_BUDGET) -> None:
+def _assert_compiles(call: str, spill_budget: int = SPILL_BUDGET) -> dict:
     """call (a forward_ws.compile_sm90 call, as sm90_report takes it) compiles with the register split, wgmma and
-    TMA in the PTX, shared memory within Hopper's, and at most spill_budget bytes of stack."""
+    TMA in the PTX, shared memory within Hopper's, and at most spill_budget bytes of stack; its report."""
     report = sm90_report(call)
     assert {forward_ws.CONSUMER_REGS, forward_ws.LOADER_REGS} <= set(report["registers"]), report
     assert report["wgmma"] and report["tma"], report
     assert report["shared"] <= 227 * 1024, report
     assert "LOCAL:0" in report["usage"] and stack_bytes(report) <= spill_budget, f"registers spill: {report['usage']}"
+    return report
 
 
 @pytest.mark.parametrize("blocks, causal, dim", [((128, 128), False, 128), ((128, 64), False, 128),
@@ -267,6 +268,16 @@ def test_compiles_with_the_rise_checked(blocks, causal, dim):
     Ampere products (mma_v2) on pointer loads: as _assert_compiles asks, with the launch's stack budget."""
     _assert_compiles(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.bfloat16, causal={causal}, dim={dim}, "
                      "fixed_offsets=True, check_rise=True)", _launch_spill_budget(blocks, causal, dim))
+
+
+@pytest.mark.parametrize("blocks, causal, claimed", [((128, 128), False, True), ((128, 64), True, False)])
+def test_compiles_with_the_consumers_in_turns(blocks, causal, claimed):
+    """D=64's walk with the score products issued in turns (PING_PONG_DIMS): as _assert_compiles asks, within the
+    launch's stack budget, with the turns' arrivals in the PTX beside those of the same kernel without them."""
+    call = (f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.bfloat16, causal={causal}, dim=64, "
+            f"claimed={claimed}, ping_pong={{}})")
+    budget = SPILL_BUDGET_CLAIMED if claimed else _launch_spill_budget(blocks, causal, 64)
+    assert _assert_compiles(call.format(True), budget)["arrivals"] > sm90_report(call.format(False))["arrivals"]
 
 
 @pytest.mark.parametrize("blocks, dim, o_through_tma, causal, claimed", [
@@ -437,6 +448,18 @@ def test_head_dim_64_against_the_oracle(case, emulate, tiling, monkeypatch, pois
     tile_n, overlap, stages = HEAD_DIM_64_TILINGS[tiling]
     for table, value in ((forward_ws.TILE_KEYS, tile_n), (forward_ws.OVERLAPPED, overlap), (forward_ws.STAGES, stages)):
         monkeypatch.setitem(table, 64, value)
+    _check_head_dim_64_case(case, monkeypatch, warp_specialized_calls)
+
+
+@pytest.mark.parametrize("grid", [None, "claimed"])
+@pytest.mark.parametrize("case", list(HEAD_DIM_64_CASES))
+def test_ping_pong_against_the_oracle(case, grid, monkeypatch, poisoned, warp_specialized_calls):
+    """D=64 with the consumers issuing their score products in turns (PING_PONG_DIMS): a program a tile, and 3
+    programs claiming items (under is_causal too), whose turns go on from one item to the next through empty query
+    blocks and query tails."""
+    monkeypatch.setattr(forward_ws, "PING_PONG_DIMS", (64, ))
+    set_grid(monkeypatch, grid)
+    monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 3)
     _check_head_dim_64_case(case, monkeypatch, warp_specialized_calls)
 
 
