@@ -904,16 +904,21 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # CLAIMED: the item the loader claimed, posted to the consumers (_post_item)
     item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    # PING_PONG: consumer HALF's turn to issue its next Q K^T, which the other gives it (_tile_in_turn)
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # PING_PONG: consumer HALF's turn to issue its next Q K^T, which the other gives it (_tile_in_turn); else none
+    # is allocated, and kv_empty stands in the tuples for it, never read (a tuple holds no None)
+    if PING_PONG:
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    else:
+        turns = kv_empty
     mbarrier.init(q_ready, count=1)
     mbarrier.init(q_empty, count=2)  # both consumers release their half of Q
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a stage
-    for i in gl.static_range(2):
-        mbarrier.init(turns.index(i), count=1)
+    if PING_PONG:
+        for i in gl.static_range(2):
+            mbarrier.init(turns.index(i), count=1)
     fence_async_shared()
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
