@@ -16,6 +16,8 @@ Settings (module attributes of blockattn.kernels.forward_ws, set for the case's 
                   (SPLIT_KEY_BLOCK_DIMS; at 128x64 and under is_causal the same kernel both ways)
   ping-pong       the consumers' score products issued in turns, or each as its tile comes (PING_PONG_DIMS; the
                   walk in turn only: D=64)
+  narrow-last-tile  a walk's last tile over its first half of keys where they lie there, or over the whole tile
+                  (NARROW_LAST_TILE_DIMS; the walk in turn only: D=64)
 
     cd benchmarks && python ws_forward_ab.py --setting rise-checked --rounds 5
     cd benchmarks && python ws_forward_ab.py --setting emulated-exp2 --also rise-checked   # with the other on
@@ -24,6 +26,7 @@ Settings (module attributes of blockattn.kernels.forward_ws, set for the case's 
     cd benchmarks && python ws_forward_ab.py --setting claimed --cases grid skewed
     cd benchmarks && python ws_forward_ab.py --setting split-key-blocks --cases design --rounds 5
     cd benchmarks && python ws_forward_ab.py --setting ping-pong --cases design causal --rounds 5
+    cd benchmarks && python ws_forward_ab.py --setting narrow-last-tile --cases design --rounds 5
 
 The fifty-first session timed the walk in turn's wait for V, its last tile peeled off the loop and the causal walk's
 split this way (BENCHMARKS.md) and kept the two that won, which have no switch since; and the persistent grid, which
@@ -60,7 +63,8 @@ SETTINGS = {"rise-checked": (("RISE_CHECKED_DIMS", "RISE_CHECKED_CAUSAL_DIMS"), 
             "persistent": (("PERSISTENT_DIMS", ), "persistent", "a program a tile"),
             "claimed": (("CLAIMED_DIMS", "CLAIMED_CAUSAL_DIMS"), "claimed", "a program a tile or turns"),
             "split-key-blocks": (("SPLIT_KEY_BLOCK_DIMS", ), "64-key blocks", "the mask's blocks"),
-            "ping-pong": (("PING_PONG_DIMS", ), "in turns", "as they come")}
+            "ping-pong": (("PING_PONG_DIMS", ), "in turns", "as they come"),
+            "narrow-last-tile": (("NARROW_LAST_TILE_DIMS", ), "narrow last tiles", "whole last tiles")}
 ATTRIBUTES = [attribute for attributes, _, _ in SETTINGS.values() for attribute in attributes]
 
 

@@ -270,6 +270,16 @@ def test_compiles_with_the_rise_checked(blocks, causal, dim):
                      "fixed_offsets=True, check_rise=True)", _launch_spill_budget(blocks, causal, dim))
 
 
+@pytest.mark.parametrize("blocks, causal", [((128, 128), False), ((128, 192), True)])
+def test_compiles_with_narrow_last_tiles(blocks, causal):
+    """D=64's walk with a narrow last tile where its keys fit (NARROW_LAST_TILE_DIMS): as _assert_compiles asks,
+    within the launch's stack budget, with more products (wgmma) in the PTX than the same kernel without it."""
+    call = (f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.bfloat16, causal={causal}, dim=64, "
+            "narrow_last={})")
+    report = _assert_compiles(call.format(True), _launch_spill_budget(blocks, causal, 64))
+    assert report["products"] > sm90_report(call.format(False))["products"]
+
+
 @pytest.mark.parametrize("blocks, causal, claimed", [((128, 128), False, True), ((128, 64), True, False)])
 def test_compiles_with_the_consumers_in_turns(blocks, causal, claimed):
     """D=64's walk with the score products issued in turns (PING_PONG_DIMS): as _assert_compiles asks, within the
@@ -477,6 +487,17 @@ def test_key_blocks_split_or_as_listed_against_the_oracle(case, split, monkeypat
     """D=64 with each key block walked as two, four or three 64-key blocks (SPLIT_KEY_BLOCK_DIMS, as D=64 runs) or as
     listed (in sub tiles of 128, 256 or 64 keys): a query tail and a query block that keeps nothing."""
     monkeypatch.setattr(forward_ws, "SPLIT_KEY_BLOCK_DIMS", (64, ) if split else ())
+    _check_head_dim_64_case(case, monkeypatch, warp_specialized_calls, {**HEAD_DIM_64_CASES, **SPLIT_CASES})
+
+
+@pytest.mark.parametrize("ping_pong", [False, True])
+@pytest.mark.parametrize("case", [*HEAD_DIM_64_CASES, *SPLIT_CASES])
+def test_narrow_last_tiles_against_the_oracle(case, ping_pong, monkeypatch, poisoned, warp_specialized_calls):
+    """D=64 with a walk's last key tile over its first half where its keys lie there (NARROW_LAST_TILE_DIMS): last
+    tiles of 1 to 3 sub tiles in 4 (128x64, 128x192), odd counts of 128-key blocks, causal ones, and with the
+    consumers in turns too."""
+    monkeypatch.setattr(forward_ws, "NARROW_LAST_TILE_DIMS", (64, ))
+    monkeypatch.setattr(forward_ws, "PING_PONG_DIMS", (64, ) if ping_pong else ())
     _check_head_dim_64_case(case, monkeypatch, warp_specialized_calls, {**HEAD_DIM_64_CASES, **SPLIT_CASES})
 
 
