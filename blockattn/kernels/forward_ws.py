@@ -437,6 +437,8 @@ def _tiles_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_
         acc, m_i, l_i = _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2, FIXED,
                                       False, TESTED, TURN)
     if end > start:
+        # (the plain call is written twice so that without NARROW_LAST the branch is static and the kernel is what it
+        # was: a runtime flag set False let Triton 3.6 lower the narrow call too, and crash on the causal kernel)
         if NARROW_LAST:
             total, sub_tiles, s_zero = walk[7], walk[8], walk[6]
             filled = sub_tiles % (s_zero.shape[1] // SUB_N)  # (as _scores_masked's)
