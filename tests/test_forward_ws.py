@@ -131,6 +131,24 @@ def test_rise_checked_or_bounded_as_the_tables_say(causal, monkeypatch):
         assert not checked(torch.float16)  # (fp16 P would overflow past 65504: always the bound)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_narrow_last_tiles_as_the_tables_say(causal, monkeypatch):
+    """A launch takes narrow last tiles at the head dims in NARROW_LAST_TILE_DIMS, or NARROW_LAST_TILE_CAUSAL_DIMS
+    under is_causal, where its walk is in turn and its tiles hold several sub tiles: never with the overlap inside a
+    warpgroup (D=128's walk) or with one sub tile a tile (256-key blocks, as listed under is_causal), whatever the
+    tables or compile_sm90's narrow_last say."""
+    for plain, causal_dims in [((64, ), ()), ((), (64, )), ((64, 128), (64, 128)), ((), ())]:
+        monkeypatch.setattr(forward_ws, "NARROW_LAST_TILE_DIMS", plain)
+        monkeypatch.setattr(forward_ws, "NARROW_LAST_TILE_CAUSAL_DIMS", causal_dims)
+        listed = causal_dims if causal else plain
+        for block_kv, dim in ((128, 64), (64, 64), (128, 128), (256, 64)):
+            chosen = forward_ws._plan(block_kv, dim, causal)
+            several = chosen.sub_n < chosen.tile_n and not chosen.overlap
+            assert several == (dim == 64 and (block_kv != 256 or not causal)), chosen
+            narrow = forward_ws._settings(chosen, torch.bfloat16, dim)["NARROW_LAST"]
+            assert narrow == (several and dim in listed), (plain, causal_dims, chosen)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_host_descriptors_take_gluons_layout_for_their_box(dtype):
     """host_descriptor's box and shared-memory layout (cached per box and dtype) are what Gluon picks for that box,
@@ -493,10 +511,11 @@ def test_key_blocks_split_or_as_listed_against_the_oracle(case, split, monkeypat
 @pytest.mark.parametrize("ping_pong", [False, True])
 @pytest.mark.parametrize("case", [*HEAD_DIM_64_CASES, *SPLIT_CASES])
 def test_narrow_last_tiles_against_the_oracle(case, ping_pong, monkeypatch, poisoned, warp_specialized_calls):
-    """D=64 with a walk's last key tile over its first half where its keys lie there (NARROW_LAST_TILE_DIMS): last
-    tiles of 1 to 3 sub tiles in 4 (128x64, 128x192), odd counts of 128-key blocks, causal ones, and with the
-    consumers in turns too."""
+    """D=64 with a walk's last key tile over its first half where its keys lie there (NARROW_LAST_TILE_DIMS and
+    _CAUSAL_DIMS): last tiles of 1 to 3 sub tiles in 4 (128x64, 128x192), odd counts of 128-key blocks, causal ones,
+    and with the consumers in turns too (the causal 256x256 case's tiles, of one sub tile, never take it)."""
     monkeypatch.setattr(forward_ws, "NARROW_LAST_TILE_DIMS", (64, ))
+    monkeypatch.setattr(forward_ws, "NARROW_LAST_TILE_CAUSAL_DIMS", (64, ))
     monkeypatch.setattr(forward_ws, "PING_PONG_DIMS", (64, ) if ping_pong else ())
     _check_head_dim_64_case(case, monkeypatch, warp_specialized_calls, {**HEAD_DIM_64_CASES, **SPLIT_CASES})
 

@@ -101,9 +101,14 @@ PING_PONG_DIMS: tuple = ()
 # 128-key block count that is odd, or a 64-key block count that leaves 1 or 2 sub tiles over), instead of over the
 # whole tile with the rest masked. From the lists' counts a partly filled last tile wastes 1.9% of d=0.1's kept
 # work at 128x128 and 2.9% at 128x64, of which this saves about 1.9% at both (fifty-seventh session; 0.4% at
-# d=0.5). Off: not yet timed (written with no device time left;
-# `benchmarks/ws_forward_ab.py --setting narrow-last-tile --cases design`).
+# d=0.5). Under is_causal, NARROW_LAST_TILE_CAUSAL_DIMS. Timed in turns (fifty-eighth session, H100, B1 H24 S32k
+# bf16, `benchmarks/ws_forward_ab.py --setting narrow-last-tile --cases d64 --rounds 5`): 0.979x / 0.971x / 0.956x as
+# fast at 128x128 d=0.5 / 0.25 / 0.1 and 0.961x / 0.959x / 0.976x at 128x64 (the kernel grows from 10816 to 13440 SASS
+# instructions), so off where not causal; causal 1.021x and 1.033x at 128x128 and 128x64, so on there. A tile of one
+# sub tile (256-key blocks) is never partly filled by the lists, and never takes it (its narrow build also crashed
+# Triton 3.6's LLVM lowering).
 NARROW_LAST_TILE_DIMS: tuple = ()
+NARROW_LAST_TILE_CAUSAL_DIMS: tuple = (64, )
 # Keys (Sk) a call needs, per head dim, to take this kernel; below it the Triton forward runs. At D=64 (forty-second
 # session, BENCHMARKS.md; `benchmarks/ws_forward.py --cases d64sizes --no-flex`) the Triton forward ran 16-52% faster
 # at B8 S2048 and 0-68% at B8 S4096 (d=0.5 / 0.1), where each query tile walks few key tiles and this kernel's
@@ -1210,9 +1215,9 @@ def grid_settings(grid: Optional[str]) -> dict:
 def _settings(chosen: Plan, dtype: torch.dtype, dim: int, claimed: Optional[bool] = None) -> dict:
     """The kernel's constexprs that the module's settings decide for a launch of plan `chosen` at dtype and head dim
     `dim` (EMULATED_EXP2_DIMS, O_THROUGH_TMA, RISE_CHECKED_DTYPES, _DIMS and _CAUSAL_DIMS, PERSISTENT_DIMS,
-    CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS, PING_PONG_DIMS, NARROW_LAST_TILE_DIMS): what attention_forward_ws
-    launches with and compile_sm90 compiles by default. claimed: whether the items are claimed (None: as
-    CLAIMED_DIMS or CLAIMED_CAUSAL_DIMS say), which makes the grid persistent."""
+    CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS, PING_PONG_DIMS, NARROW_LAST_TILE_DIMS and _CAUSAL_DIMS): what
+    attention_forward_ws launches with and compile_sm90 compiles by default. claimed: whether the items are claimed
+    (None: as CLAIMED_DIMS or CLAIMED_CAUSAL_DIMS say), which makes the grid persistent."""
     if claimed is None:
         claimed = _claims(dim, chosen.causal)
     return dict(EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, O_THROUGH_TMA=O_THROUGH_TMA,
@@ -1220,7 +1225,14 @@ def _settings(chosen: Plan, dtype: torch.dtype, dim: int, claimed: Optional[bool
                 and dim in (RISE_CHECKED_CAUSAL_DIMS if chosen.causal else RISE_CHECKED_DIMS),
                 PERSISTENT=claimed or (dim in PERSISTENT_DIMS and not chosen.causal), CLAIMED=claimed,
                 PING_PONG=dim in PING_PONG_DIMS and not chosen.overlap,
-                NARROW_LAST=dim in NARROW_LAST_TILE_DIMS and not chosen.overlap)
+                NARROW_LAST=_narrows(chosen) and dim in (NARROW_LAST_TILE_CAUSAL_DIMS if chosen.causal
+                                                         else NARROW_LAST_TILE_DIMS))
+
+
+def _narrows(chosen: Plan) -> bool:
+    """Whether plan `chosen`'s walk can take a narrow last tile (NARROW_LAST_TILE_DIMS): in turn (not overlapped), with
+    tiles of several sub tiles, of which the lists may fill only the first half of the last."""
+    return not chosen.overlap and chosen.sub_n < chosen.tile_n
 
 
 def _unused_arguments(chosen: Plan, settings: dict) -> dict:
@@ -1261,8 +1273,8 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     register settings (the key blocks it walks too: SPLIT_KEY_BLOCK_DIMS); emulate_exp2, o_through_tma,
     fixed_offsets, check_rise, persistent, claimed, ping_pong and narrow_last None: as a launch at `dim` and dtype
     would (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES, _DIMS and _CAUSAL_DIMS,
-    PERSISTENT_DIMS, CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS, PING_PONG_DIMS, NARROW_LAST_TILE_DIMS; the last two only
-    where not overlapped).
+    PERSISTENT_DIMS, CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS, PING_PONG_DIMS, NARROW_LAST_TILE_DIMS and _CAUSAL_DIMS;
+    the last two only where not overlapped, narrow_last only where a tile holds several sub tiles: _narrows).
     Claimed items imply the persistent grid, so persistent decides only where they are not claimed (claimed=False,
     persistent=True: the items in turns)."""
     from triton.backends.compiler import GPUTarget
@@ -1277,7 +1289,7 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     overrides = dict(EMULATE_EXP2=emulate_exp2, O_THROUGH_TMA=o_through_tma, CHECK_RISE=check_rise,
                      PERSISTENT=None if settings["CLAIMED"] else persistent,
                      PING_PONG=None if chosen.overlap else ping_pong,
-                     NARROW_LAST=None if chosen.overlap else narrow_last)
+                     NARROW_LAST=narrow_last if _narrows(chosen) else None)
     settings = {name: overrides[name] if overrides.get(name) is not None else value
                 for name, value in settings.items()}
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap,
