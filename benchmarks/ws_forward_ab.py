@@ -14,10 +14,6 @@ Settings (module attributes of blockattn.kernels.forward_ws, set for the case's 
                   (CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS)
   split-key-blocks  each key block walked as 64-key blocks, from lists split once per mask, or as listed
                   (SPLIT_KEY_BLOCK_DIMS; at 128x64 and under is_causal the same kernel both ways)
-  ping-pong       the consumers' score products issued in turns, or each as its tile comes (PING_PONG_DIMS; the
-                  walk in turn only: D=64)
-  narrow-last-tile  a walk's last tile over its first half of keys where they lie there, or over the whole tile
-                  (NARROW_LAST_TILE_DIMS and _CAUSAL_DIMS; the walk in turn only: D=64)
 
     cd benchmarks && python ws_forward_ab.py --setting rise-checked --rounds 5
     cd benchmarks && python ws_forward_ab.py --setting emulated-exp2 --also rise-checked   # with the other on
@@ -25,12 +21,13 @@ Settings (module attributes of blockattn.kernels.forward_ws, set for the case's 
     cd benchmarks && python ws_forward_ab.py --setting persistent --cases grid skewed
     cd benchmarks && python ws_forward_ab.py --setting claimed --cases grid skewed
     cd benchmarks && python ws_forward_ab.py --setting split-key-blocks --cases design --rounds 5
-    cd benchmarks && python ws_forward_ab.py --setting ping-pong --cases d64 --rounds 5
-    cd benchmarks && python ws_forward_ab.py --setting narrow-last-tile --cases d64 --rounds 5
+    cd benchmarks && python ws_forward_ab.py --setting rise-checked --cases d64 --rounds 5
 
 The fifty-first session timed the walk in turn's wait for V, its last tile peeled off the loop and the causal walk's
 split this way (BENCHMARKS.md) and kept the two that won, which have no switch since; and the persistent grid, which
 lost on skewed and causal masks in turns. The fifty-third session timed its claimed items, on since where not causal.
+The fifty-eighth timed two settings since removed (the consumers' score products in turns, and narrow last tiles:
+kernels/README.md).
 """
 
 import argparse
@@ -45,7 +42,7 @@ from blockattn.kernels import forward_ws
 SUITES = {"design": [Case(dim=64, block=block, density=d) for block in ((128, 128), (128, 64))
                      for d in (0.5, 0.25, 0.1)]
           + [Case(dim=64, pattern="causal", density=0.5), Case(block=(128, 128), density=0.1)],
-          # the head dim the walk in turn serves (ping-pong, narrow-last-tile act there only)
+          # D=64 alone (its walk in turn): the design densities and causal at both block shapes
           "d64": [Case(dim=64, block=block, density=d) for block in ((128, 128), (128, 64)) for d in (0.5, 0.25, 0.1)]
           + [Case(dim=64, pattern="causal", block=block, density=0.5) for block in ((128, 128), (128, 64))],
           "causal": [Case(pattern="causal", block=block, density=0.5) for block in ((128, 128), (128, 64))]
@@ -65,10 +62,7 @@ SETTINGS = {"rise-checked": (("RISE_CHECKED_DIMS", "RISE_CHECKED_CAUSAL_DIMS"), 
             "emulated-exp2": (("EMULATED_EXP2_DIMS", ), "emulated", "special function unit"),
             "persistent": (("PERSISTENT_DIMS", ), "persistent", "a program a tile"),
             "claimed": (("CLAIMED_DIMS", "CLAIMED_CAUSAL_DIMS"), "claimed", "a program a tile or turns"),
-            "split-key-blocks": (("SPLIT_KEY_BLOCK_DIMS", ), "64-key blocks", "the mask's blocks"),
-            "ping-pong": (("PING_PONG_DIMS", ), "in turns", "as they come"),
-            "narrow-last-tile": (("NARROW_LAST_TILE_DIMS", "NARROW_LAST_TILE_CAUSAL_DIMS"),
-                                  "narrow last tiles", "whole last tiles")}
+            "split-key-blocks": (("SPLIT_KEY_BLOCK_DIMS", ), "64-key blocks", "the mask's blocks")}
 ATTRIBUTES = [attribute for attributes, _, _ in SETTINGS.values() for attribute in attributes]
 
 

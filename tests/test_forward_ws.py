@@ -131,24 +131,6 @@ def test_rise_checked_or_bounded_as_the_tables_say(causal, monkeypatch):
         assert not checked(torch.float16)  # (fp16 P would overflow past 65504: always the bound)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_narrow_last_tiles_as_the_tables_say(causal, monkeypatch):
-    """A launch takes narrow last tiles at the head dims in NARROW_LAST_TILE_DIMS, or NARROW_LAST_TILE_CAUSAL_DIMS
-    under is_causal, where its walk is in turn and its tiles hold several sub tiles: never with the overlap inside a
-    warpgroup (D=128's walk) or with one sub tile a tile (256-key blocks, as listed under is_causal), whatever the
-    tables or compile_sm90's narrow_last say."""
-    for plain, causal_dims in [((64, ), ()), ((), (64, )), ((64, 128), (64, 128)), ((), ())]:
-        monkeypatch.setattr(forward_ws, "NARROW_LAST_TILE_DIMS", plain)
-        monkeypatch.setattr(forward_ws, "NARROW_LAST_TILE_CAUSAL_DIMS", causal_dims)
-        listed = causal_dims if causal else plain
-        for block_kv, dim in ((128, 64), (64, 64), (128, 128), (256, 64)):
-            chosen = forward_ws._plan(block_kv, dim, causal)
-            several = chosen.sub_n < chosen.tile_n and not chosen.overlap
-            assert several == (dim == 64 and (block_kv != 256 or not causal)), chosen
-            narrow = forward_ws._settings(chosen, torch.bfloat16, dim)["NARROW_LAST"]
-            assert narrow == (several and dim in listed), (plain, causal_dims, chosen)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_host_descriptors_take_gluons_layout_for_their_box(dtype):
     """host_descriptor's box and shared-memory layout (cached per box and dtype) are what Gluon picks for that box,
@@ -268,15 +250,14 @@ def _launch_spill_budget(blocks: tuple, causal: bool, dim: int) -> int:
     return SPILL_BUDGET_CLAIMED if forward_ws._claims(dim, causal) else SPILL_BUDGET
 
 
-def _assert_compiles(call: str, spill_budget: int = SPILL_BUDGET) -> dict:
+def _assert_compiles(call: str, spill_budget: int = SPILL_BUDGET) -> None:
     """call (a forward_ws.compile_sm90 call, as sm90_report takes it) compiles with the register split, wgmma and
-    TMA in the PTX, shared memory within Hopper's, and at most spill_budget bytes of stack; its report."""
+    TMA in the PTX, shared memory within Hopper's, and at most spill_budget bytes of stack."""
     report = sm90_report(call)
     assert {forward_ws.CONSUMER_REGS, forward_ws.LOADER_REGS} <= set(report["registers"]), report
     assert report["wgmma"] and report["tma"], report
     assert report["shared"] <= 227 * 1024, report
     assert "LOCAL:0" in report["usage"] and stack_bytes(report) <= spill_budget, f"registers spill: {report['usage']}"
-    return report
 
 
 @pytest.mark.parametrize("blocks, causal, dim", [((128, 128), False, 128), ((128, 64), False, 128),
@@ -286,26 +267,6 @@ def test_compiles_with_the_rise_checked(blocks, causal, dim):
     Ampere products (mma_v2) on pointer loads: as _assert_compiles asks, with the launch's stack budget."""
     _assert_compiles(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.bfloat16, causal={causal}, dim={dim}, "
                      "fixed_offsets=True, check_rise=True)", _launch_spill_budget(blocks, causal, dim))
-
-
-@pytest.mark.parametrize("blocks, causal", [((128, 128), False), ((128, 192), True)])
-def test_compiles_with_narrow_last_tiles(blocks, causal):
-    """D=64's walk with a narrow last tile where its keys fit (NARROW_LAST_TILE_DIMS): as _assert_compiles asks,
-    within the launch's stack budget, with more products (wgmma) in the PTX than the same kernel without it."""
-    call = (f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.bfloat16, causal={causal}, dim=64, "
-            "narrow_last={})")
-    report = _assert_compiles(call.format(True), _launch_spill_budget(blocks, causal, 64))
-    assert report["products"] > sm90_report(call.format(False))["products"]
-
-
-@pytest.mark.parametrize("blocks, causal, claimed", [((128, 128), False, True), ((128, 64), True, False)])
-def test_compiles_with_the_consumers_in_turns(blocks, causal, claimed):
-    """D=64's walk with the score products issued in turns (PING_PONG_DIMS): as _assert_compiles asks, within the
-    launch's stack budget, with the turns' arrivals in the PTX beside those of the same kernel without them."""
-    call = (f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.bfloat16, causal={causal}, dim=64, "
-            f"claimed={claimed}, ping_pong={{}})")
-    budget = SPILL_BUDGET_CLAIMED if claimed else _launch_spill_budget(blocks, causal, 64)
-    assert _assert_compiles(call.format(True), budget)["arrivals"] > sm90_report(call.format(False))["arrivals"]
 
 
 @pytest.mark.parametrize("blocks, dim, o_through_tma, causal, claimed", [
@@ -479,18 +440,6 @@ def test_head_dim_64_against_the_oracle(case, emulate, tiling, monkeypatch, pois
     _check_head_dim_64_case(case, monkeypatch, warp_specialized_calls)
 
 
-@pytest.mark.parametrize("grid", [None, "claimed"])
-@pytest.mark.parametrize("case", list(HEAD_DIM_64_CASES))
-def test_ping_pong_against_the_oracle(case, grid, monkeypatch, poisoned, warp_specialized_calls):
-    """D=64 with the consumers issuing their score products in turns (PING_PONG_DIMS): a program a tile, and 3
-    programs claiming items (under is_causal too), whose turns go on from one item to the next through empty query
-    blocks and query tails."""
-    monkeypatch.setattr(forward_ws, "PING_PONG_DIMS", (64, ))
-    set_grid(monkeypatch, grid)
-    monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 3)
-    _check_head_dim_64_case(case, monkeypatch, warp_specialized_calls)
-
-
 # D=64 cases (as HEAD_DIM_64_CASES') whose key blocks split into four or three 64-key blocks where not causal
 SPLIT_CASES = {
     "256x256 bf16": (1, 2, 2, 1000, 1024, (256, 256), torch.bfloat16, False),
@@ -505,18 +454,6 @@ def test_key_blocks_split_or_as_listed_against_the_oracle(case, split, monkeypat
     """D=64 with each key block walked as two, four or three 64-key blocks (SPLIT_KEY_BLOCK_DIMS, as D=64 runs) or as
     listed (in sub tiles of 128, 256 or 64 keys): a query tail and a query block that keeps nothing."""
     monkeypatch.setattr(forward_ws, "SPLIT_KEY_BLOCK_DIMS", (64, ) if split else ())
-    _check_head_dim_64_case(case, monkeypatch, warp_specialized_calls, {**HEAD_DIM_64_CASES, **SPLIT_CASES})
-
-
-@pytest.mark.parametrize("ping_pong", [False, True])
-@pytest.mark.parametrize("case", [*HEAD_DIM_64_CASES, *SPLIT_CASES])
-def test_narrow_last_tiles_against_the_oracle(case, ping_pong, monkeypatch, poisoned, warp_specialized_calls):
-    """D=64 with a walk's last key tile over its first half where its keys lie there (NARROW_LAST_TILE_DIMS and
-    _CAUSAL_DIMS): last tiles of 1 to 3 sub tiles in 4 (128x64, 128x192), odd counts of 128-key blocks, causal ones,
-    and with the consumers in turns too (the causal 256x256 case's tiles, of one sub tile, never take it)."""
-    monkeypatch.setattr(forward_ws, "NARROW_LAST_TILE_DIMS", (64, ))
-    monkeypatch.setattr(forward_ws, "NARROW_LAST_TILE_CAUSAL_DIMS", (64, ))
-    monkeypatch.setattr(forward_ws, "PING_PONG_DIMS", (64, ) if ping_pong else ())
     _check_head_dim_64_case(case, monkeypatch, warp_specialized_calls, {**HEAD_DIM_64_CASES, **SPLIT_CASES})
 
 

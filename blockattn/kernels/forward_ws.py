@@ -88,27 +88,9 @@ SPLIT_KEY_BLOCK_DIMS: tuple = (64, )
 # overlapped (4 stages): 1.01-1.09x as fast at d=0.5 and 0.25, at par at d=0.1 (forty-second session, BENCHMARKS.md;
 # `benchmarks/ws_forward.py --cases d64 --tiles 128,1,4`).
 OVERLAPPED = {128: True, 64: False}
-# Head dims whose consumers, where not OVERLAPPED, issue their score products (Q K^T) in turns: each waits for the
-# other's last one to be issued before issuing its own (an mbarrier a consumer, `turns`), so that one's products run
-# while the other computes its softmax, as FlashAttention-3's inter-warpgroup overlap orders them, instead of the two
-# finding that order by themselves. Off: not yet timed (fifty-seventh session, written with no device time left;
-# `benchmarks/ws_forward_ab.py --setting ping-pong --cases design`). Tried before only with the overlap inside a
-# warpgroup (D=128, fifteenth session: 5.39 against 5.22 ms) and in an experiment kernel of four consumer warpgroups
-# with 64-key tiles (thirty-seventh: 10-12% slower).
-PING_PONG_DIMS: tuple = ()
-# Head dims whose walk, where not OVERLAPPED, takes its last key tile's products over the tile's first half only
-# when its keys lie there (a list whose sub tiles end a tile early: at D=64, with 256-key tiles of 64-key blocks, a
-# 128-key block count that is odd, or a 64-key block count that leaves 1 or 2 sub tiles over), instead of over the
-# whole tile with the rest masked. From the lists' counts a partly filled last tile wastes 1.9% of d=0.1's kept
-# work at 128x128 and 2.9% at 128x64, of which this saves about 1.9% at both (fifty-seventh session; 0.4% at
-# d=0.5). Under is_causal, NARROW_LAST_TILE_CAUSAL_DIMS. Timed in turns (fifty-eighth session, H100, B1 H24 S32k
-# bf16, `benchmarks/ws_forward_ab.py --setting narrow-last-tile --cases d64 --rounds 5`): 0.979x / 0.971x / 0.956x as
-# fast at 128x128 d=0.5 / 0.25 / 0.1 and 0.961x / 0.959x / 0.976x at 128x64 (the kernel grows from 10816 to 13440 SASS
-# instructions), so off where not causal; causal 1.021x and 1.033x at 128x128 and 128x64, so on there. A tile of one
-# sub tile (256-key blocks) is never partly filled by the lists, and never takes it (its narrow build also crashed
-# Triton 3.6's LLVM lowering).
-NARROW_LAST_TILE_DIMS: tuple = ()
-NARROW_LAST_TILE_CAUSAL_DIMS: tuple = (64, )
+# (Without the overlap, the consumers' score products forced into turns ran 3-10% slower, and a narrow last tile
+# (products over its first half where its keys lie there) 1.5-5.5% slower where not causal: kernels/README.md,
+# fifty-eighth session; benchmarks/patches/ping-pong-and-narrow-last-tiles.patch.)
 # Keys (Sk) a call needs, per head dim, to take this kernel; below it the Triton forward runs. At D=64 (forty-second
 # session, BENCHMARKS.md; `benchmarks/ws_forward.py --cases d64sizes --no-flex`) the Triton forward ran 16-52% faster
 # at B8 S2048 and 0-68% at B8 S4096 (d=0.5 / 0.1), where each query tile walks few key tiles and this kernel's
@@ -331,16 +313,13 @@ def _first_tested_tile(index_row, count, start_m, BLOCK_KV: gl.constexpr, SUB_N:
 
 @gluon.jit
 def _scores_masked(qk, j, tiles, sub_tiles, first_tested, index_row, rows, BLOCK_KV: gl.constexpr,
-                   SUB_N: gl.constexpr, CAUSAL: gl.constexpr, MAYBE_LAST: gl.constexpr = True,
-                   TILE_PARTS: gl.constexpr = 0):
+                   SUB_N: gl.constexpr, CAUSAL: gl.constexpr, MAYBE_LAST: gl.constexpr = True):
     """Key tile j's scores qk fp32 [64, TILE_N] with -inf where no key is: the repeated sub tiles that fill out the
     last tile when the sub tiles do not fill it (MAYBE_LAST: only where j may be that tile), and under CAUSAL (from
-    first_tested on) the keys past each query row (rows int32 [64]). TILE_PARTS: sub tiles a key tile holds, where
-    qk covers the first of them only (a narrow last tile: NARROW_LAST_TILE_DIMS); 0: qk's width // SUB_N."""
+    first_tested on) the keys past each query row (rows int32 [64])."""
     TILE_N: gl.constexpr = qk.shape[1]
-    PARTS: gl.constexpr = TILE_PARTS if TILE_PARTS > 0 else TILE_N // SUB_N
     cols = gl.arange(0, TILE_N, gl.SliceLayout(0, qk.type.layout))
-    filled = sub_tiles % PARTS  # sub tiles of the last tile that hold keys of their own (0: all)
+    filled = sub_tiles % (TILE_N // SUB_N)  # sub tiles of the last tile that hold keys of their own (0: all)
     if MAYBE_LAST:
         if filled != 0 and j == tiles - 1:
             qk = gl.where(cols[None, :] >= filled * SUB_N, float("-inf"), qk)
@@ -348,7 +327,7 @@ def _scores_masked(qk, j, tiles, sub_tiles, first_tested, index_row, rows, BLOCK
         if j >= first_tested:
             # each column's key, from its sub tile's list entry (as the loader placed it)
             SUBS_PER_BLOCK: gl.constexpr = BLOCK_KV // SUB_N
-            sub = gl.minimum(PARTS * j + cols // SUB_N, sub_tiles - 1)
+            sub = gl.minimum((TILE_N // SUB_N) * j + cols // SUB_N, sub_tiles - 1)
             keys = (gl.load(index_row + sub // SUBS_PER_BLOCK) * BLOCK_KV + (sub % SUBS_PER_BLOCK) * SUB_N
                     + cols % SUB_N)
             qk = gl.where(keys[None, :] <= rows[:, None], qk, float("-inf"))
@@ -406,111 +385,70 @@ def _exp2(x, EMULATE: gl.constexpr):
 
 @gluon.jit
 def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr,
-                  TURN: gl.constexpr, NARROW_LAST: gl.constexpr):
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr):
     """Key tiles start .. end-1 of a consumer's walk, each one's products and softmax in turn: (acc, m_i, l_i) after
     them, from the accumulator fp32 [64, D] and the rows' offsets and sums [64] before. walk: the consumer's Q tile,
     rings, barriers, zeroed scores and list (as _consumer_item packs them). FIXED: the offsets m_i stay (finite, and no
     score above m_i + headroom: FIXED_OFFSET_DIMS), so a tile takes no row maxima and the accumulator no rescale.
     Under CAUSAL the tiles before the first tested one (first_tested) run in a loop of their own, without the causal
-    test (kernels/README.md, "The causal walk split"). TURN: the consumer's half (0 or 1) where the two consumers
-    issue their score products in turns (PING_PONG_DIMS), else -1. NARROW_LAST: the walk's last tile, where its
-    keys fill no more than its first half, takes products over that half only (NARROW_LAST_TILE_DIMS)."""
+    test (kernels/README.md, "The causal walk split")."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
-     scale_log2, base, turns) = walk
+     scale_log2, base) = walk
     if CAUSAL:
         middle = gl.minimum(gl.maximum(first_tested, start), end)
         acc, m_i, l_i = _tiles_in_turn(walk, start, middle, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                       EMULATE_EXP2, FIXED, False, TURN, NARROW_LAST)
+                                       EMULATE_EXP2, FIXED, False)
         acc, m_i, l_i = _tiles_in_turn(walk, middle, end, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                       EMULATE_EXP2, FIXED, True, TURN, NARROW_LAST)
+                                       EMULATE_EXP2, FIXED, True)
     else:
         acc, m_i, l_i = _tiles_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                       EMULATE_EXP2, FIXED, True, TURN, NARROW_LAST)
+                                       EMULATE_EXP2, FIXED, True)
     return acc, m_i, l_i
 
 
 @gluon.jit
 def _tiles_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr,
-                   TESTED: gl.constexpr, TURN: gl.constexpr, NARROW_LAST: gl.constexpr):
+                   TESTED: gl.constexpr):
     """_walk_in_turn's tiles start .. end-1: all but the last in one loop, the last after it, so that the loop's
     tiles skip the test for the walk's last tile (kernels/README.md, "The last tile peeled off the loop"). TESTED:
-    under CAUSAL, the tiles take the causal test (from first_tested on); else none of them needs it. NARROW_LAST:
-    as _walk_in_turn's."""
+    under CAUSAL, the tiles take the causal test (from first_tested on); else none of them needs it."""
     for j in range(start, end - 1):  # none of these is the walk's last tile (total - 1)
         acc, m_i, l_i = _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2, FIXED,
-                                      False, TESTED, TURN)
+                                      False, TESTED)
     if end > start:
-        # (the plain call is written twice so that without NARROW_LAST the branch is static and the kernel is what it
-        # was: a runtime flag set False let Triton 3.6 lower the narrow call too, and crash on the causal kernel)
-        if NARROW_LAST:
-            total, sub_tiles, s_zero = walk[7], walk[8], walk[6]
-            filled = sub_tiles % (s_zero.shape[1] // SUB_N)  # (as _scores_masked's)
-            if (end == total) & (filled != 0) & (2 * filled * SUB_N <= s_zero.shape[1]):
-                acc, m_i, l_i = _tile_in_turn(walk, end - 1, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                              EMULATE_EXP2, FIXED, True, TESTED, TURN, True)
-            else:
-                acc, m_i, l_i = _tile_in_turn(walk, end - 1, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                              EMULATE_EXP2, FIXED, True, TESTED, TURN)
-        else:
-            acc, m_i, l_i = _tile_in_turn(walk, end - 1, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2,
-                                          FIXED, True, TESTED, TURN)
+        acc, m_i, l_i = _tile_in_turn(walk, end - 1, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2,
+                                      FIXED, True, TESTED)
     return acc, m_i, l_i
 
 
 @gluon.jit
 def _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr, MAYBE_LAST: gl.constexpr,
-                  TESTED: gl.constexpr, TURN: gl.constexpr, NARROW: gl.constexpr = False):
+                  TESTED: gl.constexpr):
     """Key tile j of a consumer's walk in turn (_walk_in_turn's, whose arguments these are): its products and
     softmax, (acc, m_i, l_i) after it. MAYBE_LAST: j may be the walk's last tile, whose sub tiles past its own
-    keys are masked when the sub tiles do not fill it (_scores_masked); else that test is left out. TESTED and TURN:
-    as _tiles_in_turn's and _walk_in_turn's. NARROW: j is the walk's last tile and its keys lie in its first half:
-    the products cover that half only (NARROW_LAST_TILE_DIMS)."""
+    keys are masked when the sub tiles do not fill it (_scores_masked); else that test is left out. TESTED: as
+    _tiles_in_turn's."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
-     scale_log2, base, turns) = walk
+     scale_log2, base) = walk
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     stage = (base + j) % STAGES
     phase = ((base + j) // STAGES) & 1
-    # NARROW: the tile's first half of keys, scores [64, TILE_N / 2], whose rows' layout is m_i's in all but name
-    KEYS: gl.constexpr = s_zero.shape[1] // 2
-    narrow_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, KEYS, 16])
-    row_n: gl.constexpr = gl.SliceLayout(1, narrow_layout)
     mbarrier.wait(k_ready.index(stage), phase)
-    if TURN >= 0:  # this consumer's Q K^T goes after the other's last one (the first consumer's first is free)
-        mbarrier.wait(turns.index(TURN), ((base + j) & 1) ^ (1 - TURN))
-    if NARROW:
-        qk = warpgroup_mma(q, k_smem.index(stage).slice(0, KEYS).permute((1, 0)),
-                           gl.zeros([s_zero.shape[0], KEYS], gl.float32, narrow_layout), use_acc=False, is_async=True)
-    else:
-        qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    if TURN >= 0:  # and the other's next one after it
-        mbarrier.arrive(turns.index(1 - TURN), count=1)
+    qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     qk = warpgroup_mma_wait(0, deps=(qk, ))
-    if NARROW:
-        qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, gl.convert_layout(rows_s, row_n),
-                            BLOCK_KV, SUB_N, CAUSAL and TESTED, MAYBE_LAST, s_zero.shape[1] // SUB_N)
-        p, alpha, m_new, sums = _online_softmax(qk, gl.convert_layout(m_i, row_n), gl.convert_layout(l_i, row_n),
-                                                scale_log2, CAUSAL, EMULATE_EXP2, FIXED)
-        l_i = gl.convert_layout(sums, m_i.type.layout)
-        m_new = gl.convert_layout(m_new, m_i.type.layout)
-    else:
-        qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N,
-                            CAUSAL and TESTED, MAYBE_LAST)
-        p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2, FIXED)
+    qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N,
+                        CAUSAL and TESTED, MAYBE_LAST)
+    p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2, FIXED)
     if not FIXED:
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         m_i = m_new
     p_op = gl.convert_layout(p.to(q.dtype), p_layout)
     # (waiting for V while Q K^T runs instead measured 3-10% slower at D=64: kernels/README.md)
     mbarrier.wait(v_ready.index(stage), phase)
-    if NARROW:
-        acc = warpgroup_mma(p_op, v_smem.index(stage).slice(0, KEYS), acc, is_async=True)
-    else:
-        acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
+    acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(kv_empty.index(stage), count=1)
     return acc, m_i, l_i
@@ -523,7 +461,7 @@ def _walk_overlapped(walk, acc, m_i, l_i, p_prev, BLOCK_KV: gl.constexpr, SUB_N:
     with the previous tile's P V, whose P (p_prev, the dot operand) comes in from tile 0 and goes out for the last
     tile's P V. (acc, m_i, l_i, p_prev) after them; FIXED and the causal split: as _walk_in_turn's."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
-     scale_log2, base, turns) = walk
+     scale_log2, base) = walk
     if CAUSAL:
         middle = gl.minimum(gl.maximum(first_tested, 1), total)
         acc, m_i, l_i, p_prev = _tiles_overlapped(walk, 1, middle, acc, m_i, l_i, p_prev, BLOCK_KV, SUB_N, STAGES,
@@ -542,7 +480,7 @@ def _tiles_overlapped(walk, start, end, acc, m_i, l_i, p_prev, BLOCK_KV: gl.cons
                       TESTED: gl.constexpr):
     """_walk_overlapped's tiles start .. end-1 (start >= 1), in one loop. TESTED: as _tiles_in_turn's."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
-     scale_log2, base, turns) = walk
+     scale_log2, base) = walk
     row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     for j in range(start, end):
         stage = (base + j) % STAGES
@@ -590,8 +528,7 @@ def _keeps_offsets(bound, m_i, dtype: gl.constexpr):
 def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
               TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
               EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr, FIXED_OFFSETS: gl.constexpr,
-              CHECK_RISE: gl.constexpr, PERSISTENT: gl.constexpr, CLAIMED: gl.constexpr, PING_PONG: gl.constexpr,
-              NARROW_LAST: gl.constexpr):
+              CHECK_RISE: gl.constexpr, PERSISTENT: gl.constexpr, CLAIMED: gl.constexpr):
     """A consumer warpgroup: query rows HALF*64 .. HALF*64+63 of its program's work items (_consumer_item), one
     (_grid_item), or under PERSISTENT its turns' items (_turns, _turn_item), or under CLAIMED those its loader
     claims and posts (_posted_item), the ring's stages and the barriers' phases going on from one item to the next.
@@ -604,8 +541,7 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
         item = _posted_item(ring[8])
         while item >= 0:
             base = _consumer_item(shared, item, turn, base, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL,
-                                  OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PING_PONG,
-                                  NARROW_LAST)
+                                  OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)
             turn += 1
             mbarrier.wait(ring[3], turn & 1)
             item = _posted_item(ring[8])
@@ -614,29 +550,26 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
         base = gl.program_id(0) * 0  # ring position of the item's first key tile (the items' before it), int32
         for turn in range(_turns(lists)):
             base = _consumer_item(shared, _turn_item(lists, turn), turn, base, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N,
-                                  STAGES, CAUSAL, OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE,
-                                  PING_PONG, NARROW_LAST)
+                                  STAGES, CAUSAL, OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)
     else:
         _consumer_item(shared, _grid_item(), 0, 0, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP,
-                       EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PING_PONG, NARROW_LAST)
+                       EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)
 
 
 @gluon.jit
 def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr,
                    SUB_N: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                    OVERLAP: gl.constexpr, EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr,
-                   FIXED_OFFSETS: gl.constexpr, CHECK_RISE: gl.constexpr, PING_PONG: gl.constexpr,
-                   NARROW_LAST: gl.constexpr):
+                   FIXED_OFFSETS: gl.constexpr, CHECK_RISE: gl.constexpr):
     """Query rows HALF*64 .. HALF*64+63 of work item `item` (its turn-th in the program; _program): the online
     softmax over the kv list (CAUSAL: keys up to each row's own position only), then Out [B, H, Sq, D] and Lse
     fp32 [B, H, Sq] (natural log; -inf and zeros for a row with no key). Returns the ring position after its key
     tiles, from base before them. shared: the kernel's arguments and buffers, grouped as attention_fwd_ws_kernel
     packs them. OVERLAP: each key tile's Q K^T issued with the previous tile's P V (see OVERLAPPED). FIXED_OFFSETS:
-    see FIXED_OFFSET_DIMS; CHECK_RISE: see RISE_CHECKED_DTYPES; PING_PONG and NARROW_LAST (without OVERLAP): see
-    PING_PONG_DIMS and NARROW_LAST_TILE_DIMS."""
+    see FIXED_OFFSET_DIMS; CHECK_RISE: see RISE_CHECKED_DTYPES."""
     descs, ring, lists, outputs, norms, kv, scale_log2 = shared
     Q_DESC = descs[0]
-    q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, item_smem, turns = ring
+    q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, item_smem = ring
     KEY_NORMS, stride_nb, stride_nh = norms
     off_b, off_h, off_hkv, start_m, index_row, count = _program(lists, item, BLOCK_Q, CAUSAL)
     PARTS: gl.constexpr = TILE_N // SUB_N
@@ -648,7 +581,6 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
         first_tested = _first_tested_tile(index_row, count, start_m, BLOCK_KV, SUB_N, TILE_N)
     dtype: gl.constexpr = Q_DESC.dtype
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
-    TURN: gl.constexpr = HALF if PING_PONG else -1
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, TILE_N, 16])
@@ -666,7 +598,7 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
     q = q_smem.index(HALF).reshape([_ROWS, HEAD_DIM])
     mbarrier.wait(q_ready, turn & 1)
     walk = (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
-            scale_log2, base, turns)
+            scale_log2, base)
     # CHECK_RISE (RISE_CHECKED_DTYPES): the offsets stay wherever every row has a key in the first tile, and the
     # walk's rise is checked after it; else only where the rows' bounds hold the rise
     CHECKED: gl.constexpr = FIXED_OFFSETS and CHECK_RISE
@@ -678,20 +610,20 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
                 bound = _score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2, o_layout,
                                       row_s)
             acc, m_i, l_i = _walk_in_turn(walk, 0, gl.minimum(total, 1), acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES,
-                                          CAUSAL, EMULATE_EXP2, False, TURN, NARROW_LAST)
+                                          CAUSAL, EMULATE_EXP2, False)
             # after the first tile, the offsets it leaves
             keep = _all_seen(m_i) if CHECKED else _keeps_offsets(bound, m_i, dtype)
             if keep:
                 acc, m_i, l_i = _walk_in_turn(walk, 1, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                              EMULATE_EXP2, True, TURN, NARROW_LAST)
+                                              EMULATE_EXP2, True)
             else:
                 acc, m_i, l_i = _walk_in_turn(walk, 1, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                              EMULATE_EXP2, False, TURN, NARROW_LAST)
+                                              EMULATE_EXP2, False)
             if CHECKED:  # (whichever walk ran: the running maxima's stay in range on finite inputs)
                 again = ~_sums_within(l_i, acc)
         else:
             acc, m_i, l_i = _walk_in_turn(walk, 0, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                          EMULATE_EXP2, False, TURN, NARROW_LAST)
+                                          EMULATE_EXP2, False)
     elif total > 0:
         if FIXED_OFFSETS and not CHECKED:  # (as in the loop without the overlap, above)
             bound = _score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2, o_layout, row_s)
@@ -887,7 +819,7 @@ def _loader_item(shared, item, turn, base, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.c
     after them. (Parameters as _consumer_item's.)"""
     descs, ring, lists, outputs, norms, kv, scale_log2 = shared
     Q_DESC, K_DESC, V_DESC, O_DESC = descs
-    q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, item_smem, turns = ring
+    q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, item_smem = ring
     off_b, off_h, off_hkv, start_m, index_row, count = _program(lists, item, BLOCK_Q, CAUSAL)
     SUBS_PER_BLOCK: gl.constexpr = BLOCK_KV // SUB_N
     PARTS: gl.constexpr = TILE_N // SUB_N
@@ -926,8 +858,7 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr = True,
                             EMULATE_EXP2: gl.constexpr = False, O_THROUGH_TMA: gl.constexpr = False,
                             FIXED_OFFSETS: gl.constexpr = False, CHECK_RISE: gl.constexpr = False,
-                            PERSISTENT: gl.constexpr = False, CLAIMED: gl.constexpr = False,
-                            PING_PONG: gl.constexpr = False, NARROW_LAST: gl.constexpr = False):
+                            PERSISTENT: gl.constexpr = False, CLAIMED: gl.constexpr = False):
     """Grid (cdiv(Sq, 128) = q_tiles, launch.batch_head_axes(B, H)), a program a work item (a query tile of a head);
     under PERSISTENT (see PERSISTENT_DIMS) (programs, 1, 1), each taking the items at positions program_id(0) + n *
     programs of ITEM_ORDER int32 [items = q_tiles * B * H] (query_tile_order) in turn, else ITEM_ORDER None; under
@@ -939,8 +870,7 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     Sk (CAUSAL: the lists of BlockSparsity.causal(), ascending); Out [B, H, Sq, D] (last dim contiguous), Lse
     fp32 [B, H, Sq] (last dim contiguous); O_DESC: when O_THROUGH_TMA, a descriptor of Out with Q_DESC's boxes,
     through which the rows go (else None, and Out's pointer takes them). TILE_N: keys a tile (TILE_KEYS), a
-    multiple of SUB_N; OVERLAP: see OVERLAPPED; EMULATE_EXP2: see _exp2; PING_PONG and NARROW_LAST (without
-    OVERLAP): see PING_PONG_DIMS and NARROW_LAST_TILE_DIMS.
+    multiple of SUB_N; OVERLAP: see OVERLAPPED; EMULATE_EXP2: see _exp2.
     FIXED_OFFSETS (see FIXED_OFFSET_DIMS) without CHECK_RISE (RISE_CHECKED_DTYPES): KEY_NORMS fp32 [B, Hkv,
     KEY_NORM_PARTS] (last dim contiguous, key_norm_parts), whose maximum over the parts bounds a kv head's key norms;
     else None. K and V: k and v's pointers (strides stride_k* / stride_v*, last dim contiguous), which only
@@ -958,28 +888,19 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # CLAIMED: the item the loader claimed, posted to the consumers (_post_item)
     item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    # PING_PONG: consumer HALF's turn to issue its next Q K^T, which the other gives it (_tile_in_turn); else none
-    # is allocated, and kv_empty stands in the tuples for it, never read (a tuple holds no None)
-    if PING_PONG:
-        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    else:
-        turns = kv_empty
     mbarrier.init(q_ready, count=1)
     mbarrier.init(q_empty, count=2)  # both consumers release their half of Q
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a stage
-    if PING_PONG:
-        for i in gl.static_range(2):
-            mbarrier.init(turns.index(i), count=1)
     fence_async_shared()
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
     # the partitions' arguments, grouped by what reads them: descriptors, the ring and its barriers, the kv lists
     # (_program), out and Lse (_finish), the key norms' bound, and k and v by pointer (_walk_again)
     shared = ((Q_DESC, K_DESC, V_DESC, O_DESC),
-              (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, item_smem, turns),
+              (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, item_smem),
               (KV_COUNT, KV_INDEX, heads, group_size, q_tiles, items, ITEM_ORDER, ITEM_COUNTER, stride_cb, stride_ch,
                stride_ib, stride_ih, stride_iq),
               (Out, Lse, seq_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh),
@@ -987,9 +908,9 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
               (K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs), scale_log2)
     gl.warp_specialize([
         (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, PING_PONG, NARROW_LAST)),
+                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED)),
         (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, PING_PONG, NARROW_LAST)),
+                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED)),
         (_loader, (shared, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, PERSISTENT, CLAIMED)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -1215,24 +1136,15 @@ def grid_settings(grid: Optional[str]) -> dict:
 def _settings(chosen: Plan, dtype: torch.dtype, dim: int, claimed: Optional[bool] = None) -> dict:
     """The kernel's constexprs that the module's settings decide for a launch of plan `chosen` at dtype and head dim
     `dim` (EMULATED_EXP2_DIMS, O_THROUGH_TMA, RISE_CHECKED_DTYPES, _DIMS and _CAUSAL_DIMS, PERSISTENT_DIMS,
-    CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS, PING_PONG_DIMS, NARROW_LAST_TILE_DIMS and _CAUSAL_DIMS): what
-    attention_forward_ws launches with and compile_sm90 compiles by default. claimed: whether the items are claimed
-    (None: as CLAIMED_DIMS or CLAIMED_CAUSAL_DIMS say), which makes the grid persistent."""
+    CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS): what attention_forward_ws launches with and compile_sm90 compiles by
+    default. claimed: whether the items are claimed (None: as CLAIMED_DIMS or CLAIMED_CAUSAL_DIMS say), which makes
+    the grid persistent."""
     if claimed is None:
         claimed = _claims(dim, chosen.causal)
     return dict(EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, O_THROUGH_TMA=O_THROUGH_TMA,
                 CHECK_RISE=chosen.fixed_offsets and dtype in RISE_CHECKED_DTYPES
                 and dim in (RISE_CHECKED_CAUSAL_DIMS if chosen.causal else RISE_CHECKED_DIMS),
-                PERSISTENT=claimed or (dim in PERSISTENT_DIMS and not chosen.causal), CLAIMED=claimed,
-                PING_PONG=dim in PING_PONG_DIMS and not chosen.overlap,
-                NARROW_LAST=_narrows(chosen) and dim in (NARROW_LAST_TILE_CAUSAL_DIMS if chosen.causal
-                                                         else NARROW_LAST_TILE_DIMS))
-
-
-def _narrows(chosen: Plan) -> bool:
-    """Whether plan `chosen`'s walk can take a narrow last tile (NARROW_LAST_TILE_DIMS): in turn (not overlapped), with
-    tiles of several sub tiles, of which the lists may fill only the first half of the last."""
-    return not chosen.overlap and chosen.sub_n < chosen.tile_n
+                PERSISTENT=claimed or (dim in PERSISTENT_DIMS and not chosen.causal), CLAIMED=claimed)
 
 
 def _unused_arguments(chosen: Plan, settings: dict) -> dict:
@@ -1266,15 +1178,13 @@ def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
 def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                  dim: int = HEAD_DIM, emulate_exp2: Optional[bool] = None, o_through_tma: Optional[bool] = None,
                  fixed_offsets: Optional[bool] = None, check_rise: Optional[bool] = None,
-                 persistent: Optional[bool] = None, claimed: Optional[bool] = None,
-                 ping_pong: Optional[bool] = None, narrow_last: Optional[bool] = None):
+                 persistent: Optional[bool] = None, claimed: Optional[bool] = None):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for lists at (block_q, block_kv) and head dim `dim`, with the launch's tile choice (plan()), stages and
     register settings (the key blocks it walks too: SPLIT_KEY_BLOCK_DIMS); emulate_exp2, o_through_tma,
-    fixed_offsets, check_rise, persistent, claimed, ping_pong and narrow_last None: as a launch at `dim` and dtype
-    would (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES, _DIMS and _CAUSAL_DIMS,
-    PERSISTENT_DIMS, CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS, PING_PONG_DIMS, NARROW_LAST_TILE_DIMS and _CAUSAL_DIMS;
-    the last two only where not overlapped, narrow_last only where a tile holds several sub tiles: _narrows).
+    fixed_offsets, check_rise, persistent and claimed None: as a launch at `dim` and dtype would (EMULATED_EXP2_DIMS,
+    O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES, _DIMS and _CAUSAL_DIMS, PERSISTENT_DIMS, CLAIMED_DIMS
+    and CLAIMED_CAUSAL_DIMS).
     Claimed items imply the persistent grid, so persistent decides only where they are not claimed (claimed=False,
     persistent=True: the items in turns)."""
     from triton.backends.compiler import GPUTarget
@@ -1287,9 +1197,7 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     name = _GL_DTYPES[dtype][0]
     settings = _settings(chosen, dtype, dim, claimed)
     overrides = dict(EMULATE_EXP2=emulate_exp2, O_THROUGH_TMA=o_through_tma, CHECK_RISE=check_rise,
-                     PERSISTENT=None if settings["CLAIMED"] else persistent,
-                     PING_PONG=None if chosen.overlap else ping_pong,
-                     NARROW_LAST=narrow_last if _narrows(chosen) else None)
+                     PERSISTENT=None if settings["CLAIMED"] else persistent)
     settings = {name: overrides[name] if overrides.get(name) is not None else value
                 for name, value in settings.items()}
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap,
