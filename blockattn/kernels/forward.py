@@ -38,7 +38,9 @@ SPLIT_WALKS = True
 # None yet. Its GPU tests pass (tests/test_fixed_offsets.py, forty-sixth session), and at D=64 B1 H24 S32k it ran
 # 1.05-1.13x as fast as the running maxima (`benchmarks/ws_forward.py --cases d64 --triton-fixed-offsets`), but
 # there the warp-specialized forward runs; the sizes this kernel serves at D=64 (under MIN_KEYS, B8 S1024-4096) and
-# the other head dims are not timed yet, and a first call compiles up to four loops instead of one or two.
+# the other head dims are not timed yet, and a first call compiles up to four loops instead of one or two: fp32 with
+# its products on the FMA units (D=80, kv_valid) took 20-90 s a candidate tile to compile with them, 5-17 s without
+# (Triton 3.6 for sm_90, offline, fifty-eighth session), minutes for the autotuner's five.
 FIXED_OFFSET_DIMS: tuple = ()
 
 
