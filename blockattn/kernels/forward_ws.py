@@ -88,9 +88,9 @@ SPLIT_KEY_BLOCK_DIMS: tuple = (64, )
 # overlapped (4 stages): 1.01-1.09x as fast at d=0.5 and 0.25, at par at d=0.1 (forty-second session, BENCHMARKS.md;
 # `benchmarks/ws_forward.py --cases d64 --tiles 128,1,4`).
 OVERLAPPED = {128: True, 64: False}
-# (Without the overlap, the consumers' score products forced into turns ran 3-10% slower, and a narrow last tile
-# (products over its first half where its keys lie there) 1.5-5.5% slower where not causal: kernels/README.md,
-# fifty-eighth session; benchmarks/patches/ping-pong-and-narrow-last-tiles.patch.)
+# (Without the overlap, the consumers' score products forced into turns ran 2-11% slower, and a narrow last tile
+# (products over its first half where its keys lie there) 1.5-5.5% slower where not causal and no faster causal:
+# kernels/README.md, fifty-eighth session; benchmarks/patches/ping-pong-and-narrow-last-tiles.patch.)
 # Keys (Sk) a call needs, per head dim, to take this kernel; below it the Triton forward runs. At D=64 (forty-second
 # session, BENCHMARKS.md; `benchmarks/ws_forward.py --cases d64sizes --no-flex`) the Triton forward ran 16-52% faster
 # at B8 S2048 and 0-68% at B8 S4096 (d=0.5 / 0.1), where each query tile walks few key tiles and this kernel's
