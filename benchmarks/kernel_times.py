@@ -37,8 +37,6 @@ def main():
             if isinstance(fn, Exception):
                 print(f"{name} {case.label}: {fn}")
                 continue
-            for _ in range(5):  # compile and tune first
-                fn(q, k, v)
             profile(f"{name} {case.label}", lambda: fn(q, k, v))
 
 

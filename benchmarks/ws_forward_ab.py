@@ -39,15 +39,13 @@ import blockattn
 from blockattn.bench import Case, _flops, _inputs, _set_head_dim, _time_ms, block_mask
 from blockattn.kernels import forward_ws
 
-SUITES = {"design": [Case(dim=64, block=block, density=d) for block in ((128, 128), (128, 64))
-                     for d in (0.5, 0.25, 0.1)]
-          + [Case(dim=64, pattern="causal", density=0.5), Case(block=(128, 128), density=0.1)],
-          # D=64 alone (its walk in turn): the design densities and causal at both block shapes
-          "d64": [Case(dim=64, block=block, density=d) for block in ((128, 128), (128, 64)) for d in (0.5, 0.25, 0.1)]
-          + [Case(dim=64, pattern="causal", block=block, density=0.5) for block in ((128, 128), (128, 64))],
+# D=64 (its walk in turn) at the design densities, and causal, at both block shapes
+D64_RANDOM = [Case(dim=64, block=block, density=d) for block in ((128, 128), (128, 64)) for d in (0.5, 0.25, 0.1)]
+D64_CAUSAL = [Case(dim=64, pattern="causal", block=block, density=0.5) for block in ((128, 128), (128, 64))]
+SUITES = {"design": D64_RANDOM + [D64_CAUSAL[0], Case(block=(128, 128), density=0.1)],
+          "d64": D64_RANDOM + D64_CAUSAL,
           "causal": [Case(pattern="causal", block=block, density=0.5) for block in ((128, 128), (128, 64))]
-          + [Case(dim=64, pattern="causal", block=block, density=0.5) for block in ((128, 128), (128, 64))]
-          + [Case(batch=8, heads=16, kv_heads=16, seq=4096, pattern="causal", density=0.5)],
+          + D64_CAUSAL + [Case(batch=8, heads=16, kv_heads=16, seq=4096, pattern="causal", density=0.5)],
           # target 6 (a few query blocks keep everything, most little) against the uniform mask of the same density
           "skewed": [Case(dim=dim, density=0.25, pattern=pattern) for dim in (128, 64)
                      for pattern in ("skewed", "random")],
