@@ -1179,8 +1179,8 @@ def grid_settings(grid: Optional[str]) -> dict:
 def _settings(chosen: Plan, dtype: torch.dtype, dim: int, claimed: Optional[bool] = None) -> dict:
     """The kernel's constexprs that the module's settings decide for a launch of plan `chosen` at dtype and head dim
     `dim` (EMULATED_EXP2_DIMS, O_THROUGH_TMA, RISE_CHECKED_DTYPES, _DIMS and _CAUSAL_DIMS, PERSISTENT_DIMS,
-    CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS, COMPACT_WALK_DIMS): what attention_forward_ws launches with and compile_sm90 compiles by
-    default. claimed: whether the items are claimed (None: as CLAIMED_DIMS or CLAIMED_CAUSAL_DIMS say), which makes
+    CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS, COMPACT_WALK_DIMS): what attention_forward_ws launches with and
+    compile_sm90 compiles by default. claimed: whether the items are claimed (None: as CLAIMED_DIMS or CLAIMED_CAUSAL_DIMS say), which makes
     the grid persistent."""
     if claimed is None:
         claimed = _claims(dim, chosen.causal)
