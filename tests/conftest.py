@@ -303,8 +303,7 @@ print(json.dumps(dict(
     registers=sorted(set(int(n) for n in re.findall(r"setmaxnreg\\.(?:inc|dec)\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx))),
     wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
     reduction=re.search(r"cp\\.reduce\\.async\\.bulk\\.tensor\\S*\\.add", ptx) is not None,
-    shared=compiled.metadata.shared, usage=next(line for line in usage.splitlines() if "REG:" in line),
-    exponentials=len(re.findall(r"\\bex2\\.approx", ptx)))))
+    shared=compiled.metadata.shared, usage=next(line for line in usage.splitlines() if "REG:" in line))))
 """
 
 
@@ -317,9 +316,8 @@ def stack_bytes(report: dict) -> int:
 def sm90_report(call: str) -> dict:
     """Compile a Gluon kernel for sm_90 ahead of time in a process of its own (under the interpreter, this suite on
     a CPU, Gluon's helpers are not compilable): call, e.g. "forward_ws.compile_sm90(128, 64)", evaluated there.
-    Its setmaxnreg counts, whether the PTX has wgmma, TMA copies and TMA add reductions, its shared memory,
-    cuobjdump's resource line and how many exponentials (ex2) the PTX writes out, which counts the copies of a
-    tile's softmax the kernel holds."""
+    Its setmaxnreg counts, whether the PTX has wgmma, TMA copies and TMA add reductions, its shared memory and
+    cuobjdump's resource line."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", _SM90_REPORT, call], capture_output=True, text=True, env=env,
                             timeout=600)

@@ -269,25 +269,6 @@ def test_compiles_with_the_rise_checked(blocks, causal, dim):
                      "fixed_offsets=True, check_rise=True)", _launch_spill_budget(blocks, causal, dim))
 
 
-@pytest.mark.parametrize("causal, running_copies_left_out, fixed_copies_left_out", [(False, 2, 0), (True, 5, 2)])
-def test_compiles_with_the_walk_compact(causal, running_copies_left_out, fixed_copies_left_out):
-    """D=64's walk in turn written with fewer copies of a tile (COMPACT_WALK_DIMS), bf16 with the launch's other
-    settings: as _assert_compiles asks, both ways, and the copies of a tile's softmax it leaves out, counted by their
-    exponentials (a 64 x 256 tile's over a warpgroup's 128 threads, and with running maxima each thread's two rows'
-    rescale). Each consumer's first tile and cold walk take one copy with running maxima where they took three (the
-    first tile, the cold walk's loop and last tile); under is_causal, where the first tile, the fixed walk and the
-    cold walk each had an untested and a tested loop and last tile, one where they took six, and the fixed walk two
-    where it took four."""
-    call = f"forward_ws.compile_sm90(128, 64, torch.bfloat16, causal={causal}, dim=64, compact_walk="
-    compact, apart = sm90_report(call + "True)"), sm90_report(call + "False)")
-    for report in (compact, apart):
-        assert {forward_ws.CONSUMER_REGS, forward_ws.LOADER_REGS} <= set(report["registers"]), report
-        assert "LOCAL:0" in report["usage"] and stack_bytes(report) <= _launch_spill_budget((128, 64), causal, 64)
-    fixed_tile = 64 * forward_ws.TILE_KEYS[64] // 128
-    left_out = running_copies_left_out * (fixed_tile + 2) + fixed_copies_left_out * fixed_tile
-    assert apart["exponentials"] - compact["exponentials"] == 2 * left_out, (compact, apart)
-
-
 @pytest.mark.parametrize("blocks, dim, o_through_tma, causal, claimed", [
     ((128, 128), 64, False, False, False), ((128, 64), 64, True, False, False), ((128, 128), 128, False, False, False),
     ((128, 64), 128, True, False, False), ((128, 128), 128, False, False, True), ((128, 64), 64, False, False, True),
@@ -459,16 +440,6 @@ def test_head_dim_64_against_the_oracle(case, emulate, tiling, monkeypatch, pois
     _check_head_dim_64_case(case, monkeypatch, warp_specialized_calls)
 
 
-@pytest.mark.parametrize("case", list(HEAD_DIM_64_CASES))
-def test_walk_compact_against_the_oracle(case, monkeypatch, poisoned, warp_specialized_calls):
-    """D=64's walk written with fewer copies of a tile (COMPACT_WALK_DIMS: its first tile and cold walk with running
-    maxima in one loop, under is_causal its tested tiles and last tile in one loop): the cases of
-    test_head_dim_64_against_the_oracle, with their query tails, query blocks that keep nothing and under
-    is_causal a last query block whose one kept key block starts halfway down it."""
-    monkeypatch.setattr(forward_ws, "COMPACT_WALK_DIMS", (64, ))
-    _check_head_dim_64_case(case, monkeypatch, warp_specialized_calls)
-
-
 # D=64 cases (as HEAD_DIM_64_CASES') whose key blocks split into four or three 64-key blocks where not causal
 SPLIT_CASES = {
     "256x256 bf16": (1, 2, 2, 1000, 1024, (256, 256), torch.bfloat16, False),
@@ -633,13 +604,10 @@ FIXED_OFFSET_CASES = {
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("inputs", ["bound 13.5", "bound 28.8", "bound 160", "large norms"])
-@pytest.mark.parametrize("case, checked, grid, compact", [(case, False, None, False) for case in FIXED_OFFSET_CASES]
-                         + [(case, True, grid, False) for case, spec in FIXED_OFFSET_CASES.items()
-                            if spec[6] == torch.bfloat16 for grid in (None, "turns", "claimed")]
-                         + [(case, checked, None, True) for case, spec in FIXED_OFFSET_CASES.items()
-                            if spec[8] == 64 for checked in (False, True) if spec[6] == torch.bfloat16 or not checked])
-def test_fixed_offsets_against_the_oracle(case, checked, grid, compact, inputs, monkeypatch, poisoned,
-                                          warp_specialized_calls):
+@pytest.mark.parametrize("case, checked, grid", [(case, False, None) for case in FIXED_OFFSET_CASES]
+                         + [(case, True, grid) for case, spec in FIXED_OFFSET_CASES.items()
+                            if spec[6] == torch.bfloat16 for grid in (None, "turns", "claimed")])
+def test_fixed_offsets_against_the_oracle(case, checked, grid, inputs, monkeypatch, poisoned, warp_specialized_calls):
     """The walk with fixed offsets (FIXED_OFFSET_DIMS, here at D=64 and 128) on scores that rise past each list's
     first key tile by nearly the rows' bounds (aligned_scores: 13.5, 28.8 or 160 log2 units, so P reaches 2^12,
     2^25 or would pass bf16's 2^128). With a bound, the offsets stay where it is within P's headroom (bf16 32, fp16
@@ -649,11 +617,8 @@ def test_fixed_offsets_against_the_oracle(case, checked, grid, compact, inputs, 
     their overflowed sums would show here. Against the oracle, with the share of tiles taking each walk and the
     scores' rise computed on the host. grid: with the rise checked, on the persistent grid of 5 programs taking their
     items in turns or claiming them (set_grid; claimed under is_causal too), where a walk again comes between one
-    item and the next; None: a program an item. compact: D=64's walk with fewer copies of a tile
-    (COMPACT_WALK_DIMS), where with the bound "large norms" and "bound 160" take the cold walk in the first tile's
-    loop."""
+    item and the next; None: a program an item."""
     monkeypatch.setattr(forward_ws, "MIN_KEYS", {})
-    monkeypatch.setattr(forward_ws, "COMPACT_WALK_DIMS", (64, ) if compact else ())
     set_grid(monkeypatch, grid)
     monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 5)
     monkeypatch.setattr(forward_ws, "FIXED_OFFSET_DIMS", (64, 128))

@@ -90,7 +90,11 @@ SPLIT_KEY_BLOCK_DIMS: tuple = (64, )
 OVERLAPPED = {128: True, 64: False}
 # (Without the overlap, the consumers' score products forced into turns ran 2-11% slower, and a narrow last tile
 # (products over its first half where its keys lie there) 1.5-5.5% slower where not causal and no faster causal:
-# kernels/README.md, fifty-eighth session; benchmarks/patches/ping-pong-and-narrow-last-tiles.patch.)
+# kernels/README.md, fifty-eighth session; benchmarks/patches/ping-pong-and-narrow-last-tiles.patch.) A walk
+# with three copies of the tile's code a consumer instead of five (ten under is_causal), the first tile and the cold
+# walk in one loop, ran 0.92-0.98x as fast where not causal and 0.99-1.03x causal, its hot loop the same
+# instructions (H100, fifty-ninth session; kernels/README.md, "The compact walk";
+# benchmarks/patches/compact-walk.patch).
 # Keys (Sk) a call needs, per head dim, to take this kernel; below it the Triton forward runs. At D=64 (forty-second
 # session, BENCHMARKS.md; `benchmarks/ws_forward.py --cases d64sizes --no-flex`) the Triton forward ran 16-52% faster
 # at B8 S2048 and 0-68% at B8 S4096 (d=0.5 / 0.1), where each query tile walks few key tiles and this kernel's
@@ -127,17 +131,6 @@ RISE_CHECKED_DIMS: tuple = (64, 128)
 # The same under is_causal. D=64's causal walk ran 0.96x as fast checked (the fifty-first and fifty-seventh sessions,
 # H100), so it keeps the bound; D=128's (overlapped) keeps no fixed offsets at all (FIXED_OFFSET_DIMS).
 RISE_CHECKED_CAUSAL_DIMS: tuple = ()
-# Head dims whose walk in turn (not OVERLAPPED) with fixed offsets is written with fewer copies of a tile's code: its
-# first key tile and, where the offsets cannot stay, the rest of the walk with running maxima in one loop (one copy
-# where there were three: the first tile, the cold walk's loop and its last tile); and under is_causal the tested
-# tiles and the walk's last tile in one loop (where the first tile, the fixed walk and the cold walk each had an
-# untested loop and last tile and a tested loop and last tile). So a consumer holds three copies where it held five,
-# and ten under is_causal (PTX exponentials, Triton 3.6 and 3.9): the same instructions on the hot path but for a
-# loop's test, and the kernel's SASS 10816 instructions -> 7920 (causal 128x128: 20240 -> 7608; Triton 3.6, sm_90,
-# offline). For the instruction fetch: at
-# d=0.1 the D=64 kernel's warps stalled on it 0.23 cycles an instruction against 0.08 at d=0.5 (fifty-seventh
-# session, Nsight Compute), where a query tile's few key tiles pass through several copies.
-COMPACT_WALK_DIMS: tuple = ()
 # Ring stages per head dim: as many as Hopper's 227 KiB of shared memory per program allows. At D=128 Q takes 32 KiB
 # and a stage 64 KiB (3 stages measured 5.22 ms against 5.88 with 2). At D=64 a 256-key stage is 64 KiB too (2
 # stages measured the same in benchmarks/exp_gluon_fwd.py; with 128-key tiles, 4 stages of 32 KiB had run 1-8%
@@ -396,27 +389,16 @@ def _exp2(x, EMULATE: gl.constexpr):
 
 @gluon.jit
 def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr,
-                  COMPACT: gl.constexpr = False):
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr):
     """Key tiles start .. end-1 of a consumer's walk, each one's products and softmax in turn: (acc, m_i, l_i) after
     them, from the accumulator fp32 [64, D] and the rows' offsets and sums [64] before. walk: the consumer's Q tile,
     rings, barriers, zeroed scores and list (as _consumer_item packs them). FIXED: the offsets m_i stay (finite, and no
     score above m_i + headroom: FIXED_OFFSET_DIMS), so a tile takes no row maxima and the accumulator no rescale.
     Under CAUSAL the tiles before the first tested one (first_tested) run in a loop of their own, without the causal
-    test (kernels/README.md, "The causal walk split"); COMPACT (COMPACT_WALK_DIMS): the tested tiles and the walk's
-    last tile in one loop of their own, with neither the causal test nor the last tile's mask left out by a copy."""
+    test (kernels/README.md, "The causal walk split")."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
      scale_log2, base) = walk
-    if CAUSAL and COMPACT:
-        # (none of the untested loop's tiles is the walk's last: end <= total)
-        middle = gl.minimum(gl.maximum(first_tested, start), gl.maximum(end - 1, start))
-        for j in range(start, middle):
-            acc, m_i, l_i = _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2,
-                                          FIXED, False, False)
-        for j in range(middle, end):
-            acc, m_i, l_i = _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2,
-                                          FIXED, True, True)
-    elif CAUSAL:
+    if CAUSAL:
         middle = gl.minimum(gl.maximum(first_tested, start), end)
         acc, m_i, l_i = _tiles_in_turn(walk, start, middle, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
                                        EMULATE_EXP2, FIXED, False)
@@ -550,8 +532,7 @@ def _keeps_offsets(bound, m_i, dtype: gl.constexpr):
 def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
               TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
               EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr, FIXED_OFFSETS: gl.constexpr,
-              CHECK_RISE: gl.constexpr, PERSISTENT: gl.constexpr, CLAIMED: gl.constexpr,
-              COMPACT_WALK: gl.constexpr):
+              CHECK_RISE: gl.constexpr, PERSISTENT: gl.constexpr, CLAIMED: gl.constexpr):
     """A consumer warpgroup: query rows HALF*64 .. HALF*64+63 of its program's work items (_consumer_item), one
     (_grid_item), or under PERSISTENT its turns' items (_turns, _turn_item), or under CLAIMED those its loader
     claims and posts (_posted_item), the ring's stages and the barriers' phases going on from one item to the next.
@@ -564,7 +545,7 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
         item = _posted_item(ring[8])
         while item >= 0:
             base = _consumer_item(shared, item, turn, base, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL,
-                                  OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, COMPACT_WALK)
+                                  OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)
             turn += 1
             mbarrier.wait(ring[3], turn & 1)
             item = _posted_item(ring[8])
@@ -573,24 +554,23 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
         base = gl.program_id(0) * 0  # ring position of the item's first key tile (the items' before it), int32
         for turn in range(_turns(lists)):
             base = _consumer_item(shared, _turn_item(lists, turn), turn, base, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N,
-                                  STAGES, CAUSAL, OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE,
-                                  COMPACT_WALK)
+                                  STAGES, CAUSAL, OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)
     else:
         _consumer_item(shared, _grid_item(), 0, 0, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP,
-                       EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, COMPACT_WALK)
+                       EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)
 
 
 @gluon.jit
 def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr,
                    SUB_N: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                    OVERLAP: gl.constexpr, EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr,
-                   FIXED_OFFSETS: gl.constexpr, CHECK_RISE: gl.constexpr, COMPACT_WALK: gl.constexpr):
+                   FIXED_OFFSETS: gl.constexpr, CHECK_RISE: gl.constexpr):
     """Query rows HALF*64 .. HALF*64+63 of work item `item` (its turn-th in the program; _program): the online
     softmax over the kv list (CAUSAL: keys up to each row's own position only), then Out [B, H, Sq, D] and Lse
     fp32 [B, H, Sq] (natural log; -inf and zeros for a row with no key). Returns the ring position after its key
     tiles, from base before them. shared: the kernel's arguments and buffers, grouped as attention_fwd_ws_kernel
     packs them. OVERLAP: each key tile's Q K^T issued with the previous tile's P V (see OVERLAPPED). FIXED_OFFSETS:
-    see FIXED_OFFSET_DIMS; CHECK_RISE: see RISE_CHECKED_DTYPES; COMPACT_WALK: see COMPACT_WALK_DIMS."""
+    see FIXED_OFFSET_DIMS; CHECK_RISE: see RISE_CHECKED_DTYPES."""
     descs, ring, lists, outputs, norms, kv, scale_log2 = shared
     Q_DESC = descs[0]
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, item_smem = ring
@@ -633,33 +613,16 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
             if not CHECKED:  # the rows' bounds before the first tile, whose work hides their loads
                 bound = _score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2, o_layout,
                                       row_s)
-            if COMPACT_WALK:
-                # the first tile and, where the offsets cannot stay, the rest of the walk with running maxima: one
-                # loop, so one copy of the tile's code (COMPACT_WALK_DIMS); then the fixed walk from where it
-                # stopped (none left after the cold walk), compact too
-                j = total * 0
-                stop = gl.minimum(total, 1)
-                while j < stop:
-                    acc, m_i, l_i = _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                                  EMULATE_EXP2, False, True, True)
-                    if j == 0:  # after the first tile, the offsets it leaves
-                        keep = _all_seen(m_i) if CHECKED else _keeps_offsets(bound, m_i, dtype)
-                        if not keep:
-                            stop = total
-                    j += 1
-                acc, m_i, l_i = _walk_in_turn(walk, j, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                              EMULATE_EXP2, True, True)
+            acc, m_i, l_i = _walk_in_turn(walk, 0, gl.minimum(total, 1), acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES,
+                                          CAUSAL, EMULATE_EXP2, False)
+            # after the first tile, the offsets it leaves
+            keep = _all_seen(m_i) if CHECKED else _keeps_offsets(bound, m_i, dtype)
+            if keep:
+                acc, m_i, l_i = _walk_in_turn(walk, 1, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
+                                              EMULATE_EXP2, True)
             else:
-                acc, m_i, l_i = _walk_in_turn(walk, 0, gl.minimum(total, 1), acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES,
-                                              CAUSAL, EMULATE_EXP2, False)
-                # after the first tile, the offsets it leaves
-                keep = _all_seen(m_i) if CHECKED else _keeps_offsets(bound, m_i, dtype)
-                if keep:
-                    acc, m_i, l_i = _walk_in_turn(walk, 1, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                                  EMULATE_EXP2, True)
-                else:
-                    acc, m_i, l_i = _walk_in_turn(walk, 1, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                                  EMULATE_EXP2, False)
+                acc, m_i, l_i = _walk_in_turn(walk, 1, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
+                                              EMULATE_EXP2, False)
             if CHECKED:  # (whichever walk ran: the running maxima's stay in range on finite inputs)
                 again = ~_sums_within(l_i, acc)
         else:
@@ -899,8 +862,7 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr = True,
                             EMULATE_EXP2: gl.constexpr = False, O_THROUGH_TMA: gl.constexpr = False,
                             FIXED_OFFSETS: gl.constexpr = False, CHECK_RISE: gl.constexpr = False,
-                            PERSISTENT: gl.constexpr = False, CLAIMED: gl.constexpr = False,
-                            COMPACT_WALK: gl.constexpr = False):
+                            PERSISTENT: gl.constexpr = False, CLAIMED: gl.constexpr = False):
     """Grid (cdiv(Sq, 128) = q_tiles, launch.batch_head_axes(B, H)), a program a work item (a query tile of a head);
     under PERSISTENT (see PERSISTENT_DIMS) (programs, 1, 1), each taking the items at positions program_id(0) + n *
     programs of ITEM_ORDER int32 [items = q_tiles * B * H] (query_tile_order) in turn, else ITEM_ORDER None; under
@@ -912,8 +874,7 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     Sk (CAUSAL: the lists of BlockSparsity.causal(), ascending); Out [B, H, Sq, D] (last dim contiguous), Lse
     fp32 [B, H, Sq] (last dim contiguous); O_DESC: when O_THROUGH_TMA, a descriptor of Out with Q_DESC's boxes,
     through which the rows go (else None, and Out's pointer takes them). TILE_N: keys a tile (TILE_KEYS), a
-    multiple of SUB_N; OVERLAP: see OVERLAPPED; EMULATE_EXP2: see _exp2; COMPACT_WALK: see
-    COMPACT_WALK_DIMS.
+    multiple of SUB_N; OVERLAP: see OVERLAPPED; EMULATE_EXP2: see _exp2.
     FIXED_OFFSETS (see FIXED_OFFSET_DIMS) without CHECK_RISE (RISE_CHECKED_DTYPES): KEY_NORMS fp32 [B, Hkv,
     KEY_NORM_PARTS] (last dim contiguous, key_norm_parts), whose maximum over the parts bounds a kv head's key norms;
     else None. K and V: k and v's pointers (strides stride_k* / stride_v*, last dim contiguous), which only
@@ -951,9 +912,9 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
               (K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs), scale_log2)
     gl.warp_specialize([
         (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, COMPACT_WALK)),
+                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED)),
         (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, COMPACT_WALK)),
+                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED)),
         (_loader, (shared, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, PERSISTENT, CLAIMED)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -1179,16 +1140,15 @@ def grid_settings(grid: Optional[str]) -> dict:
 def _settings(chosen: Plan, dtype: torch.dtype, dim: int, claimed: Optional[bool] = None) -> dict:
     """The kernel's constexprs that the module's settings decide for a launch of plan `chosen` at dtype and head dim
     `dim` (EMULATED_EXP2_DIMS, O_THROUGH_TMA, RISE_CHECKED_DTYPES, _DIMS and _CAUSAL_DIMS, PERSISTENT_DIMS,
-    CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS, COMPACT_WALK_DIMS): what attention_forward_ws launches with and
-    compile_sm90 compiles by default. claimed: whether the items are claimed (None: as CLAIMED_DIMS or CLAIMED_CAUSAL_DIMS say), which makes
+    CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS): what attention_forward_ws launches with and compile_sm90 compiles by
+    default. claimed: whether the items are claimed (None: as CLAIMED_DIMS or CLAIMED_CAUSAL_DIMS say), which makes
     the grid persistent."""
     if claimed is None:
         claimed = _claims(dim, chosen.causal)
     return dict(EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, O_THROUGH_TMA=O_THROUGH_TMA,
                 CHECK_RISE=chosen.fixed_offsets and dtype in RISE_CHECKED_DTYPES
                 and dim in (RISE_CHECKED_CAUSAL_DIMS if chosen.causal else RISE_CHECKED_DIMS),
-                PERSISTENT=claimed or (dim in PERSISTENT_DIMS and not chosen.causal), CLAIMED=claimed,
-                COMPACT_WALK=chosen.fixed_offsets and not chosen.overlap and dim in COMPACT_WALK_DIMS)
+                PERSISTENT=claimed or (dim in PERSISTENT_DIMS and not chosen.causal), CLAIMED=claimed)
 
 
 def _unused_arguments(chosen: Plan, settings: dict) -> dict:
@@ -1222,14 +1182,13 @@ def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
 def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                  dim: int = HEAD_DIM, emulate_exp2: Optional[bool] = None, o_through_tma: Optional[bool] = None,
                  fixed_offsets: Optional[bool] = None, check_rise: Optional[bool] = None,
-                 persistent: Optional[bool] = None, claimed: Optional[bool] = None,
-                 compact_walk: Optional[bool] = None):
+                 persistent: Optional[bool] = None, claimed: Optional[bool] = None):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for lists at (block_q, block_kv) and head dim `dim`, with the launch's tile choice (plan()), stages and
     register settings (the key blocks it walks too: SPLIT_KEY_BLOCK_DIMS); emulate_exp2, o_through_tma,
-    fixed_offsets, check_rise, persistent, claimed and compact_walk None: as a launch at `dim` and dtype would
-    (EMULATED_EXP2_DIMS, O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES, _DIMS and _CAUSAL_DIMS,
-    PERSISTENT_DIMS, CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS, COMPACT_WALK_DIMS).
+    fixed_offsets, check_rise, persistent and claimed None: as a launch at `dim` and dtype would (EMULATED_EXP2_DIMS,
+    O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES, _DIMS and _CAUSAL_DIMS, PERSISTENT_DIMS, CLAIMED_DIMS
+    and CLAIMED_CAUSAL_DIMS).
     Claimed items imply the persistent grid, so persistent decides only where they are not claimed (claimed=False,
     persistent=True: the items in turns)."""
     from triton.backends.compiler import GPUTarget
@@ -1242,7 +1201,7 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     name = _GL_DTYPES[dtype][0]
     settings = _settings(chosen, dtype, dim, claimed)
     overrides = dict(EMULATE_EXP2=emulate_exp2, O_THROUGH_TMA=o_through_tma, CHECK_RISE=check_rise,
-                     PERSISTENT=None if settings["CLAIMED"] else persistent, COMPACT_WALK=compact_walk)
+                     PERSISTENT=None if settings["CLAIMED"] else persistent)
     settings = {name: overrides[name] if overrides.get(name) is not None else value
                 for name, value in settings.items()}
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap,
