@@ -14,6 +14,7 @@ Settings (module attributes of blockattn.kernels.forward_ws, set for the case's 
                   (CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS)
   split-key-blocks  each key block walked as 64-key blocks, from lists split once per mask, or as listed
                   (SPLIT_KEY_BLOCK_DIMS; at 128x64 and under is_causal the same kernel both ways)
+  null            the same kernel both ways: how far apart the medians of two ways fall when nothing differs
 
     cd benchmarks && python ws_forward_ab.py --setting rise-checked --rounds 5
     cd benchmarks && python ws_forward_ab.py --setting emulated-exp2 --also rise-checked   # with the other on
@@ -22,6 +23,7 @@ Settings (module attributes of blockattn.kernels.forward_ws, set for the case's 
     cd benchmarks && python ws_forward_ab.py --setting claimed --cases grid skewed
     cd benchmarks && python ws_forward_ab.py --setting split-key-blocks --cases design --rounds 5
     cd benchmarks && python ws_forward_ab.py --setting rise-checked --cases d64 --rounds 5
+    cd benchmarks && python ws_forward_ab.py --setting null --cases d64 --rounds 5
 
 The fifty-first session timed the walk in turn's wait for V, its last tile peeled off the loop and the causal walk's
 split this way (BENCHMARKS.md) and kept the two that won, which have no switch since; and the persistent grid, which
@@ -60,7 +62,8 @@ SETTINGS = {"rise-checked": (("RISE_CHECKED_DIMS", "RISE_CHECKED_CAUSAL_DIMS"), 
             "emulated-exp2": (("EMULATED_EXP2_DIMS", ), "emulated", "special function unit"),
             "persistent": (("PERSISTENT_DIMS", ), "persistent", "a program a tile"),
             "claimed": (("CLAIMED_DIMS", "CLAIMED_CAUSAL_DIMS"), "claimed", "a program a tile or turns"),
-            "split-key-blocks": (("SPLIT_KEY_BLOCK_DIMS", ), "64-key blocks", "the mask's blocks")}
+            "split-key-blocks": (("SPLIT_KEY_BLOCK_DIMS", ), "64-key blocks", "the mask's blocks"),
+            "null": ((), "first", "second")}
 ATTRIBUTES = [attribute for attributes, _, _ in SETTINGS.values() for attribute in attributes]
 
 
