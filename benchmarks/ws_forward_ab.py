@@ -15,6 +15,7 @@ Settings (module attributes of blockattn.kernels.forward_ws, set for the case's 
   split-key-blocks  each key block walked as 64-key blocks, from lists split once per mask, or as listed
                   (SPLIT_KEY_BLOCK_DIMS; at 128x64 and under is_causal the same kernel both ways)
   null            the same kernel both ways: how far apart the medians of two ways fall when nothing differs
+                  (D=64, five rounds, H100, fifty-ninth session: 0.984-1.019x)
 
     cd benchmarks && python ws_forward_ab.py --setting rise-checked --rounds 5
     cd benchmarks && python ws_forward_ab.py --setting emulated-exp2 --also rise-checked   # with the other on
