@@ -1,7 +1,7 @@
 """SM clock and board power while each implementation's forward (or fwd+bwd) runs back to back at one case:
 whether a faster kernel pays for its speed in clock (the H200 holds its power limit by lowering the clock).
 
-    python benchmarks/clocks.py --density 0.25 [--backward]
+    python benchmarks/clocks.py --density 0.25 [--backward] [--dim 64]
 """
 
 import argparse
@@ -27,8 +27,9 @@ def main():
     parser.add_argument("--density", type=float, default=0.25)
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--backward", action="store_true")
+    parser.add_argument("--dim", type=int, default=128, help="head dim (the design case's other sizes)")
     args = parser.parse_args()
-    case = Case(density=args.density)
+    case = Case(density=args.density, dim=args.dim)
     device = torch.device("cuda")
     q, k, v = _inputs(case, device, requires_grad=args.backward)
     grad = torch.randn_like(q)
