@@ -44,6 +44,10 @@ def _plan_for_block(block_kv: int, causal: bool = False, dim: int = 128) -> forw
     64-key ones at SPLIT_KEY_BLOCK_DIMS where not causal, in sub tiles of the largest of the tile, 128 and 64 that
     divides the block it walks."""
     parts = block_kv // 64 if dim in forward_ws.SPLIT_KEY_BLOCK_DIMS and not causal else 1
+    if dim in forward_ws.KEY_SPLIT_DIMS and not causal:  # four consumers: 128-key tiles in 64-key steps
+        sub_n = next(n for n in (forward_ws.KEY_SPLIT_TILE_N, 128, 64) if block_kv // parts % n == 0)
+        return forward_ws.Plan(sub_n, False, forward_ws.KEY_SPLIT_TILE_N, False, dim in forward_ws.FIXED_OFFSET_DIMS,
+                               parts, 2)
     sub_n = next(n for n in (forward_ws.TILE_KEYS[dim], 128, 64) if block_kv // parts % n == 0)
     return _plan(sub_n, causal, dim)._replace(block_parts=parts)
 
@@ -227,6 +231,9 @@ SPILL_BUDGET_PERSISTENT = 48
 # causal with 128x128 blocks: 24 stores before the items' loop, 23 loads an item), 24 under 3.6; the hot loops hold
 # no local load or store but for one load a tile in 3.9's tested causal loop at D=128 (the tiles on the diagonal).
 SPILL_BUDGET_CLAIMED = 96
+# And with four consumers at 120 registers (KEY_SPLIT_DIMS, sixtieth session): 48-80 bytes under Triton 3.6, whose hot
+# loops hold no local load or store; 160 under 3.9, whose loops reload one value a tile.
+SPILL_BUDGET_KEY_SPLIT = 192
 
 
 @pytest.mark.parametrize("blocks, dtype, causal, dim, emulate, o_through_tma, fixed", [
@@ -258,6 +265,35 @@ def _assert_compiles(call: str, spill_budget: int = SPILL_BUDGET) -> None:
     assert report["wgmma"] and report["tma"], report
     assert report["shared"] <= 227 * 1024, report
     assert "LOCAL:0" in report["usage"] and stack_bytes(report) <= spill_budget, f"registers spill: {report['usage']}"
+
+
+def test_key_split_in_the_plan(monkeypatch):
+    """KEY_SPLIT_DIMS: at its head dims, where not causal, four consumers (key_split 2) walk 128-key tiles without the
+    overlap, with their own ring depth, registers and launch bound; causal calls and other head dims keep two."""
+    monkeypatch.setattr(forward_ws, "KEY_SPLIT_DIMS", (64, ))
+    split = forward_ws._plan(128, 64, False)
+    assert (split.key_split, split.tile_n, split.overlap) == (2, forward_ws.KEY_SPLIT_TILE_N, False)
+    assert split.stages(64) == forward_ws.KEY_SPLIT_STAGES and split.consumer_regs() == forward_ws.KEY_SPLIT_REGS
+    assert split.launch_options() == dict(num_warps=4, maxnreg=forward_ws.KEY_SPLIT_MAX_REGS)
+    # 20 warps (the loader's padded to a warpgroup) within the register file at launch and after setmaxnreg
+    assert 20 * 32 * forward_ws.KEY_SPLIT_MAX_REGS <= 65536
+    assert 4 * 128 * forward_ws.KEY_SPLIT_REGS + 128 * forward_ws.LOADER_REGS <= 65536
+    for plan in (forward_ws._plan(128, 64, True), forward_ws._plan(128, 128, False)):
+        assert plan.key_split == 1 and plan.launch_options() is forward_ws.LAUNCH_OPTIONS
+    monkeypatch.setattr(forward_ws, "KEY_SPLIT_DIMS", ())
+    assert forward_ws._plan(128, 64, False).key_split == 1
+
+
+@pytest.mark.parametrize("blocks, dtype, claimed", [((128, 128), "bfloat16", None), ((128, 64), "float16", None),
+                                                    ((256, 256), "bfloat16", False)])
+def test_compiles_with_the_key_split(blocks, dtype, claimed):
+    """Four consumers at D=64 (KEY_SPLIT_DIMS): KEY_SPLIT_REGS registers a consumer thread, wgmma and TMA, shared
+    memory within Hopper's and SPILL_BUDGET_KEY_SPLIT's stack."""
+    report = sm90_report("setattr(forward_ws, 'KEY_SPLIT_DIMS', (64, )) or forward_ws.compile_sm90("
+                         f"{blocks[0]}, {blocks[1]}, torch.{dtype}, dim=64, claimed={claimed})")
+    assert {forward_ws.KEY_SPLIT_REGS, forward_ws.LOADER_REGS} <= set(report["registers"]), report
+    assert report["wgmma"] and report["tma"] and report["shared"] <= 227 * 1024, report
+    assert "LOCAL:0" in report["usage"] and stack_bytes(report) <= SPILL_BUDGET_KEY_SPLIT, report["usage"]
 
 
 @pytest.mark.parametrize("blocks, causal, dim", [((128, 128), False, 128), ((128, 64), False, 128),
@@ -455,6 +491,55 @@ def test_key_blocks_split_or_as_listed_against_the_oracle(case, split, monkeypat
     listed (in sub tiles of 128, 256 or 64 keys): a query tail and a query block that keeps nothing."""
     monkeypatch.setattr(forward_ws, "SPLIT_KEY_BLOCK_DIMS", (64, ) if split else ())
     _check_head_dim_64_case(case, monkeypatch, warp_specialized_calls, {**HEAD_DIM_64_CASES, **SPLIT_CASES})
+
+
+# D=64 cases for the key split (as HEAD_DIM_64_CASES'): lists of odd and even lengths (128x64: a part's last tile
+# half full), a query tail, GQA
+KEY_SPLIT_CASES = {
+    "128x64 bf16 gqa": (1, 4, 2, 1000, 1024, (128, 64), torch.bfloat16, False),
+    "128x128 fp16": (2, 2, 2, 1024, 1152, (128, 128), torch.float16, False),
+}
+
+
+@pytest.mark.parametrize("grid", [None, "turns", "claimed"])
+@pytest.mark.parametrize("case", ["128x128 bf16", "128x64 bf16", *KEY_SPLIT_CASES, *SPLIT_CASES,
+                                  "128x64 fp16 causal gqa"])
+def test_keys_split_between_consumer_pairs_against_the_oracle(case, grid, monkeypatch, poisoned,
+                                                              warp_specialized_calls):
+    """KEY_SPLIT_DIMS: D=64 with four consumers, each pair on every other key tile, the PART 1 consumers' rows merged
+    into the PART 0 ones' (bf16 with the rise checked, fp16 with the bound; a query block that keeps nothing, parts
+    with no tile), a program an item or on the persistent grid (where the merge buffers pass from item to item);
+    causal calls keep two consumers."""
+    monkeypatch.setattr(forward_ws, "KEY_SPLIT_DIMS", (64, ))
+    set_grid(monkeypatch, grid)
+    monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 5)
+    _check_head_dim_64_case(case, monkeypatch, warp_specialized_calls,
+                            {**HEAD_DIM_64_CASES, **SPLIT_CASES, **KEY_SPLIT_CASES})
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("grid", [None, "claimed"])
+@pytest.mark.parametrize("largest_bound", [28.8, 160.0])
+def test_key_split_walked_again_against_the_oracle(largest_bound, grid, monkeypatch, poisoned,
+                                                   warp_specialized_calls):
+    """The key split with bf16's rise checked on scores that rise past each part's first tile by up to 28.8 or 160
+    log2 units (aligned_scores): past 2^RISE_LIMIT a part's rows are walked again whole by the PART 0 consumer
+    (_walk_again), whichever part rose; else merged."""
+    monkeypatch.setattr(forward_ws, "KEY_SPLIT_DIMS", (64, ))
+    monkeypatch.setattr(forward_ws, "MIN_KEYS", {})
+    set_grid(monkeypatch, grid)
+    monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 5)
+    batch, heads, seq, block = 1, 4, 1024, (128, 64)
+    heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, heads, seq, seq, block)
+    seq_q, seq_kv = max(seq_q, 512), max(seq_kv, 512)
+    q, k, v = qkv(batch, heads, seq_q, 64, kv_heads=kv_heads, seq_kv=seq_kv, dtype=torch.bfloat16)
+    keep = random_keep(batch, heads, seq_q, seq_kv, block, density=0.5)
+    keep[..., :4] = True  # both parts' first tiles hold keys 0-255
+    q, k = (t.to(torch.bfloat16) for t in aligned_scores(q, k, largest_bound))
+    out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, backend="triton")
+    assert warp_specialized_calls == _expected_calls(_plan_for_block(block[1], False, 64))
+    check_against_oracle(out, lse, q, k, v, expand(keep, block, seq_q, seq_kv))
 
 
 def _check_head_dim_64_case(case: str, monkeypatch, warp_specialized_calls, cases: dict = HEAD_DIM_64_CASES) -> None:

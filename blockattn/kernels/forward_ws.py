@@ -43,6 +43,9 @@ tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glob
 # and from shared memory to global: async_store, or async_copy_shared_to_global (descriptor, coordinates, source)
 tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
 
+# A partition's threads' barrier: gl.barrier from Triton 3.8 on, gl.thread_barrier before
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
 # Whether attention_forward may take this kernel (benchmarks switch it off to time the Triton forward).
 ENABLED = True
 # Whether each consumer writes its rows of out through the TMA unit, staged in its half of Q's shared memory (free
@@ -88,6 +91,23 @@ SPLIT_KEY_BLOCK_DIMS: tuple = (64, )
 # overlapped (4 stages): 1.01-1.09x as fast at d=0.5 and 0.25, at par at d=0.1 (forty-second session, BENCHMARKS.md;
 # `benchmarks/ws_forward.py --cases d64 --tiles 128,1,4`).
 OVERLAPPED = {128: True, 64: False}
+# Head dims whose kernel, where not causal, runs four consumer warpgroups instead of two: (HALF, PART) owns query rows
+# HALF*64 .. HALF*64+63 and the key tiles PART, PART + 2, ... of the walk, with its own offsets, sums and accumulator,
+# which the PART 1 consumer hands to the PART 0 one through shared memory at the end (_hand_over, _merged). Each
+# multiprocessor's schedulers then hold four consumer warps instead of two, so that one warp's exponentials run under
+# another's products more often; at KEY_SPLIT_REGS registers a thread, which hold a 64-key step's scores but not a
+# 128-key one's, a consumer takes each 128-key tile (KEY_SPLIT_TILE_N) in two steps of KEY_SPLIT_STEP_N keys
+# (kernels/README.md, "Keys split between consumer pairs"). The experiment (`benchmarks/exp_key_split.py`, H100, B1
+# H24 S32k D=64 bf16, 128x128, a program a tile, no rise check) ran 1.16x / 1.05-1.07x / 1.02x / 1.05-1.06x as fast
+# as this kernel at d=1 / 0.5 / 0.25 / 0.1 (sixtieth session).
+KEY_SPLIT_DIMS: tuple = ()
+KEY_SPLIT_TILE_N = 128
+KEY_SPLIT_STEP_N = 64
+KEY_SPLIT_STAGES = 4
+# Registers a consumer thread takes with four consumers: 4 x 128 x 120 + 128 x 24 of the 64K (the loader's warp is
+# padded to a warpgroup); the launch bound then 96 (20 warps x 32 x 96 <= 64K).
+KEY_SPLIT_REGS = 120
+KEY_SPLIT_MAX_REGS = 96
 # (Without the overlap, the consumers' score products forced into turns ran 2-11% slower, and a narrow last tile
 # (products over its first half where its keys lie there) 1.5-5.5% slower where not causal and no faster causal:
 # kernels/README.md, fifty-eighth session; benchmarks/patches/ping-pong-and-narrow-last-tiles.patch.) A walk
@@ -145,6 +165,8 @@ MAX_REGS = 168
 # first consumer warpgroup; the others' warps are set in the kernel), MAX_REGS a thread. One config: nothing to tune.
 LAUNCH_OPTIONS = dict(num_warps=4, maxnreg=MAX_REGS)
 LAUNCH_CONFIG = triton.Config({}, **LAUNCH_OPTIONS)
+# the same with four consumers (KEY_SPLIT_DIMS)
+KEY_SPLIT_LAUNCH_OPTIONS = dict(num_warps=4, maxnreg=KEY_SPLIT_MAX_REGS)
 # Whether they launch through launch plans (launch.run: later calls of a layout skip Triton's binder and build no
 # descriptors). Measured on the H200 machine (benchmarks/host_cost.py, B8 H16, density 0.5): an eager forward +
 # backward enqueues in 0.80 ms with plans against 1.22 ms without at S=2048, 0.84 against 1.19 at S=4096; the forward
@@ -220,6 +242,7 @@ _SUM_LIMIT = gl.constexpr(2.0 ** RISE_LIMIT)
 # Keys a step of _walk_again, the cold walk with running maxima (K^T and V tiles in registers): at 16 neither Triton
 # spills in a loop (kernels/README.md, "Fixed offsets"); 64 spilled 120-136 bytes.
 _AGAIN_KEYS = gl.constexpr(16)
+_STEP_N = gl.constexpr(KEY_SPLIT_STEP_N)
 
 
 @gluon.jit
@@ -317,13 +340,17 @@ def _first_tested_tile(index_row, count, start_m, BLOCK_KV: gl.constexpr, SUB_N:
 
 @gluon.jit
 def _scores_masked(qk, j, tiles, sub_tiles, first_tested, index_row, rows, BLOCK_KV: gl.constexpr,
-                   SUB_N: gl.constexpr, CAUSAL: gl.constexpr, MAYBE_LAST: gl.constexpr = True):
+                   SUB_N: gl.constexpr, CAUSAL: gl.constexpr, MAYBE_LAST: gl.constexpr = True,
+                   TILE_N: gl.constexpr = 0, COL0: gl.constexpr = 0):
     """Key tile j's scores qk fp32 [64, TILE_N] with -inf where no key is: the repeated sub tiles that fill out the
     last tile when the sub tiles do not fill it (MAYBE_LAST: only where j may be that tile), and under CAUSAL (from
-    first_tested on) the keys past each query row (rows int32 [64])."""
-    TILE_N: gl.constexpr = qk.shape[1]
-    cols = gl.arange(0, TILE_N, gl.SliceLayout(0, qk.type.layout))
-    filled = sub_tiles % (TILE_N // SUB_N)  # sub tiles of the last tile that hold keys of their own (0: all)
+    first_tested on) the keys past each query row (rows int32 [64]). TILE_N 0: qk's columns; else qk holds the
+    tile's columns COL0 .. COL0 + qk.shape[1] - 1 (a step of KEY_SPLIT_DIMS's walk)."""
+    KEYS: gl.constexpr = qk.shape[1] if TILE_N == 0 else TILE_N  # the tile's
+    cols = gl.arange(0, qk.shape[1], gl.SliceLayout(0, qk.type.layout))
+    if COL0 != 0:
+        cols = cols + COL0
+    filled = sub_tiles % (KEYS // SUB_N)  # sub tiles of the last tile that hold keys of their own (0: all)
     if MAYBE_LAST:
         if filled != 0 and j == tiles - 1:
             qk = gl.where(cols[None, :] >= filled * SUB_N, float("-inf"), qk)
@@ -331,7 +358,7 @@ def _scores_masked(qk, j, tiles, sub_tiles, first_tested, index_row, rows, BLOCK
         if j >= first_tested:
             # each column's key, from its sub tile's list entry (as the loader placed it)
             SUBS_PER_BLOCK: gl.constexpr = BLOCK_KV // SUB_N
-            sub = gl.minimum((TILE_N // SUB_N) * j + cols // SUB_N, sub_tiles - 1)
+            sub = gl.minimum((KEYS // SUB_N) * j + cols // SUB_N, sub_tiles - 1)
             keys = (gl.load(index_row + sub // SUBS_PER_BLOCK) * BLOCK_KV + (sub % SUBS_PER_BLOCK) * SUB_N
                     + cols % SUB_N)
             qk = gl.where(keys[None, :] <= rows[:, None], qk, float("-inf"))
@@ -389,16 +416,19 @@ def _exp2(x, EMULATE: gl.constexpr):
 
 @gluon.jit
 def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr):
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr,
+                  KEY_SPLIT: gl.constexpr = 1, PART: gl.constexpr = 0):
     """Key tiles start .. end-1 of a consumer's walk, each one's products and softmax in turn: (acc, m_i, l_i) after
     them, from the accumulator fp32 [64, D] and the rows' offsets and sums [64] before. walk: the consumer's Q tile,
     rings, barriers, zeroed scores and list (as _consumer_item packs them). FIXED: the offsets m_i stay (finite, and no
     score above m_i + headroom: FIXED_OFFSET_DIMS), so a tile takes no row maxima and the accumulator no rescale.
     Under CAUSAL the tiles before the first tested one (first_tested) run in a loop of their own, without the causal
-    test (kernels/README.md, "The causal walk split")."""
+    test (kernels/README.md, "The causal walk split"). KEY_SPLIT (KEY_SPLIT_DIMS; never CAUSAL): start and end count
+    the part's own tiles, the walk's PART, PART + KEY_SPLIT, ..."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
      scale_log2, base) = walk
     if CAUSAL:
+        gl.static_assert(KEY_SPLIT == 1, "the causal walk is not split between consumer pairs")
         middle = gl.minimum(gl.maximum(first_tested, start), end)
         acc, m_i, l_i = _tiles_in_turn(walk, start, middle, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
                                        EMULATE_EXP2, FIXED, False)
@@ -406,54 +436,97 @@ def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N
                                        EMULATE_EXP2, FIXED, True)
     else:
         acc, m_i, l_i = _tiles_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                       EMULATE_EXP2, FIXED, True)
+                                       EMULATE_EXP2, FIXED, True, KEY_SPLIT, PART)
     return acc, m_i, l_i
 
 
 @gluon.jit
 def _tiles_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr,
-                   TESTED: gl.constexpr):
+                   TESTED: gl.constexpr, KEY_SPLIT: gl.constexpr = 1, PART: gl.constexpr = 0):
     """_walk_in_turn's tiles start .. end-1: all but the last in one loop, the last after it, so that the loop's
     tiles skip the test for the walk's last tile (kernels/README.md, "The last tile peeled off the loop"). TESTED:
-    under CAUSAL, the tiles take the causal test (from first_tested on); else none of them needs it."""
+    under CAUSAL, the tiles take the causal test (from first_tested on); else none of them needs it. KEY_SPLIT,
+    PART: as _walk_in_turn's."""
     for j in range(start, end - 1):  # none of these is the walk's last tile (total - 1)
         acc, m_i, l_i = _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2, FIXED,
-                                      False, TESTED)
+                                      False, TESTED, KEY_SPLIT, PART)
     if end > start:
         acc, m_i, l_i = _tile_in_turn(walk, end - 1, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2,
-                                      FIXED, True, TESTED)
+                                      FIXED, True, TESTED, KEY_SPLIT, PART)
     return acc, m_i, l_i
 
 
 @gluon.jit
 def _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr, MAYBE_LAST: gl.constexpr,
-                  TESTED: gl.constexpr):
+                  TESTED: gl.constexpr, KEY_SPLIT: gl.constexpr = 1, PART: gl.constexpr = 0):
     """Key tile j of a consumer's walk in turn (_walk_in_turn's, whose arguments these are): its products and
     softmax, (acc, m_i, l_i) after it. MAYBE_LAST: j may be the walk's last tile, whose sub tiles past its own
     keys are masked when the sub tiles do not fill it (_scores_masked); else that test is left out. TESTED: as
-    _tiles_in_turn's."""
+    _tiles_in_turn's. KEY_SPLIT: j is the part's own j-th tile, the walk's j * KEY_SPLIT + PART, taken in steps
+    (_tile_in_steps)."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
      scale_log2, base) = walk
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    if KEY_SPLIT > 1:
+        j = j * KEY_SPLIT + PART
     stage = (base + j) % STAGES
     phase = ((base + j) // STAGES) & 1
     mbarrier.wait(k_ready.index(stage), phase)
-    qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    qk = warpgroup_mma_wait(0, deps=(qk, ))
-    qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N,
-                        CAUSAL and TESTED, MAYBE_LAST)
-    p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2, FIXED)
-    if not FIXED:
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        m_i = m_new
-    p_op = gl.convert_layout(p.to(q.dtype), p_layout)
-    # (waiting for V while Q K^T runs instead measured 3-10% slower at D=64: kernels/README.md)
-    mbarrier.wait(v_ready.index(stage), phase)
-    acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
-    acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+    if KEY_SPLIT > 1:
+        acc, m_i, l_i = _tile_in_steps(walk, j, stage, phase, acc, m_i, l_i, BLOCK_KV, SUB_N, EMULATE_EXP2, FIXED,
+                                       MAYBE_LAST)
+    else:
+        qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(0, deps=(qk, ))
+        qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N,
+                            CAUSAL and TESTED, MAYBE_LAST)
+        p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2, FIXED)
+        if not FIXED:
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            m_i = m_new
+        p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+        # (waiting for V while Q K^T runs instead measured 3-10% slower at D=64: kernels/README.md)
+        mbarrier.wait(v_ready.index(stage), phase)
+        acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        mbarrier.arrive(kv_empty.index(stage), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _tile_in_steps(walk, j, stage, phase, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
+                   EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr, MAYBE_LAST: gl.constexpr):
+    """Key tile j of a walk split between consumer pairs (KEY_SPLIT_DIMS; never causal), its K in stage `stage`
+    (k_ready's wait done): its TILE_N keys in steps of _STEP_N, each step's products and softmax in turn, so that
+    the scores take _STEP_N columns of registers, not TILE_N (the zeros that Q K^T's accumulator starts from are
+    made each step rather than held through the walk). (acc, m_i, l_i) after it. (Arguments as _tile_in_turn's.)"""
+    (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
+     scale_log2, base) = walk
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+    row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    s_layout: gl.constexpr = s_zero.type.layout
+    TILE_N: gl.constexpr = k_smem.shape[1]
+    k_tile = k_smem.index(stage)
+    v_tile = v_smem.index(stage)
+    for step in gl.static_range(TILE_N // _STEP_N):
+        zeros = gl.zeros([_ROWS, _STEP_N], gl.float32, s_layout)
+        qk = warpgroup_mma(q, k_tile.slice(step * _STEP_N, _STEP_N).permute((1, 0)), zeros, use_acc=False,
+                           is_async=True)
+        qk = warpgroup_mma_wait(0, deps=(qk, ))
+        qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N, False,
+                            MAYBE_LAST, TILE_N, step * _STEP_N)
+        p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, False, EMULATE_EXP2, FIXED)
+        if not FIXED:
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            m_i = m_new
+        p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+        if step == 0:
+            mbarrier.wait(v_ready.index(stage), phase)
+        acc = warpgroup_mma(p_op, v_tile.slice(step * _STEP_N, _STEP_N), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(kv_empty.index(stage), count=1)
     return acc, m_i, l_i
 
@@ -532,7 +605,8 @@ def _keeps_offsets(bound, m_i, dtype: gl.constexpr):
 def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
               TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
               EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr, FIXED_OFFSETS: gl.constexpr,
-              CHECK_RISE: gl.constexpr, PERSISTENT: gl.constexpr, CLAIMED: gl.constexpr):
+              CHECK_RISE: gl.constexpr, PERSISTENT: gl.constexpr, CLAIMED: gl.constexpr, KEY_SPLIT: gl.constexpr,
+              PART: gl.constexpr):
     """A consumer warpgroup: query rows HALF*64 .. HALF*64+63 of its program's work items (_consumer_item), one
     (_grid_item), or under PERSISTENT its turns' items (_turns, _turn_item), or under CLAIMED those its loader
     claims and posts (_posted_item), the ring's stages and the barriers' phases going on from one item to the next.
@@ -545,7 +619,7 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
         item = _posted_item(ring[8])
         while item >= 0:
             base = _consumer_item(shared, item, turn, base, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL,
-                                  OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)
+                                  OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, KEY_SPLIT, PART)
             turn += 1
             mbarrier.wait(ring[3], turn & 1)
             item = _posted_item(ring[8])
@@ -554,24 +628,29 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
         base = gl.program_id(0) * 0  # ring position of the item's first key tile (the items' before it), int32
         for turn in range(_turns(lists)):
             base = _consumer_item(shared, _turn_item(lists, turn), turn, base, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N,
-                                  STAGES, CAUSAL, OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)
+                                  STAGES, CAUSAL, OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE,
+                                  KEY_SPLIT, PART)
     else:
         _consumer_item(shared, _grid_item(), 0, 0, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP,
-                       EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE)
+                       EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, KEY_SPLIT, PART)
 
 
 @gluon.jit
 def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr,
                    SUB_N: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                    OVERLAP: gl.constexpr, EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr,
-                   FIXED_OFFSETS: gl.constexpr, CHECK_RISE: gl.constexpr):
+                   FIXED_OFFSETS: gl.constexpr, CHECK_RISE: gl.constexpr, KEY_SPLIT: gl.constexpr = 1,
+                   PART: gl.constexpr = 0):
     """Query rows HALF*64 .. HALF*64+63 of work item `item` (its turn-th in the program; _program): the online
     softmax over the kv list (CAUSAL: keys up to each row's own position only), then Out [B, H, Sq, D] and Lse
     fp32 [B, H, Sq] (natural log; -inf and zeros for a row with no key). Returns the ring position after its key
     tiles, from base before them. shared: the kernel's arguments and buffers, grouped as attention_fwd_ws_kernel
     packs them. OVERLAP: each key tile's Q K^T issued with the previous tile's P V (see OVERLAPPED). FIXED_OFFSETS:
-    see FIXED_OFFSET_DIMS; CHECK_RISE: see RISE_CHECKED_DTYPES."""
-    descs, ring, lists, outputs, norms, kv, scale_log2 = shared
+    see FIXED_OFFSET_DIMS; CHECK_RISE: see RISE_CHECKED_DTYPES. KEY_SPLIT 2 (KEY_SPLIT_DIMS; not CAUSAL, not
+    OVERLAP): the rows' walk covers the key tiles PART, PART + 2, ... only, and the PART 1 consumer hands its
+    offsets, sums and accumulator to the PART 0 one (_hand_over), which merges them with its own (_merged) and stores
+    the rows."""
+    descs, ring, lists, outputs, norms, kv, scale_log2, merge = shared
     Q_DESC = descs[0]
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, item_smem = ring
     KEY_NORMS, stride_nb, stride_nh = norms
@@ -586,8 +665,10 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
     dtype: gl.constexpr = Q_DESC.dtype
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
 
+    gl.static_assert(KEY_SPLIT == 1 or not (CAUSAL or OVERLAP), "a split walk is neither causal nor overlapped")
+    SCORE_N: gl.constexpr = _STEP_N if KEY_SPLIT > 1 else TILE_N  # score columns a product (_tile_in_steps)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, TILE_N, 16])
+                                                       instr_shape=[16, SCORE_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -596,7 +677,11 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
     m_i = gl.full([_ROWS], float("-inf"), gl.float32, row_s)  # running max of scaled scores, log2 units
     l_i = gl.zeros([_ROWS], gl.float32, row_s)
     acc = gl.zeros([_ROWS, HEAD_DIM], gl.float32, o_layout)
-    s_zero = gl.zeros([_ROWS, TILE_N], gl.float32, s_layout)
+    s_zero = gl.zeros([_ROWS, SCORE_N], gl.float32, s_layout)
+    # the tiles this consumer walks: all, or under KEY_SPLIT its part's (PART, PART + KEY_SPLIT, ...)
+    mine = total
+    if KEY_SPLIT > 1:
+        mine = (total - PART + KEY_SPLIT - 1) // KEY_SPLIT
     first_row = start_m + HALF * _ROWS
     rows_s = first_row + gl.arange(0, _ROWS, row_s)
     q = q_smem.index(HALF).reshape([_ROWS, HEAD_DIM])
@@ -613,21 +698,21 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
             if not CHECKED:  # the rows' bounds before the first tile, whose work hides their loads
                 bound = _score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2, o_layout,
                                       row_s)
-            acc, m_i, l_i = _walk_in_turn(walk, 0, gl.minimum(total, 1), acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES,
-                                          CAUSAL, EMULATE_EXP2, False)
+            acc, m_i, l_i = _walk_in_turn(walk, 0, gl.minimum(mine, 1), acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES,
+                                          CAUSAL, EMULATE_EXP2, False, KEY_SPLIT, PART)
             # after the first tile, the offsets it leaves
             keep = _all_seen(m_i) if CHECKED else _keeps_offsets(bound, m_i, dtype)
             if keep:
-                acc, m_i, l_i = _walk_in_turn(walk, 1, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                              EMULATE_EXP2, True)
+                acc, m_i, l_i = _walk_in_turn(walk, 1, mine, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
+                                              EMULATE_EXP2, True, KEY_SPLIT, PART)
             else:
-                acc, m_i, l_i = _walk_in_turn(walk, 1, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                              EMULATE_EXP2, False)
+                acc, m_i, l_i = _walk_in_turn(walk, 1, mine, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
+                                              EMULATE_EXP2, False, KEY_SPLIT, PART)
             if CHECKED:  # (whichever walk ran: the running maxima's stay in range on finite inputs)
                 again = ~_sums_within(l_i, acc)
         else:
-            acc, m_i, l_i = _walk_in_turn(walk, 0, total, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                          EMULATE_EXP2, False)
+            acc, m_i, l_i = _walk_in_turn(walk, 0, mine, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
+                                          EMULATE_EXP2, False, KEY_SPLIT, PART)
     elif total > 0:
         if FIXED_OFFSETS and not CHECKED:  # (as in the loop without the overlap, above)
             bound = _score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2, o_layout, row_s)
@@ -658,15 +743,56 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
         if CHECKED:  # (as above)
             again = ~_sums_within(l_i, acc)
 
-    if CHECKED:
-        if again:  # cold: a score rose more than 2^RISE_LIMIT past its row's offset (kernels/README.md)
-            _walk_again(shared, item, HALF, BLOCK_Q, BLOCK_KV, CAUSAL, O_THROUGH_TMA)
-            mbarrier.arrive(q_empty, count=1)
+    if KEY_SPLIT > 1 and PART == 1:
+        _hand_over(merge, HALF, acc, m_i, l_i, again)
+        mbarrier.arrive(q_empty, count=1)
+    else:
+        if KEY_SPLIT > 1:
+            acc, m_i, l_i, again = _merged(merge, HALF, turn, acc, m_i, l_i, again)
+        if CHECKED:
+            if again:  # cold: a score rose more than 2^RISE_LIMIT past its row's offset (kernels/README.md)
+                _walk_again(shared, item, HALF, BLOCK_Q, BLOCK_KV, CAUSAL, O_THROUGH_TMA)
+                mbarrier.arrive(q_empty, count=1)
+            else:
+                _release_and_finish(acc, m_i, l_i, shared, q, HALF, off_b, off_h, first_row, rows_s, O_THROUGH_TMA)
         else:
             _release_and_finish(acc, m_i, l_i, shared, q, HALF, off_b, off_h, first_row, rows_s, O_THROUGH_TMA)
-    else:
-        _release_and_finish(acc, m_i, l_i, shared, q, HALF, off_b, off_h, first_row, rows_s, O_THROUGH_TMA)
     return base + total
+
+
+@gluon.jit
+def _hand_over(merge, HALF: gl.constexpr, acc, m_i, l_i, again):
+    """A PART 1 consumer's end of a split walk (KEY_SPLIT_DIMS): its rows' accumulator acc fp32 [64, D], offsets and
+    sums m_i, l_i [64] and whether its walk must be done again (again, a scalar) into the merge buffers of rows
+    HALF, and the PART 0 consumer of those rows told (merged). The buffers are free: the PART 0 consumer read the
+    last item's before it released Q (q_empty), which this item's walk waited for."""
+    merge_acc, merge_rows, merged = merge
+    merge_acc.index(HALF).store(acc)
+    merge_rows.index(3 * HALF).store(m_i)
+    merge_rows.index(3 * HALF + 1).store(l_i)
+    merge_rows.index(3 * HALF + 2).store(gl.zeros_like(l_i) + again.to(gl.float32))
+    _barrier()  # every thread's stores before the one arrival
+    mbarrier.arrive(merged.index(HALF), count=1)
+
+
+@gluon.jit
+def _merged(merge, HALF: gl.constexpr, turn, acc, m_i, l_i, again):
+    """A PART 0 consumer's rows after a split walk (KEY_SPLIT_DIMS): its acc, m_i, l_i (as _hand_over's) merged with
+    the PART 1 consumer's, once handed over (merged's phase: the item's turn), each side rescaled to the larger
+    offset (0 where neither saw a key, as _exp_offset keeps it); again if either side's walk must be done again."""
+    merge_acc, merge_rows, merged = merge
+    row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    mbarrier.wait(merged.index(HALF), turn & 1)
+    m_b = merge_rows.index(3 * HALF).load(m_i.type.layout)
+    l_b = merge_rows.index(3 * HALF + 1).load(m_i.type.layout)
+    again_b = gl.max(merge_rows.index(3 * HALF + 2).load(m_i.type.layout), 0) > 0
+    acc_b = merge_acc.index(HALF).load(acc.type.layout)
+    m_new = gl.maximum(m_i, m_b)
+    offset = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - offset)
+    alpha_b = gl.exp2(m_b - offset)
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None] + acc_b * gl.convert_layout(alpha_b, row_o)[:, None]
+    return acc, m_new, l_i * alpha + l_b * alpha_b, again | again_b
 
 
 @gluon.jit
@@ -689,7 +815,7 @@ def _finish(acc, m_i, l_i, shared, q, HALF: gl.constexpr, off_b, off_h, first_ro
     """A consumer's rows first_row .. first_row+63 of Out and Lse from its walk's accumulator acc [64, D] and its
     rows' offsets and sums m_i, l_i [64] (rows_s: the rows' indices, in m_i's layout): zeros and -inf for a row with
     no key. q: its Q tile in shared memory. (shared: as _consumer's.)"""
-    descs, ring, lists, outputs, norms, kv, scale_log2 = shared
+    descs, ring, lists, outputs, norms, kv, scale_log2, merge = shared
     O_DESC = descs[3]
     q_smem = ring[0]
     Out, Lse, seq_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh = outputs
@@ -743,7 +869,7 @@ def _walk_again(shared, item, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_K
     memory (none is left). It finds its item's place and list again (_program) rather than keep them through the
     walk, which held no registers for it; Q stays in its buffer until it returns. (Parameters as
     _consumer_item's.)"""
-    descs, ring, lists, outputs, norms, kv, scale_log2 = shared
+    descs, ring, lists, outputs, norms, kv, scale_log2, merge = shared
     q_smem = ring[0]
     K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs = kv
     off_b, off_h, off_hkv, start_m, index_row, count = _program(lists, item, BLOCK_Q, CAUSAL)
@@ -821,7 +947,7 @@ def _loader_item(shared, item, turn, base, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.c
     released the last item's (POST: the item posted to them first, _post_item), then each kept key tile's K and V
     into the ring from position base on, a stage once both consumers have released it. Returns the ring position
     after them. (Parameters as _consumer_item's.)"""
-    descs, ring, lists, outputs, norms, kv, scale_log2 = shared
+    descs, ring, lists, outputs, norms, kv, scale_log2, merge = shared
     Q_DESC, K_DESC, V_DESC, O_DESC = descs
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, item_smem = ring
     off_b, off_h, off_hkv, start_m, index_row, count = _program(lists, item, BLOCK_Q, CAUSAL)
@@ -862,7 +988,8 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr = True,
                             EMULATE_EXP2: gl.constexpr = False, O_THROUGH_TMA: gl.constexpr = False,
                             FIXED_OFFSETS: gl.constexpr = False, CHECK_RISE: gl.constexpr = False,
-                            PERSISTENT: gl.constexpr = False, CLAIMED: gl.constexpr = False):
+                            PERSISTENT: gl.constexpr = False, CLAIMED: gl.constexpr = False,
+                            KEY_SPLIT: gl.constexpr = 1):
     """Grid (cdiv(Sq, 128) = q_tiles, launch.batch_head_axes(B, H)), a program a work item (a query tile of a head);
     under PERSISTENT (see PERSISTENT_DIMS) (programs, 1, 1), each taking the items at positions program_id(0) + n *
     programs of ITEM_ORDER int32 [items = q_tiles * B * H] (query_tile_order) in turn, else ITEM_ORDER None; under
@@ -878,7 +1005,8 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     FIXED_OFFSETS (see FIXED_OFFSET_DIMS) without CHECK_RISE (RISE_CHECKED_DTYPES): KEY_NORMS fp32 [B, Hkv,
     KEY_NORM_PARTS] (last dim contiguous, key_norm_parts), whose maximum over the parts bounds a kv head's key norms;
     else None. K and V: k and v's pointers (strides stride_k* / stride_v*, last dim contiguous), which only
-    CHECK_RISE's cold walk again reads."""
+    CHECK_RISE's cold walk again reads. KEY_SPLIT 2 (KEY_SPLIT_DIMS): four consumers, a pair of them on each half
+    of the key tiles (_consumer_item)."""
     q_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2] + Q_DESC.block_type.shape, Q_DESC.layout)
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
     # a stage: one [TILE_N, D] key tile, which the loader fills with TILE_N // SUB_N boxes of SUB_N keys (_sub_tile)
@@ -892,8 +1020,22 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # CLAIMED: the item the loader claimed, posted to the consumers (_post_item)
     item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    # KEY_SPLIT: what a PART 1 consumer hands the PART 0 one of its rows (_hand_over): accumulator [64, D] and
+    # offsets, sums and the again flag [64] per half of the rows, and the barriers that tell it. Without a key
+    # split nothing reads them, and buffers that exist anyway stand in, so that the kernel allocates nothing more.
+    if KEY_SPLIT > 1:
+        merged = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        merge = (gl.allocate_shared_memory(gl.float32, [2, _ROWS, HEAD_DIM],
+                                           gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])),
+                 gl.allocate_shared_memory(gl.float32, [6, _ROWS], gl.SwizzledSharedLayout(1, 1, 1, order=[0])),
+                 merged)
+    else:
+        merge = (item_smem, item_smem, q_ready)
     mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=2)  # both consumers release their half of Q
+    mbarrier.init(q_empty, count=2 * KEY_SPLIT)  # every consumer releases its half of Q
+    if KEY_SPLIT > 1:
+        mbarrier.init(merge[2].index(0), count=1)
+        mbarrier.init(merge[2].index(1), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -909,28 +1051,54 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
                stride_ib, stride_ih, stride_iq),
               (Out, Lse, seq_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh),
               (KEY_NORMS, stride_nb, stride_nh),
-              (K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs), scale_log2)
-    gl.warp_specialize([
-        (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED)),
-        (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                     O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED)),
-        (_loader, (shared, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, PERSISTENT, CLAIMED)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+              (K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs), scale_log2, merge)
+    if KEY_SPLIT > 1:
+        gl.warp_specialize([
+            (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
+                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, FIRST)),
+            (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
+                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, FIRST)),
+            (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
+                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, SECOND)),
+            (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
+                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, SECOND)),
+            (_loader, (shared, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, PERSISTENT, CLAIMED)),
+        ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
+                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, FIRST)),
+            (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
+                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, FIRST)),
+            (_loader, (shared, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, PERSISTENT, CLAIMED)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 class Plan(NamedTuple):
     """The kernel's sub tile height (keys per TMA box: the largest of the tile, 128 and 64 that divides the key
     block it walks), whether it tests the causal diagonal, its keys a tile (TILE_KEYS) and whether its consumers
     overlap a tile's products with the softmax (OVERLAPPED), whether its rows' offsets may stay fixed
-    (FIXED_OFFSET_DIMS), and how many 64-key blocks it walks each listed key block as (SPLIT_KEY_BLOCK_DIMS; 1: as
-    listed)."""
+    (FIXED_OFFSET_DIMS), how many 64-key blocks it walks each listed key block as (SPLIT_KEY_BLOCK_DIMS; 1: as
+    listed), and how many consumer pairs split the key tiles (KEY_SPLIT_DIMS; 1: one pair walks them all)."""
     sub_n: int
     causal: bool = False
     tile_n: int = 128
     overlap: bool = True
     fixed_offsets: bool = False
     block_parts: int = 1
+    key_split: int = 1
+
+    def stages(self, dim: int) -> int:
+        """The ring's stages at head dim `dim` (STAGES, or KEY_SPLIT_STAGES under a key split)."""
+        return KEY_SPLIT_STAGES if self.key_split > 1 else STAGES[dim]
+
+    def consumer_regs(self) -> int:
+        """Registers a consumer thread takes (setmaxnreg)."""
+        return KEY_SPLIT_REGS if self.key_split > 1 else CONSUMER_REGS
+
+    def launch_options(self) -> dict:
+        """num_warps and the launch's register bound."""
+        return KEY_SPLIT_LAUNCH_OPTIONS if self.key_split > 1 else LAUNCH_OPTIONS
 
 
 def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_kv: int, *, is_causal: bool,
@@ -973,13 +1141,15 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, b
 
 
 def _plan(block_kv: int, dim: int, causal: bool) -> Plan:
-    """The tiling of a call that qualifies: key tiles of TILE_KEYS[dim] keys, sub tiles and key blocks as Plan
-    says."""
-    tile_n = TILE_KEYS.get(dim, 128)
+    """The tiling of a call that qualifies: key tiles of TILE_KEYS[dim] keys (KEY_SPLIT_TILE_N under a key split),
+    sub tiles and key blocks as Plan says."""
+    key_split = 2 if dim in KEY_SPLIT_DIMS and not causal else 1
+    tile_n = KEY_SPLIT_TILE_N if key_split > 1 else TILE_KEYS.get(dim, 128)
     parts = block_kv // 64 if dim in SPLIT_KEY_BLOCK_DIMS and not causal else 1
     sub_n = next(n for n in (tile_n, 128, 64) if block_kv // parts % n == 0)
-    overlap = OVERLAPPED.get(dim, True)
-    return Plan(sub_n, causal, tile_n, overlap, dim in FIXED_OFFSET_DIMS and not (causal and overlap), parts)
+    overlap = OVERLAPPED.get(dim, True) and key_split == 1
+    return Plan(sub_n, causal, tile_n, overlap, dim in FIXED_OFFSET_DIMS and not (causal and overlap), parts,
+                key_split)
 
 
 _GL_DTYPES = {torch.bfloat16: ("bf16", gl.bfloat16), torch.float16: ("fp16", gl.float16),
@@ -1036,9 +1206,9 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
             **stride_args("c", kv_count, "bh"), **stride_args("i", kv_index, "bhq"), **stride_args("o", out, "bhs"),
             **stride_args("l", lse, "bh"), **stride_args("n", key_norms, "bh"), **stride_args("k", k, "bhs"),
             **stride_args("v", v, "bhs"), BLOCK_Q=block_q, BLOCK_KV=block_kv,
-            SUB_N=chosen.sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap, STAGES=STAGES[dim],
-            CAUSAL=chosen.causal, FIXED_OFFSETS=chosen.fixed_offsets, CONSUMER_REGS=CONSUMER_REGS,
-            LOADER_REGS=LOADER_REGS, **settings, **unused)
+            SUB_N=chosen.sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap, STAGES=chosen.stages(dim),
+            CAUSAL=chosen.causal, FIXED_OFFSETS=chosen.fixed_offsets, CONSUMER_REGS=chosen.consumer_regs(),
+            LOADER_REGS=LOADER_REGS, KEY_SPLIT=chosen.key_split, **settings, **unused)
         # O_DESC only when out goes through the TMA unit; else None: no descriptor to build or encode on relaunches
         if settings["O_THROUGH_TMA"]:
             descriptors["O_DESC"] = host_descriptor(out, CONSUMER_ROWS)
@@ -1066,8 +1236,9 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
         # the programs' claims start at 0 each launch (a memset before the kernel; the counter ends past the items)
         tensors["ITEM_COUNTER"] = torch.zeros(1, dtype=torch.int32, device=q.device)
     # (the persistent grid's size is arguments()'s too)
-    launch_warp_specialized(attention_fwd_ws_kernel, (block_q, block_kv, scale_log2, chosen, STAGES[dim],
-                                                      *settings.values(), PERSISTENT_PROGRAMS), tensors, arguments)
+    launch_warp_specialized(attention_fwd_ws_kernel, (block_q, block_kv, scale_log2, chosen, chosen.stages(dim),
+                                                      *settings.values(), PERSISTENT_PROGRAMS), tensors, arguments,
+                            chosen.launch_options())
 
 
 def query_tile_order(kv_count: torch.Tensor, batch: int, heads: int, group_size: int, block_q: int,
@@ -1162,21 +1333,24 @@ def _unused_arguments(chosen: Plan, settings: dict) -> dict:
 
 
 def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
-                            arguments: Callable[[], tuple]) -> None:
-    """Launch kernel_fn, this module's kernel or backward_ws's, with LAUNCH_CONFIG. tensors: every tensor argument
-    by name (a descriptor argument's: the tensor it describes); site_key: everything else arguments() depends on;
-    arguments() -> (grid, {descriptor argument: host descriptor}, {name: every other argument}). With LAUNCH_PLANS
-    through launch.run, which calls arguments() on a plan miss only."""
+                            arguments: Callable[[], tuple], options: Optional[dict] = None) -> None:
+    """Launch kernel_fn, this module's kernel or backward_ws's, with `options` (num_warps and maxnreg; None:
+    LAUNCH_OPTIONS). tensors: every tensor argument by name (a descriptor argument's: the tensor it describes);
+    site_key: everything else arguments() depends on; arguments() -> (grid, {descriptor argument: host
+    descriptor}, {name: every other argument}). With LAUNCH_PLANS through launch.run, which calls arguments() on a
+    plan miss only."""
+    options = LAUNCH_OPTIONS if options is None else options
     if LAUNCH_PLANS:
         def spec() -> launch.LaunchSpec:
             grid, descriptors, static = arguments()
-            return launch.LaunchSpec(grid=lambda meta: grid, configs=[LAUNCH_CONFIG], tuning_key=(),
+            config = LAUNCH_CONFIG if options is LAUNCH_OPTIONS else triton.Config({}, **options)
+            return launch.LaunchSpec(grid=lambda meta: grid, configs=[config], tuning_key=(),
                                      static={**descriptors, **static})
         launch.run(kernel_fn, site_key, tensors, spec)
         return
     grid, descriptors, static = arguments()
     plain = {name: t for name, t in tensors.items() if name not in descriptors}
-    kernel_fn[grid](**descriptors, **plain, **static, **LAUNCH_OPTIONS)
+    kernel_fn[grid](**descriptors, **plain, **static, **options)
 
 
 def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
@@ -1205,8 +1379,9 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     settings = {name: overrides[name] if overrides.get(name) is not None else value
                 for name, value in settings.items()}
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap,
-                     STAGES=STAGES[dim], CAUSAL=causal, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
-                     FIXED_OFFSETS=chosen.fixed_offsets, **settings, **_unused_arguments(chosen, settings))
+                     STAGES=chosen.stages(dim), CAUSAL=causal, CONSUMER_REGS=chosen.consumer_regs(),
+                     LOADER_REGS=LOADER_REGS, FIXED_OFFSETS=chosen.fixed_offsets, KEY_SPLIT=chosen.key_split,
+                     **settings, **_unused_arguments(chosen, settings))
     signature = {}
     for param in attention_fwd_ws_kernel.params:
         if param.name in constants:
@@ -1222,4 +1397,4 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     source = GluonASTSource(attention_fwd_ws_kernel, signature, constants)
     # with the options every launch passes (autotune.COMPILE_OPTIONS), so that what compiles here is what runs
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=dict(LAUNCH_OPTIONS, **autotune.COMPILE_OPTIONS))
+                          options=dict(chosen.launch_options(), **autotune.COMPILE_OPTIONS))
