@@ -99,7 +99,9 @@ OVERLAPPED = {128: True, 64: False}
 # 128-key one's, a consumer takes each 128-key tile (KEY_SPLIT_TILE_N) in two steps of KEY_SPLIT_STEP_N keys
 # (kernels/README.md, "Keys split between consumer pairs"). The experiment (`benchmarks/exp_key_split.py`, H100, B1
 # H24 S32k D=64 bf16, 128x128, a program a tile, no rise check) ran 1.16x / 1.05-1.07x / 1.02x / 1.05-1.06x as fast
-# as this kernel at d=1 / 0.5 / 0.25 / 0.1 (sixtieth session).
+# as this kernel at d=1 / 0.5 / 0.25 / 0.1 (sixtieth session). Off: built here the same session, it has not yet run on
+# a GPU (its oracle tests: tests/test_forward_ws.py, "key_split"; its A/B: `benchmarks/ws_forward_ab.py --setting
+# key-split --cases d64`).
 KEY_SPLIT_DIMS: tuple = ()
 KEY_SPLIT_TILE_N = 128
 KEY_SPLIT_STEP_N = 64
