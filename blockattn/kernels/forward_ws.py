@@ -466,68 +466,51 @@ def _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.cons
     """Key tile j of a consumer's walk in turn (_walk_in_turn's, whose arguments these are): its products and
     softmax, (acc, m_i, l_i) after it. MAYBE_LAST: j may be the walk's last tile, whose sub tiles past its own
     keys are masked when the sub tiles do not fill it (_scores_masked); else that test is left out. TESTED: as
-    _tiles_in_turn's. KEY_SPLIT: j is the part's own j-th tile, the walk's j * KEY_SPLIT + PART, taken in steps
-    (_tile_in_steps)."""
-    (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
-     scale_log2, base) = walk
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
-    row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    if KEY_SPLIT > 1:
-        j = j * KEY_SPLIT + PART
-    stage = (base + j) % STAGES
-    phase = ((base + j) // STAGES) & 1
-    mbarrier.wait(k_ready.index(stage), phase)
-    if KEY_SPLIT > 1:
-        acc, m_i, l_i = _tile_in_steps(walk, j, stage, phase, acc, m_i, l_i, BLOCK_KV, SUB_N, EMULATE_EXP2, FIXED,
-                                       MAYBE_LAST)
-    else:
-        qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(0, deps=(qk, ))
-        qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N,
-                            CAUSAL and TESTED, MAYBE_LAST)
-        p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2, FIXED)
-        if not FIXED:
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            m_i = m_new
-        p_op = gl.convert_layout(p.to(q.dtype), p_layout)
-        # (waiting for V while Q K^T runs instead measured 3-10% slower at D=64: kernels/README.md)
-        mbarrier.wait(v_ready.index(stage), phase)
-        acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-        mbarrier.arrive(kv_empty.index(stage), count=1)
-    return acc, m_i, l_i
-
-
-@gluon.jit
-def _tile_in_steps(walk, j, stage, phase, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
-                   EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr, MAYBE_LAST: gl.constexpr):
-    """Key tile j of a walk split between consumer pairs (KEY_SPLIT_DIMS; never causal), its K in stage `stage`
-    (k_ready's wait done): its TILE_N keys in steps of _STEP_N, each step's products and softmax in turn, so that
-    the scores take _STEP_N columns of registers, not TILE_N (the zeros that Q K^T's accumulator starts from are
-    made each step rather than held through the walk). (acc, m_i, l_i) after it. (Arguments as _tile_in_turn's.)"""
+    _tiles_in_turn's. KEY_SPLIT: j is the part's own j-th tile, the walk's j * KEY_SPLIT + PART. A tile whose keys
+    outnumber the scores' columns (s_zero's: under KEY_SPLIT, _STEP_N) goes in steps of that many keys, each step's
+    products and softmax in turn, one V wait before the first and one release after the last."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
      scale_log2, base) = walk
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     s_layout: gl.constexpr = s_zero.type.layout
     TILE_N: gl.constexpr = k_smem.shape[1]
-    k_tile = k_smem.index(stage)
-    v_tile = v_smem.index(stage)
-    for step in gl.static_range(TILE_N // _STEP_N):
-        zeros = gl.zeros([_ROWS, _STEP_N], gl.float32, s_layout)
-        qk = warpgroup_mma(q, k_tile.slice(step * _STEP_N, _STEP_N).permute((1, 0)), zeros, use_acc=False,
-                           is_async=True)
+    STEP_N: gl.constexpr = s_zero.shape[1]
+    if KEY_SPLIT > 1:
+        j = j * KEY_SPLIT + PART
+    stage = (base + j) % STAGES
+    phase = ((base + j) // STAGES) & 1
+    mbarrier.wait(k_ready.index(stage), phase)
+    # (each build indexes the stage where it did when its SASS was checked: ptxas orders D=64's loop by such things)
+    if TILE_N != STEP_N:
+        k_tile = k_smem.index(stage)
+        v_tile = v_smem.index(stage)
+    for step in gl.static_range(TILE_N // STEP_N):
+        if TILE_N == STEP_N:
+            zeros = s_zero
+            k_step = k_smem.index(stage)
+        else:
+            # the zeros made each step rather than held through the walk: 64 registers at 128 keys, which four
+            # consumers lack
+            zeros = gl.zeros([_ROWS, STEP_N], gl.float32, s_layout)
+            k_step = k_tile.slice(step * STEP_N, STEP_N)
+        qk = warpgroup_mma(q, k_step.permute((1, 0)), zeros, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
-        qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N, False,
-                            MAYBE_LAST, TILE_N, step * _STEP_N)
-        p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, False, EMULATE_EXP2, FIXED)
+        qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N,
+                            CAUSAL and TESTED, MAYBE_LAST, TILE_N, step * STEP_N)
+        p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2, FIXED)
         if not FIXED:
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             m_i = m_new
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+        # (waiting for V while Q K^T runs instead measured 3-10% slower at D=64: kernels/README.md)
         if step == 0:
             mbarrier.wait(v_ready.index(stage), phase)
-        acc = warpgroup_mma(p_op, v_tile.slice(step * _STEP_N, _STEP_N), acc, is_async=True)
+        if TILE_N == STEP_N:
+            v_step = v_smem.index(stage)
+        else:
+            v_step = v_tile.slice(step * STEP_N, STEP_N)
+        acc = warpgroup_mma(p_op, v_step, acc, is_async=True)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(kv_empty.index(stage), count=1)
     return acc, m_i, l_i
@@ -668,7 +651,7 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
 
     gl.static_assert(KEY_SPLIT == 1 or not (CAUSAL or OVERLAP), "a split walk is neither causal nor overlapped")
-    SCORE_N: gl.constexpr = _STEP_N if KEY_SPLIT > 1 else TILE_N  # score columns a product (_tile_in_steps)
+    SCORE_N: gl.constexpr = _STEP_N if KEY_SPLIT > 1 else TILE_N  # score columns a product (_tile_in_turn)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, SCORE_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
