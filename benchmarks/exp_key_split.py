@@ -27,21 +27,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
-from blockattn.kernels.forward_ws import tma_load
-
-# the partition's threads' barrier: gl.barrier from Triton 3.8 on, gl.thread_barrier before
-_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-LOG2E = gl.constexpr(1.4426950408889634)
-CONSUMER_ROWS = 64
-HALF_M = gl.constexpr(CONSUMER_ROWS)
-
-
-@gluon.jit
-def _list_start(KV_COUNT, heads, stride_ch, BLOCK_KV: gl.constexpr, BLOCK_N: gl.constexpr):
-    pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
-    h = bh % heads
-    return pid_m, bh, h, gl.load(KV_COUNT + h * stride_ch + pid_m) * (BLOCK_KV // BLOCK_N)
+from blockattn.kernels.forward_ws import _barrier, tma_load
+# (run from benchmarks/, as the commands above do) the two-consumer experiment's constants and helpers
+from exp_gluon_fwd import CONSUMER_ROWS, HALF_M, LOG2E, _layouts, _list_start
 
 
 @gluon.jit
@@ -105,7 +93,7 @@ def _consumer(shared, HALF: gl.constexpr, PART: gl.constexpr, PARTS: gl.constexp
     """Rows HALF*64 .. +63 over the key tiles PART, PART + PARTS, ... of the list; PART 0 merges and stores."""
     (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, merge_acc, merge_ml, q_ready, k_ready, v_ready, kv_empty,
      merged, Out, Lse, KV_COUNT, KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq) = shared
-    pid_m, bh, h, total = _list_start(KV_COUNT, heads, stride_ch, BLOCK_KV, BLOCK_N)
+    pid_m, bh, h, total = _list_start(KV_COUNT, heads, stride_ch, BLOCK_KV, BLOCK_N, False)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, SUB_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -169,7 +157,7 @@ def _loader(shared, HALF: gl.constexpr, PART: gl.constexpr, PARTS: gl.constexpr,
     """One warp: both halves of Q, then every key tile of the list in order into the ring."""
     (Q_DESC, K_DESC, V_DESC, q_smem, k_smem, v_smem, merge_acc, merge_ml, q_ready, k_ready, v_ready, kv_empty,
      merged, Out, Lse, KV_COUNT, KV_INDEX, scale_log2, seq, heads, stride_ch, stride_ih, stride_iq) = shared
-    pid_m, bh, h, total = _list_start(KV_COUNT, heads, stride_ch, BLOCK_KV, BLOCK_N)
+    pid_m, bh, h, total = _list_start(KV_COUNT, heads, stride_ch, BLOCK_KV, BLOCK_N, False)
     TILES: gl.constexpr = BLOCK_KV // BLOCK_N
     index_row = KV_INDEX + h * stride_ih + pid_m * stride_iq
     q_row = bh * seq + pid_m * (2 * HALF_M)
@@ -234,11 +222,6 @@ def key_split_kernel(Q_DESC, K_DESC, V_DESC, Out, Lse, KV_COUNT, KV_INDEX, scale
             (_consumer, (shared, ONE, ZERO, PARTS, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, FIXED, SUB_N, OVERLAP)),
             (_loader, (shared, ZERO, ZERO, PARTS, BLOCK_KV, BLOCK_N, HEAD_DIM, STAGES, FIXED, SUB_N, OVERLAP)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
-
-
-def _layouts(block_n, dim):
-    return (gl.NVMMASharedLayout.get_default_for([CONSUMER_ROWS, dim], gl.bfloat16),
-            gl.NVMMASharedLayout.get_default_for([block_n, dim], gl.bfloat16))
 
 
 def _regs(parts):
