@@ -64,7 +64,7 @@ SETTINGS = {"rise-checked": (("RISE_CHECKED_DIMS", "RISE_CHECKED_CAUSAL_DIMS"), 
             "persistent": (("PERSISTENT_DIMS", ), "persistent", "a program a tile"),
             "claimed": (("CLAIMED_DIMS", "CLAIMED_CAUSAL_DIMS"), "claimed", "a program a tile or turns"),
             "split-key-blocks": (("SPLIT_KEY_BLOCK_DIMS", ), "64-key blocks", "the mask's blocks"),
-            "key-split": (("KEY_SPLIT_DIMS", ), "four consumers", "two consumers"),
+            "key-split": (("KEY_SPLIT_DIMS", "KEY_SPLIT_CAUSAL_DIMS"), "four consumers", "two consumers"),
             "null": ((), "first", "second")}
 ATTRIBUTES = [attribute for attributes, _, _ in SETTINGS.values() for attribute in attributes]
 

@@ -44,10 +44,11 @@ def _plan_for_block(block_kv: int, causal: bool = False, dim: int = 128) -> forw
     64-key ones at SPLIT_KEY_BLOCK_DIMS where not causal, in sub tiles of the largest of the tile, 128 and 64 that
     divides the block it walks."""
     parts = block_kv // 64 if dim in forward_ws.SPLIT_KEY_BLOCK_DIMS and not causal else 1
-    if dim in forward_ws.KEY_SPLIT_DIMS and not causal:  # four consumers: 128-key tiles in 64-key steps
+    if dim in (forward_ws.KEY_SPLIT_CAUSAL_DIMS if causal else forward_ws.KEY_SPLIT_DIMS):
+        # four consumers: 128-key tiles in 64-key steps
         sub_n = next(n for n in (forward_ws.KEY_SPLIT_TILE_N, 128, 64) if block_kv // parts % n == 0)
-        return forward_ws.Plan(sub_n, False, forward_ws.KEY_SPLIT_TILE_N, False, dim in forward_ws.FIXED_OFFSET_DIMS,
-                               parts, 2)
+        return forward_ws.Plan(sub_n, causal, forward_ws.KEY_SPLIT_TILE_N, False,
+                               dim in forward_ws.FIXED_OFFSET_DIMS, parts, 2)
     sub_n = next(n for n in (forward_ws.TILE_KEYS[dim], 128, 64) if block_kv // parts % n == 0)
     return _plan(sub_n, causal, dim)._replace(block_parts=parts)
 
@@ -157,7 +158,8 @@ def test_head_dims_it_takes(monkeypatch):
     def dims(d, dv):
         return dict(q=meta(2, 4, 1000, d), k=meta(2, 2, 1024, d), v=meta(2, 2, 1024, dv))
     monkeypatch.setattr(forward_ws, "MIN_KEYS", {})  # (1024 keys: short of D=64's minimum, tested below)
-    monkeypatch.setattr(forward_ws, "KEY_SPLIT_DIMS", ())  # (two consumers' tiles: test_key_split_in_the_plan)
+    for setting in ("KEY_SPLIT_DIMS", "KEY_SPLIT_CAUSAL_DIMS"):  # (two consumers' tiles: test_key_split_in_the_plan)
+        monkeypatch.setattr(forward_ws, setting, ())
     # at D=64 256-key tiles without the overlap, over 64-key blocks (SPLIT_KEY_BLOCK_DIMS) in 64-key boxes
     assert _qualifies(**dims(64, 64)) == forward_ws.Plan(64, tile_n=256, overlap=False, fixed_offsets=True,
                                                        block_parts=2)
@@ -274,7 +276,8 @@ def _assert_compiles(call: str, spill_budget: int = SPILL_BUDGET, plan=None) -> 
 
 def test_key_split_in_the_plan(monkeypatch):
     """KEY_SPLIT_DIMS: at its head dims, where not causal, four consumers (key_split 2) walk 128-key tiles without the
-    overlap, with their own ring depth, registers and launch bound; causal calls and other head dims keep two."""
+    overlap, with their own ring depth, registers and launch bound; causal calls (unless at KEY_SPLIT_CAUSAL_DIMS)
+    and other head dims keep two."""
     monkeypatch.setattr(forward_ws, "KEY_SPLIT_DIMS", (64, ))
     split = forward_ws._plan(128, 64, False)
     assert (split.key_split, split.tile_n, split.overlap) == (2, forward_ws.KEY_SPLIT_TILE_N, False)
@@ -287,15 +290,22 @@ def test_key_split_in_the_plan(monkeypatch):
         assert plan.key_split == 1 and plan.launch_options() is forward_ws.LAUNCH_OPTIONS
     monkeypatch.setattr(forward_ws, "KEY_SPLIT_DIMS", ())
     assert forward_ws._plan(128, 64, False).key_split == 1
+    # under is_causal, KEY_SPLIT_CAUSAL_DIMS alone decides
+    monkeypatch.setattr(forward_ws, "KEY_SPLIT_CAUSAL_DIMS", (64, ))
+    causal = forward_ws._plan(64, 64, True)
+    assert (causal.key_split, causal.causal, causal.tile_n, causal.sub_n, causal.overlap) == (2, True, 128, 64, False)
+    assert forward_ws._plan(128, 64, False).key_split == 1 and forward_ws._plan(128, 128, True).key_split == 1
 
 
-@pytest.mark.parametrize("blocks, dtype, claimed", [((128, 128), "bfloat16", None), ((128, 64), "float16", None),
-                                                    ((256, 256), "bfloat16", False)])
-def test_compiles_with_the_key_split(blocks, dtype, claimed):
-    """Four consumers at D=64 (KEY_SPLIT_DIMS): KEY_SPLIT_REGS registers a consumer thread, wgmma and TMA, shared
-    memory within Hopper's and SPILL_BUDGET_KEY_SPLIT's stack."""
-    report = sm90_report("setattr(forward_ws, 'KEY_SPLIT_DIMS', (64, )) or forward_ws.compile_sm90("
-                         f"{blocks[0]}, {blocks[1]}, torch.{dtype}, dim=64, claimed={claimed})")
+@pytest.mark.parametrize("blocks, dtype, claimed, causal", [
+    ((128, 128), "bfloat16", None, False), ((128, 64), "float16", None, False), ((256, 256), "bfloat16", False, False),
+    ((128, 64), "bfloat16", None, True), ((128, 128), "float16", True, True)])
+def test_compiles_with_the_key_split(blocks, dtype, claimed, causal):
+    """Four consumers at D=64 (KEY_SPLIT_DIMS, KEY_SPLIT_CAUSAL_DIMS): KEY_SPLIT_REGS registers a consumer thread,
+    wgmma and TMA, shared memory within Hopper's and SPILL_BUDGET_KEY_SPLIT's stack."""
+    report = sm90_report("setattr(forward_ws, 'KEY_SPLIT_DIMS', (64, )) or "
+                         "setattr(forward_ws, 'KEY_SPLIT_CAUSAL_DIMS', (64, )) or forward_ws.compile_sm90("
+                         f"{blocks[0]}, {blocks[1]}, torch.{dtype}, dim=64, claimed={claimed}, causal={causal})")
     assert {forward_ws.KEY_SPLIT_REGS, forward_ws.LOADER_REGS} <= set(report["registers"]), report
     assert report["wgmma"] and report["tma"] and report["shared"] <= 227 * 1024, report
     assert "LOCAL:0" in report["usage"] and stack_bytes(report) <= SPILL_BUDGET_KEY_SPLIT, report["usage"]
@@ -511,14 +521,16 @@ KEY_SPLIT_CASES = {
 
 @pytest.mark.parametrize("grid", [None, "turns", "claimed"])
 @pytest.mark.parametrize("case", ["128x128 bf16", "128x64 bf16", *KEY_SPLIT_CASES, *SPLIT_CASES,
-                                  "128x64 fp16 causal gqa"])
+                                  "128x64 fp16 causal gqa", "128x192 bf16 causal"])
 def test_keys_split_between_consumer_pairs_against_the_oracle(case, grid, monkeypatch, poisoned,
                                                               warp_specialized_calls):
-    """KEY_SPLIT_DIMS: D=64 with four consumers, each pair on every other key tile, the PART 1 consumers' rows merged
-    into the PART 0 ones' (bf16 with the rise checked, fp16 with the bound; a query block that keeps nothing, parts
-    with no tile), a program an item or on the persistent grid (where the merge buffers pass from item to item);
-    causal calls keep two consumers."""
+    """KEY_SPLIT_DIMS and KEY_SPLIT_CAUSAL_DIMS: D=64 with four consumers, each pair on every other key tile, the PART
+    1 consumers' rows merged into the PART 0 ones' (bf16 with the rise checked, fp16 with the bound; a query block
+    that keeps nothing, parts with no tile; under is_causal, each part's tiles crossing the diagonal tested, rows
+    that one part saw no key of), a program an item or on the persistent grid (where the merge buffers pass from
+    item to item)."""
     monkeypatch.setattr(forward_ws, "KEY_SPLIT_DIMS", (64, ))
+    monkeypatch.setattr(forward_ws, "KEY_SPLIT_CAUSAL_DIMS", (64, ))
     set_grid(monkeypatch, grid)
     monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 5)
     _check_head_dim_64_case(case, monkeypatch, warp_specialized_calls,

@@ -103,6 +103,9 @@ OVERLAPPED = {128: True, 64: False}
 # a GPU (its oracle tests: tests/test_forward_ws.py, "key_split"; its A/B: `benchmarks/ws_forward_ab.py --setting
 # key-split --cases d64`).
 KEY_SPLIT_DIMS: tuple = ()
+# The same under is_causal: each part's tiles before the walk's first tested one skip the causal test, as with two
+# consumers. Off: not yet run on a GPU (sixty-first session).
+KEY_SPLIT_CAUSAL_DIMS: tuple = ()
 KEY_SPLIT_TILE_N = 128
 KEY_SPLIT_STEP_N = 64
 KEY_SPLIT_STAGES = 4
@@ -425,17 +428,20 @@ def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N
     rings, barriers, zeroed scores and list (as _consumer_item packs them). FIXED: the offsets m_i stay (finite, and no
     score above m_i + headroom: FIXED_OFFSET_DIMS), so a tile takes no row maxima and the accumulator no rescale.
     Under CAUSAL the tiles before the first tested one (first_tested) run in a loop of their own, without the causal
-    test (kernels/README.md, "The causal walk split"). KEY_SPLIT (KEY_SPLIT_DIMS; never CAUSAL): start and end count
-    the part's own tiles, the walk's PART, PART + KEY_SPLIT, ..."""
+    test (kernels/README.md, "The causal walk split"). KEY_SPLIT (KEY_SPLIT_DIMS, KEY_SPLIT_CAUSAL_DIMS): start and
+    end count the part's own tiles, the walk's PART, PART + KEY_SPLIT, ..."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
      scale_log2, base) = walk
     if CAUSAL:
-        gl.static_assert(KEY_SPLIT == 1, "the causal walk is not split between consumer pairs")
-        middle = gl.minimum(gl.maximum(first_tested, start), end)
+        # the part's tiles before the walk's first tested one (first_tested's own count of them)
+        untested = first_tested
+        if KEY_SPLIT > 1:
+            untested = (first_tested - PART + KEY_SPLIT - 1) // KEY_SPLIT
+        middle = gl.minimum(gl.maximum(untested, start), end)
         acc, m_i, l_i = _tiles_in_turn(walk, start, middle, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                       EMULATE_EXP2, FIXED, False)
+                                       EMULATE_EXP2, FIXED, False, KEY_SPLIT, PART)
         acc, m_i, l_i = _tiles_in_turn(walk, middle, end, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                       EMULATE_EXP2, FIXED, True)
+                                       EMULATE_EXP2, FIXED, True, KEY_SPLIT, PART)
     else:
         acc, m_i, l_i = _tiles_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
                                        EMULATE_EXP2, FIXED, True, KEY_SPLIT, PART)
@@ -631,8 +637,8 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
     fp32 [B, H, Sq] (natural log; -inf and zeros for a row with no key). Returns the ring position after its key
     tiles, from base before them. shared: the kernel's arguments and buffers, grouped as attention_fwd_ws_kernel
     packs them. OVERLAP: each key tile's Q K^T issued with the previous tile's P V (see OVERLAPPED). FIXED_OFFSETS:
-    see FIXED_OFFSET_DIMS; CHECK_RISE: see RISE_CHECKED_DTYPES. KEY_SPLIT 2 (KEY_SPLIT_DIMS; not CAUSAL, not
-    OVERLAP): the rows' walk covers the key tiles PART, PART + 2, ... only, and the PART 1 consumer hands its
+    see FIXED_OFFSET_DIMS; CHECK_RISE: see RISE_CHECKED_DTYPES. KEY_SPLIT 2 (KEY_SPLIT_DIMS, KEY_SPLIT_CAUSAL_DIMS;
+    not OVERLAP): the rows' walk covers the key tiles PART, PART + 2, ... only, and the PART 1 consumer hands its
     offsets, sums and accumulator to the PART 0 one (_hand_over), which merges them with its own (_merged) and stores
     the rows."""
     descs, ring, lists, outputs, norms, kv, scale_log2, merge = shared
@@ -650,7 +656,7 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
     dtype: gl.constexpr = Q_DESC.dtype
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
 
-    gl.static_assert(KEY_SPLIT == 1 or not (CAUSAL or OVERLAP), "a split walk is neither causal nor overlapped")
+    gl.static_assert(KEY_SPLIT == 1 or not OVERLAP, "a split walk is not overlapped")
     SCORE_N: gl.constexpr = _STEP_N if KEY_SPLIT > 1 else TILE_N  # score columns a product (_tile_in_turn)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, SCORE_N, 16])
@@ -990,8 +996,8 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     FIXED_OFFSETS (see FIXED_OFFSET_DIMS) without CHECK_RISE (RISE_CHECKED_DTYPES): KEY_NORMS fp32 [B, Hkv,
     KEY_NORM_PARTS] (last dim contiguous, key_norm_parts), whose maximum over the parts bounds a kv head's key norms;
     else None. K and V: k and v's pointers (strides stride_k* / stride_v*, last dim contiguous), which only
-    CHECK_RISE's cold walk again reads. KEY_SPLIT 2 (KEY_SPLIT_DIMS): four consumers, a pair of them on each half
-    of the key tiles (_consumer_item)."""
+    CHECK_RISE's cold walk again reads. KEY_SPLIT 2 (KEY_SPLIT_DIMS, KEY_SPLIT_CAUSAL_DIMS): four consumers, a pair of
+    them on each half of the key tiles (_consumer_item)."""
     q_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2] + Q_DESC.block_type.shape, Q_DESC.layout)
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
     # a stage: one [TILE_N, D] key tile, which the loader fills with TILE_N // SUB_N boxes of SUB_N keys (_sub_tile)
@@ -1064,7 +1070,8 @@ class Plan(NamedTuple):
     block it walks), whether it tests the causal diagonal, its keys a tile (TILE_KEYS) and whether its consumers
     overlap a tile's products with the softmax (OVERLAPPED), whether its rows' offsets may stay fixed
     (FIXED_OFFSET_DIMS), how many 64-key blocks it walks each listed key block as (SPLIT_KEY_BLOCK_DIMS; 1: as
-    listed), and how many consumer pairs split the key tiles (KEY_SPLIT_DIMS; 1: one pair walks them all)."""
+    listed), and how many consumer pairs split the key tiles (KEY_SPLIT_DIMS, KEY_SPLIT_CAUSAL_DIMS; 1: one pair walks
+    them all)."""
     sub_n: int
     causal: bool = False
     tile_n: int = 128
@@ -1128,7 +1135,7 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, b
 def _plan(block_kv: int, dim: int, causal: bool) -> Plan:
     """The tiling of a call that qualifies: key tiles of TILE_KEYS[dim] keys (KEY_SPLIT_TILE_N under a key split),
     sub tiles and key blocks as Plan says."""
-    key_split = 2 if dim in KEY_SPLIT_DIMS and not causal else 1
+    key_split = 2 if dim in (KEY_SPLIT_CAUSAL_DIMS if causal else KEY_SPLIT_DIMS) else 1
     tile_n = KEY_SPLIT_TILE_N if key_split > 1 else TILE_KEYS.get(dim, 128)
     parts = block_kv // 64 if dim in SPLIT_KEY_BLOCK_DIMS and not causal else 1
     sub_n = next(n for n in (tile_n, 128, 64) if block_kv // parts % n == 0)
