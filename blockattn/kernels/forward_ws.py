@@ -420,6 +420,15 @@ def _exp2(x, EMULATE: gl.constexpr):
 
 
 @gluon.jit
+def _part_tiles(tiles, KEY_SPLIT: gl.constexpr, PART: gl.constexpr):
+    """How many of a walk's first `tiles` key tiles are part PART's (PART, PART + KEY_SPLIT, ...: KEY_SPLIT_DIMS,
+    KEY_SPLIT_CAUSAL_DIMS); all of them without a split."""
+    if KEY_SPLIT > 1:
+        tiles = (tiles - PART + KEY_SPLIT - 1) // KEY_SPLIT
+    return tiles
+
+
+@gluon.jit
 def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr,
                   KEY_SPLIT: gl.constexpr = 1, PART: gl.constexpr = 0):
@@ -433,11 +442,7 @@ def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
      scale_log2, base) = walk
     if CAUSAL:
-        # the part's tiles before the walk's first tested one (first_tested's own count of them)
-        untested = first_tested
-        if KEY_SPLIT > 1:
-            untested = (first_tested - PART + KEY_SPLIT - 1) // KEY_SPLIT
-        middle = gl.minimum(gl.maximum(untested, start), end)
+        middle = gl.minimum(gl.maximum(_part_tiles(first_tested, KEY_SPLIT, PART), start), end)
         acc, m_i, l_i = _tiles_in_turn(walk, start, middle, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
                                        EMULATE_EXP2, FIXED, False, KEY_SPLIT, PART)
         acc, m_i, l_i = _tiles_in_turn(walk, middle, end, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
@@ -670,9 +675,7 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
     acc = gl.zeros([_ROWS, HEAD_DIM], gl.float32, o_layout)
     s_zero = gl.zeros([_ROWS, SCORE_N], gl.float32, s_layout)
     # the tiles this consumer walks: all, or under KEY_SPLIT its part's (PART, PART + KEY_SPLIT, ...)
-    mine = total
-    if KEY_SPLIT > 1:
-        mine = (total - PART + KEY_SPLIT - 1) // KEY_SPLIT
+    mine = _part_tiles(total, KEY_SPLIT, PART)
     first_row = start_m + HALF * _ROWS
     rows_s = first_row + gl.arange(0, _ROWS, row_s)
     q = q_smem.index(HALF).reshape([_ROWS, HEAD_DIM])
