@@ -329,11 +329,11 @@ def test_compiles_with_the_persistent_grid(blocks, dim, o_through_tma, causal, c
     """The persistent grid (PERSISTENT_DIMS; claimed: its programs claim items from a counter, CLAIMED_DIMS, also
     under is_causal), bf16 with the launch's other settings: as _assert_compiles asks, within
     SPILL_BUDGET_PERSISTENT or SPILL_BUDGET_CLAIMED (SPILL_BUDGET_KEY_SPLIT with four consumers)."""
+    plan = forward_ws._plan(blocks[1], dim, causal)
+    budget = (SPILL_BUDGET_KEY_SPLIT if plan.key_split > 1
+              else SPILL_BUDGET_CLAIMED if claimed else SPILL_BUDGET_PERSISTENT)
     _assert_compiles(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.bfloat16, causal={causal}, dim={dim}, "
-                     f"o_through_tma={o_through_tma}, persistent=True, claimed={claimed})",
-                     SPILL_BUDGET_KEY_SPLIT if forward_ws._plan(blocks[1], dim, causal).key_split > 1
-                     else SPILL_BUDGET_CLAIMED if claimed else SPILL_BUDGET_PERSISTENT,
-                     forward_ws._plan(blocks[1], dim, causal))
+                     f"o_through_tma={o_through_tma}, persistent=True, claimed={claimed})", budget, plan)
 
 
 # ---------------------------------------------------------------- against the oracle
