@@ -43,12 +43,12 @@ def _plan_for_block(block_kv: int, causal: bool = False, dim: int = 128) -> forw
     """_plan for a call with key blocks of block_kv keys under the module's tables as they stand: its blocks walked as
     64-key ones at SPLIT_KEY_BLOCK_DIMS where not causal, in sub tiles of the largest of the tile, 128 and 64 that
     divides the block it walks."""
-    parts = block_kv // 64 if dim in forward_ws.SPLIT_KEY_BLOCK_DIMS and not causal else 1
     if dim in (forward_ws.KEY_SPLIT_CAUSAL_DIMS if causal else forward_ws.KEY_SPLIT_DIMS):
-        # four consumers: 128-key tiles in 64-key steps
-        sub_n = next(n for n in (forward_ws.KEY_SPLIT_TILE_N, 128, 64) if block_kv // parts % n == 0)
+        # four consumers: 128-key tiles in 64-key steps, over the mask's own blocks
+        sub_n = next(n for n in (forward_ws.KEY_SPLIT_TILE_N, 128, 64) if block_kv % n == 0)
         return forward_ws.Plan(sub_n, causal, forward_ws.KEY_SPLIT_TILE_N, False,
-                               dim in forward_ws.FIXED_OFFSET_DIMS, parts, 2)
+                               dim in forward_ws.FIXED_OFFSET_DIMS, 1, 2)
+    parts = block_kv // 64 if dim in forward_ws.SPLIT_KEY_BLOCK_DIMS and not causal else 1
     sub_n = next(n for n in (forward_ws.TILE_KEYS[dim], 128, 64) if block_kv // parts % n == 0)
     return _plan(sub_n, causal, dim)._replace(block_parts=parts)
 
@@ -283,6 +283,11 @@ def test_key_split_in_the_plan(monkeypatch):
     assert (split.key_split, split.tile_n, split.overlap) == (2, forward_ws.KEY_SPLIT_TILE_N, False)
     assert split.stages(64) == forward_ws.KEY_SPLIT_STAGES and split.consumer_regs() == forward_ws.KEY_SPLIT_REGS
     assert split.launch_options() == dict(num_warps=4, maxnreg=forward_ws.KEY_SPLIT_MAX_REGS)
+    # the mask's own key blocks in 128-key boxes, even at SPLIT_KEY_BLOCK_DIMS (as D=64 is by default)
+    monkeypatch.setattr(forward_ws, "SPLIT_KEY_BLOCK_DIMS", (64, ))
+    for block_kv in (128, 256):
+        whole = forward_ws._plan(block_kv, 64, False)
+        assert (whole.block_parts, whole.sub_n) == (1, 128)
     # 20 warps (the loader's padded to a warpgroup) within the register file at launch and after setmaxnreg
     assert 20 * 32 * forward_ws.KEY_SPLIT_MAX_REGS <= 65536
     assert 4 * 128 * forward_ws.KEY_SPLIT_REGS + 128 * forward_ws.LOADER_REGS <= 65536

@@ -82,7 +82,8 @@ TILE_KEYS = {128: 128, 64: 256}
 # split lists, did not close it (0.96-1.00x; the fifty-fifth session's NARROW_SUB_TILE_DIMS, removed). Timed in turns
 # (`benchmarks/ws_forward_ab.py --setting split-key-blocks --cases design`, H100, B1 H24 S32k bf16): D=64 128x128 1.044x
 # / 1.023x / 1.043x as fast at d=0.5 / 0.25 / 0.1, D=128 128x128 d=0.1 0.976x, so not there; causal 0.997x and 0.970x
-# (three rounds, `--cases causal`), so not causal. Skewed / uniform at D=64 d=0.25 with it: 0.986 (target 6).
+# (three rounds, `--cases causal`), so not causal. Skewed / uniform at D=64 d=0.25 with it: 0.986 (target 6). Nor
+# under the key split (KEY_SPLIT_DIMS), which takes the mask's blocks whole in its 128-key tiles.
 SPLIT_KEY_BLOCK_DIMS: tuple = (64, )
 # Whether a consumer issues each key tile's Q K^T together with the previous tile's P V, per head dim
 # (FlashAttention-3's overlap inside a warpgroup: the softmax of one tile runs under the other's products). At D=64
@@ -99,12 +100,13 @@ OVERLAPPED = {128: True, 64: False}
 # 128-key one's, a consumer takes each 128-key tile (KEY_SPLIT_TILE_N) in two steps of KEY_SPLIT_STEP_N keys
 # (kernels/README.md, "Keys split between consumer pairs"). The experiment (`benchmarks/exp_key_split.py`, H100, B1
 # H24 S32k D=64 bf16, 128x128, a program a tile, no rise check) ran 1.16x / 1.05-1.07x / 1.02x / 1.05-1.06x as fast
-# as this kernel at d=1 / 0.5 / 0.25 / 0.1 (sixtieth session). Off: built here the same session, it has not yet run on
-# a GPU (its oracle tests: tests/test_forward_ws.py, "key_split"; its A/B: `benchmarks/ws_forward_ab.py --setting
-# key-split --cases d64`).
+# as this kernel at d=1 / 0.5 / 0.25 / 0.1 (sixtieth session). Built into the walk (the mask's own key blocks, not
+# SPLIT_KEY_BLOCK_DIMS's), it passes its oracle tests on the GPU (tests/test_forward_ws.py, "key_split") but timed in
+# turns against two consumers (H100, sixty-second session; `benchmarks/ws_forward_ab.py --setting key-split --cases
+# d64`) it ran 0.99-1.04x / 0.99-1.06x / 0.98-1.00x as fast at d=0.5 / 0.25 / 0.1, short of the experiment: off.
 KEY_SPLIT_DIMS: tuple = ()
 # The same under is_causal: each part's tiles before the walk's first tested one skip the causal test, as with two
-# consumers. Off: not yet run on a GPU (sixty-first session).
+# consumers. Off: 0.98x / 1.01x as fast at 128x128 / 128x64 (same run).
 KEY_SPLIT_CAUSAL_DIMS: tuple = ()
 KEY_SPLIT_TILE_N = 128
 KEY_SPLIT_STEP_N = 64
@@ -1140,7 +1142,7 @@ def _plan(block_kv: int, dim: int, causal: bool) -> Plan:
     sub tiles and key blocks as Plan says."""
     key_split = 2 if dim in (KEY_SPLIT_CAUSAL_DIMS if causal else KEY_SPLIT_DIMS) else 1
     tile_n = KEY_SPLIT_TILE_N if key_split > 1 else TILE_KEYS.get(dim, 128)
-    parts = block_kv // 64 if dim in SPLIT_KEY_BLOCK_DIMS and not causal else 1
+    parts = block_kv // 64 if dim in SPLIT_KEY_BLOCK_DIMS and not causal and key_split == 1 else 1
     sub_n = next(n for n in (tile_n, 128, 64) if block_kv // parts % n == 0)
     overlap = OVERLAPPED.get(dim, True) and key_split == 1
     return Plan(sub_n, causal, tile_n, overlap, dim in FIXED_OFFSET_DIMS and not (causal and overlap), parts,
