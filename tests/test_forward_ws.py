@@ -41,8 +41,8 @@ def _plan(sub_n: int, causal: bool = False, dim: int = 128) -> forward_ws.Plan:
 
 def _plan_for_block(block_kv: int, causal: bool = False, dim: int = 128) -> forward_ws.Plan:
     """_plan for a call with key blocks of block_kv keys under the module's tables as they stand: its blocks walked as
-    64-key ones at SPLIT_KEY_BLOCK_DIMS where not causal, in sub tiles of the largest of the tile, 128 and 64 that
-    divides the block it walks."""
+    64-key ones at SPLIT_KEY_BLOCK_DIMS where not causal and not split between consumer pairs (KEY_SPLIT_DIMS), in
+    sub tiles of the largest of the tile, 128 and 64 that divides the block it walks."""
     if dim in (forward_ws.KEY_SPLIT_CAUSAL_DIMS if causal else forward_ws.KEY_SPLIT_DIMS):
         # four consumers: 128-key tiles in 64-key steps, over the mask's own blocks
         sub_n = next(n for n in (forward_ws.KEY_SPLIT_TILE_N, 128, 64) if block_kv % n == 0)

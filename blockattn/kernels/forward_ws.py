@@ -1138,8 +1138,8 @@ def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, b
 
 
 def _plan(block_kv: int, dim: int, causal: bool) -> Plan:
-    """The tiling of a call that qualifies: key tiles of TILE_KEYS[dim] keys (KEY_SPLIT_TILE_N under a key split),
-    sub tiles and key blocks as Plan says."""
+    """The tiling of a call that qualifies: key tiles of TILE_KEYS[dim] keys (KEY_SPLIT_TILE_N under a key split,
+    over the mask's own key blocks), sub tiles and key blocks as Plan says."""
     key_split = 2 if dim in (KEY_SPLIT_CAUSAL_DIMS if causal else KEY_SPLIT_DIMS) else 1
     tile_n = KEY_SPLIT_TILE_N if key_split > 1 else TILE_KEYS.get(dim, 128)
     parts = block_kv // 64 if dim in SPLIT_KEY_BLOCK_DIMS and not causal and key_split == 1 else 1
