@@ -13,6 +13,7 @@ needs a package the working tree lacks fails to load, as it says.
 """
 
 import argparse
+import atexit
 import importlib.util
 import os
 import statistics
@@ -26,6 +27,8 @@ import blockattn
 from blockattn.bench import Case, _flops, _inputs, _time_ms, block_mask
 from blockattn.kernels import forward
 
+# the package's own choice of module, put back after each case
+_GLUON_MODULE = forward.gluon_module
 # (case, KEY_SPLIT_DIMS for both ways): the design shape's d=0.1 at both head dims and block shapes, D=64 at d=0.5
 SUITES = {"design": [(Case(block=block, density=0.1), ()) for block in ((128, 128), (128, 64))],
           "d64": [(Case(dim=64, block=(128, 128), density=d), ()) for d in (0.5, 0.1)]
@@ -41,10 +44,11 @@ def base_module(revision: str):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     source = subprocess.run(["git", "show", f"{revision}:blockattn/kernels/forward_ws.py"], cwd=root,
                             capture_output=True, text=True, check=True).stdout
-    # Triton's JIT reads a kernel's source from its file (inspect), so the file must outlive the import
+    # Triton's JIT reads a kernel's source from its file (inspect), so the file must outlive the import: it goes at exit
     handle = tempfile.NamedTemporaryFile("w", suffix="_forward_ws_base.py", delete=False)
     handle.write(source)
     handle.close()
+    atexit.register(os.remove, handle.name)
     spec = importlib.util.spec_from_file_location("blockattn.kernels.forward_ws_base", handle.name)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -93,8 +97,6 @@ def main():
         print(f"| {label} | {cells[0]} | {cells[1]} | {med[names[1]] / med[names[0]]:.3f} | "
               f"{(outputs[0] - outputs[1]).abs().max().item():.1e} |", flush=True)
 
-
-_GLUON_MODULE = forward.gluon_module
 
 if __name__ == "__main__":
     main()
