@@ -7,6 +7,7 @@ largest gap between the two ways' outputs (0 where the change keeps the arithmet
 
     cd benchmarks && python revision_ab.py --base HEAD --rounds 5
     cd benchmarks && python revision_ab.py --base HEAD~1 --cases d64 key-split --rounds 4
+    cd benchmarks && python revision_ab.py --base-file /path/to/forward_ws.py   # where the copy has no .git
 
 Only forward_ws.py differs between the ways; the rest of the package is the working tree's. A base whose file
 needs a package the working tree lacks fails to load, as it says.
@@ -38,12 +39,17 @@ SUITES = {"design": [(Case(block=block, density=0.1), ()) for block in ((128, 12
           "key-split": [(Case(dim=64, block=(128, 128), density=d), (64, )) for d in (0.5, 0.1)]}
 
 
-def base_module(revision: str):
-    """kernels/forward_ws.py at `revision` (git show, from the repository holding this file), loaded as
-    blockattn.kernels.forward_ws_base (its relative imports resolve in the installed package)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    source = subprocess.run(["git", "show", f"{revision}:blockattn/kernels/forward_ws.py"], cwd=root,
-                            capture_output=True, text=True, check=True).stdout
+def base_module(revision: str, path: str | None = None):
+    """kernels/forward_ws.py at `revision` (git show, from the repository holding this file), or the file at `path`
+    where one is given, loaded as blockattn.kernels.forward_ws_base (its relative imports resolve in the installed
+    package)."""
+    if path is not None:
+        with open(path) as handle:
+            source = handle.read()
+    else:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        source = subprocess.run(["git", "show", f"{revision}:blockattn/kernels/forward_ws.py"], cwd=root,
+                                capture_output=True, text=True, check=True).stdout
     # Triton's JIT reads a kernel's source from its file (inspect), so the file must outlive the import: it goes at exit
     handle = tempfile.NamedTemporaryFile("w", suffix="_forward_ws_base.py", delete=False)
     handle.write(source)
@@ -59,10 +65,12 @@ def base_module(revision: str):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", default="HEAD", help="the revision to time the working tree's forward_ws against")
+    parser.add_argument("--base-file", help="a forward_ws.py to load as the base instead of --base's (its name in "
+                        "the table stays --base)")
     parser.add_argument("--cases", choices=sorted(SUITES), nargs="+", default=["design", "d64"])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    modules = {"working tree": forward.gluon_module("forward_ws"), args.base: base_module(args.base)}
+    modules = {"working tree": forward.gluon_module("forward_ws"), args.base: base_module(args.base, args.base_file)}
     key_split_dims = [module.KEY_SPLIT_DIMS for module in modules.values()]
     device = torch.device("cuda")
     names = list(modules)
