@@ -103,10 +103,12 @@ OVERLAPPED = {128: True, 64: False}
 # as this kernel at d=1 / 0.5 / 0.25 / 0.1 (sixtieth session). Built into the walk (the mask's own key blocks, not
 # SPLIT_KEY_BLOCK_DIMS's), it passes its oracle tests on the GPU (tests/test_forward_ws.py, "key_split") but timed in
 # turns against two consumers (H100, sixty-second session; `benchmarks/ws_forward_ab.py --setting key-split --cases
-# d64`) it ran 0.99-1.04x / 0.99-1.06x / 0.98-1.00x as fast at d=0.5 / 0.25 / 0.1, short of the experiment: off.
+# d64`) it ran 0.99-1.04x / 0.99-1.06x / 0.98-1.00x as fast at d=0.5 / 0.25 / 0.1, short of the experiment, and
+# 1.04x / 0.97-1.00x / 1.02x in the sixty-third session's run (the loader's list reads moved before its waits,
+# benchmarks/patches/loader-rows-before-wait.patch): a gain at d=0.5 only, where the target is met anyway. Off.
 KEY_SPLIT_DIMS: tuple = ()
 # The same under is_causal: each part's tiles before the walk's first tested one skip the causal test, as with two
-# consumers. Off: 0.98x / 1.01x as fast at 128x128 / 128x64 (same run).
+# consumers. Off: 0.98x / 1.01x as fast at 128x128 / 128x64 (same run; 1.02x / 1.00x in the sixty-third session's).
 KEY_SPLIT_CAUSAL_DIMS: tuple = ()
 KEY_SPLIT_TILE_N = 128
 KEY_SPLIT_STEP_N = 64
