@@ -302,6 +302,33 @@ def test_key_split_in_the_plan(monkeypatch):
     assert forward_ws._plan(128, 64, False).key_split == 1 and forward_ws._plan(128, 128, True).key_split == 1
 
 
+def test_two_q_buffers_where_the_table_says(monkeypatch):
+    """Q_BUFFER_DIMS: two Q buffers (the kernel's Q_BUFFERS) only on a persistent grid (claimed or in turns), at its
+    head dims, with one consumer pair; a program a tile, the key split and other head dims keep one."""
+    monkeypatch.setattr(forward_ws, "Q_BUFFER_DIMS", (64, ))
+    monkeypatch.setattr(forward_ws, "KEY_SPLIT_DIMS", ())
+    plan = forward_ws._plan(128, 64, False)
+    assert forward_ws._settings(plan, torch.bfloat16, 64, claimed=True)["Q_BUFFERS"] == 2
+    assert forward_ws._settings(plan, torch.bfloat16, 64, claimed=False)["Q_BUFFERS"] == 1  # (PERSISTENT_DIMS off)
+    monkeypatch.setattr(forward_ws, "PERSISTENT_DIMS", (64, ))
+    assert forward_ws._settings(plan, torch.bfloat16, 64, claimed=False)["Q_BUFFERS"] == 2
+    assert forward_ws._settings(forward_ws._plan(128, 128, False), torch.bfloat16, 128, claimed=True)["Q_BUFFERS"] == 1
+    monkeypatch.setattr(forward_ws, "KEY_SPLIT_DIMS", (64, ))
+    split = forward_ws._plan(128, 64, False)
+    assert split.key_split == 2 and forward_ws._settings(split, torch.bfloat16, 64, claimed=True)["Q_BUFFERS"] == 1
+    monkeypatch.setattr(forward_ws, "Q_BUFFER_DIMS", ())
+    assert forward_ws._settings(plan, torch.bfloat16, 64, claimed=True)["Q_BUFFERS"] == 1
+
+
+@pytest.mark.parametrize("blocks, o_through_tma, causal", [((128, 128), False, False), ((128, 64), True, True)])
+def test_compiles_with_two_q_buffers(blocks, o_through_tma, causal):
+    """D=64 with two Q buffers (Q_BUFFER_DIMS) on the claimed grid: as _assert_compiles asks (the 16 KiB more
+    within Hopper's shared memory), within SPILL_BUDGET_CLAIMED."""
+    _assert_compiles(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.bfloat16, causal={causal}, dim=64, "
+                     f"o_through_tma={o_through_tma}, claimed=True, q_buffers=2)", SPILL_BUDGET_CLAIMED,
+                     forward_ws._plan(blocks[1], 64, causal))
+
+
 @pytest.mark.parametrize("blocks, dtype, claimed, causal", [
     ((128, 128), "bfloat16", None, False), ((128, 64), "float16", None, False), ((256, 256), "bfloat16", False, False),
     ((128, 64), "bfloat16", None, True), ((128, 128), "float16", True, True)])
@@ -654,27 +681,30 @@ def test_query_tile_order_puts_the_longest_lists_first(batch, heads, kv_heads, s
 
 
 # the persistent grid's cases: (a table, its case, head dim, out through the TMA unit, its programs' items: "turns"
-# (PERSISTENT_DIMS, never under is_causal) or "claimed" from a counter (set_grid: under is_causal too))
-PERSISTENT_CASES = ([("CASES", case, 128, False, grid) for case in CASES for grid in ("turns", "claimed")]
-                    + [("HEAD_DIM_64_CASES", case, 64, False, grid) for case, spec in HEAD_DIM_64_CASES.items()
-                       for grid in ("turns", "claimed") if grid == "claimed" or not spec[7]]
-                    + [("CAUSAL_CASES", case, 128, False, "claimed") for case in CAUSAL_CASES]
-                    + [("CASES", case, 128, True, grid) for case in ("128x64 fp16, query tail", "bshd layout")
-                       for grid in ("turns", "claimed")])
+# (PERSISTENT_DIMS, never under is_causal) or "claimed" from a counter (set_grid: under is_causal too), Q buffers
+# (Q_BUFFER_DIMS: two at D=64))
+PERSISTENT_CASES = ([("CASES", case, 128, False, grid, 1) for case in CASES for grid in ("turns", "claimed")]
+                    + [("HEAD_DIM_64_CASES", case, 64, False, grid, buffers) for case, spec in HEAD_DIM_64_CASES.items()
+                       for grid in ("turns", "claimed") if grid == "claimed" or not spec[7] for buffers in (1, 2)]
+                    + [("CAUSAL_CASES", case, 128, False, "claimed", 1) for case in CAUSAL_CASES]
+                    + [("CASES", case, 128, True, grid, 1) for case in ("128x64 fp16, query tail", "bshd layout")
+                       for grid in ("turns", "claimed")]
+                    + [("CASES", "128x64 fp16, query tail", 64, True, "claimed", 2)])
 
 
-@pytest.mark.parametrize("table, case, dim, o_through_tma, grid", PERSISTENT_CASES)
-def test_persistent_grid_against_the_oracle(table, case, dim, o_through_tma, grid, monkeypatch, poisoned,
+@pytest.mark.parametrize("table, case, dim, o_through_tma, grid, q_buffers", PERSISTENT_CASES)
+def test_persistent_grid_against_the_oracle(table, case, dim, o_through_tma, grid, q_buffers, monkeypatch, poisoned,
                                             warp_specialized_calls):
     """The persistent grid (set_grid: in turns or claimed) with 7 programs, so that each walks many items of unequal
     lists and the ring's stages and the barriers' phases carry over from item to item, its last turn shorter in some
     programs than in others (claimed: however many items each program claims, and the consumers stopped by the
     loader's post of none left): the tables' cases (a query block that keeps nothing, a
     head that keeps nothing, query tails; claimed also is_causal's, with rows that see no key in a tile), D=128 and
-    64, and out through the TMA unit."""
+    64, out through the TMA unit, and at D=64 two Q buffers taken in turn (Q_BUFFER_DIMS)."""
     set_grid(monkeypatch, grid)
     monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 7)
     monkeypatch.setattr(forward_ws, "O_THROUGH_TMA", o_through_tma)
+    monkeypatch.setattr(forward_ws, "Q_BUFFER_DIMS", (64, ) if q_buffers == 2 else ())
     monkeypatch.setattr(forward_ws, "MIN_KEYS", {})
     causal = False
     if table == "HEAD_DIM_64_CASES":

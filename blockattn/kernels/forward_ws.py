@@ -215,6 +215,18 @@ CLAIMED_DIMS: tuple = (64, 128)
 # together, the loss is gone but there is no gain (fifty-fourth session, H100, five rounds in turns: 1.01x / 0.98x at
 # D=128 128x128 / 128x64, 0.97x / 0.99x at D=64, 0.955x at B8 H16 S4096).
 CLAIMED_CAUSAL_DIMS: tuple = ()
+# Head dims whose persistent launches (PERSISTENT_DIMS, CLAIMED_DIMS) hold two Q buffers instead of one, so that the
+# loader brings the next item's Q, and then its first key tiles, while the consumers still walk this item, and the
+# two consumers need not meet at each item's start (the loader waits for both releases of a buffer, an item later).
+# Only D=64 has the shared memory: 16 KiB more on its 208 KiB; D=128's Q and three stages fill the 227 KiB. Never with
+# the key split (KEY_SPLIT_DIMS), whose merge buffers hold one item's rows. Measured in turns (sixty-third session,
+# `benchmarks/ws_forward_ab.py --setting q-buffers --cases d64`, B1 H24 S32k bf16, H100, claimed items): 1.06x /
+# 1.08x as fast at 128x128 d=0.1 and 1.03x / 1.04x at 128x64 d=0.1 (two runs), 0.98-1.02x at d=0.5 and 0.25; with
+# CLAIMED_CAUSAL_DIMS on too, 1.04x / 1.03x causal (128x128 / 128x64). Off: on with the rise checked
+# (RISE_CHECKED_DIMS) and 256-key TMA boxes (256-key blocks walked as listed, SUB_N 256) the outputs came out wrong
+# on the GPU (H100 and H200, any number of programs), while the same walks with the offsets bounded, or with 64-key
+# boxes, or with one Q buffer, met the oracle; cause not found (kernels/README.md, "Two Q buffers").
+Q_BUFFER_DIMS: tuple = ()
 PERSISTENT_PROGRAMS: Optional[int] = None
 
 _ROWS = gl.constexpr(CONSUMER_ROWS)
@@ -306,6 +318,15 @@ def _claim(lists):
     lane = gl.arange(0, 32, lane_layout)
     old = gl.atomic_add(lists[7] + lane * 0, gl.full([32], 1, gl.int32, lane_layout), mask=lane == 0, sem="relaxed")
     return gl.max(gl.where(lane == 0, old, -1), 0)
+
+
+@gluon.jit
+def _q_buffer(ring, turn):
+    """(buffer, phase): which of the kernel's Q buffers (Q_BUFFER_DIMS: one or two, each both halves of a query
+    tile, q_smem [2 * buffers, 1, 1, 64, D]) holds the program's turn-th item's Q, its barriers q_ready and q_empty
+    and its post (item_smem), and the phase of those barriers for that turn. (ring: as the kernel packs it.)"""
+    BUFFERS: gl.constexpr = ring[0].shape[0] // 2
+    return turn % BUFFERS, (turn // BUFFERS) & 1
 
 
 @gluon.jit
@@ -615,14 +636,15 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
         ring = shared[1]
         base = gl.program_id(0) * 0  # (as below)
         turn = base
-        mbarrier.wait(ring[3], 0)  # q_ready: the loader's first item posted (or -1)
-        item = _posted_item(ring[8])
+        mbarrier.wait(ring[3].index(0), 0)  # q_ready: the loader's first item posted (or -1)
+        item = _posted_item(ring[8].index(0))
         while item >= 0:
             base = _consumer_item(shared, item, turn, base, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL,
                                   OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, KEY_SPLIT, PART)
             turn += 1
-            mbarrier.wait(ring[3], turn & 1)
-            item = _posted_item(ring[8])
+            buffer, phase = _q_buffer(ring, turn)
+            mbarrier.wait(ring[3].index(buffer), phase)
+            item = _posted_item(ring[8].index(buffer))
     elif PERSISTENT:
         lists = shared[2]
         base = gl.program_id(0) * 0  # ring position of the item's first key tile (the items' before it), int32
@@ -682,8 +704,12 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
     mine = _part_tiles(total, KEY_SPLIT, PART)
     first_row = start_m + HALF * _ROWS
     rows_s = first_row + gl.arange(0, _ROWS, row_s)
-    q = q_smem.index(HALF).reshape([_ROWS, HEAD_DIM])
-    mbarrier.wait(q_ready, turn & 1)
+    buffer, phase = _q_buffer(ring, turn)
+    q_slot = 2 * buffer + HALF
+    q_box = q_smem.index(q_slot)
+    q = q_box.reshape([_ROWS, HEAD_DIM])
+    q_empty = q_empty.index(buffer)
+    mbarrier.wait(q_ready.index(buffer), phase)
     walk = (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
             scale_log2, base)
     # CHECK_RISE (RISE_CHECKED_DTYPES): the offsets stay wherever every row has a key in the first tile, and the
@@ -749,12 +775,14 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
             acc, m_i, l_i, again = _merged(merge, HALF, turn, acc, m_i, l_i, again)
         if CHECKED:
             if again:  # cold: a score rose more than 2^RISE_LIMIT past its row's offset (kernels/README.md)
-                _walk_again(shared, item, HALF, BLOCK_Q, BLOCK_KV, CAUSAL, O_THROUGH_TMA)
+                _walk_again(shared, item, HALF, q_slot, BLOCK_Q, BLOCK_KV, CAUSAL, O_THROUGH_TMA)
                 mbarrier.arrive(q_empty, count=1)
             else:
-                _release_and_finish(acc, m_i, l_i, shared, q, HALF, off_b, off_h, first_row, rows_s, O_THROUGH_TMA)
+                _release_and_finish(acc, m_i, l_i, shared, q_box, q_empty, off_b, off_h, first_row, rows_s,
+                                    O_THROUGH_TMA)
         else:
-            _release_and_finish(acc, m_i, l_i, shared, q, HALF, off_b, off_h, first_row, rows_s, O_THROUGH_TMA)
+            _release_and_finish(acc, m_i, l_i, shared, q_box, q_empty, off_b, off_h, first_row, rows_s,
+                                O_THROUGH_TMA)
     return base + total
 
 
@@ -794,28 +822,25 @@ def _merged(merge, HALF: gl.constexpr, turn, acc, m_i, l_i, again):
 
 
 @gluon.jit
-def _release_and_finish(acc, m_i, l_i, shared, q, HALF: gl.constexpr, off_b, off_h, first_row, rows_s,
+def _release_and_finish(acc, m_i, l_i, shared, q_box, q_empty, off_b, off_h, first_row, rows_s,
                         O_THROUGH_TMA: gl.constexpr):
-    """A consumer's half of Q released to the loader for the next item (q_empty), and its rows stored (_finish,
-    whose arguments these are): the release first, so the next item's Q loads while the rows go out, unless they
-    go out through Q's buffer (O_THROUGH_TMA)."""
-    q_empty = shared[1][4]
+    """A consumer's half of Q released to the loader (its buffer's barrier q_empty), and its rows stored (_finish,
+    whose other arguments these are): the release first, so that a later item's Q loads while the rows go out,
+    unless they go out through Q's buffer (O_THROUGH_TMA)."""
     if not O_THROUGH_TMA:
         mbarrier.arrive(q_empty, count=1)
-    _finish(acc, m_i, l_i, shared, q, HALF, off_b, off_h, first_row, rows_s, O_THROUGH_TMA)
+    _finish(acc, m_i, l_i, shared, q_box, off_b, off_h, first_row, rows_s, O_THROUGH_TMA)
     if O_THROUGH_TMA:
         mbarrier.arrive(q_empty, count=1)
 
 
 @gluon.jit
-def _finish(acc, m_i, l_i, shared, q, HALF: gl.constexpr, off_b, off_h, first_row, rows_s,
-            O_THROUGH_TMA: gl.constexpr):
+def _finish(acc, m_i, l_i, shared, q_box, off_b, off_h, first_row, rows_s, O_THROUGH_TMA: gl.constexpr):
     """A consumer's rows first_row .. first_row+63 of Out and Lse from its walk's accumulator acc [64, D] and its
     rows' offsets and sums m_i, l_i [64] (rows_s: the rows' indices, in m_i's layout): zeros and -inf for a row with
-    no key. q: its Q tile in shared memory. (shared: as _consumer's.)"""
+    no key. q_box: its Q tile's buffer in shared memory, [1, 1, 64, D]. (shared: as _consumer's.)"""
     descs, ring, lists, outputs, norms, kv, scale_log2, merge = shared
     O_DESC = descs[3]
-    q_smem = ring[0]
     Out, Lse, seq_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh = outputs
     o_layout: gl.constexpr = acc.type.layout
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -826,9 +851,9 @@ def _finish(acc, m_i, l_i, shared, q, HALF: gl.constexpr, off_b, off_h, first_ro
     if O_THROUGH_TMA:
         # this consumer's half of Q is free (its last score product is done, and nothing loads Q again): the rows go
         # there and out with one TMA copy, which leaves out rows past Sq, instead of 64 scattered stores a thread
-        q.store(out.to(q.dtype))
+        q_box.reshape([_ROWS, acc.shape[1]]).store(out.to(q_box.dtype))
         fence_async_shared()
-        tma_store(O_DESC, [off_b, off_h, first_row, 0], q_smem.index(HALF))
+        tma_store(O_DESC, [off_b, off_h, first_row, 0], q_box)
         tma.store_wait(0)  # before the program's shared memory goes
     else:
         rows_o = first_row + gl.arange(0, _ROWS, row_o)
@@ -858,21 +883,22 @@ def _sums_within(l_i, acc):
 
 
 @gluon.jit(noinline=True)
-def _walk_again(shared, item, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr,
+def _walk_again(shared, item, HALF: gl.constexpr, q_slot, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr,
                 CAUSAL: gl.constexpr, O_THROUGH_TMA: gl.constexpr):
     """A consumer's rows walked again with running maxima, and stored, where its walk with fixed offsets rose too far
     (CHECKED): the whole kv list, under CAUSAL with the test key <= query. Cold, and alone: the loader has moved on
     and the ring's stages may still be the other consumer's, so K and V come by pointer loads straight into
     registers for the Ampere products (mma_v2), _AGAIN_KEYS keys a step, and no conversion goes through shared
     memory (none is left). It finds its item's place and list again (_program) rather than keep them through the
-    walk, which held no registers for it; Q stays in its buffer until it returns. (Parameters as
-    _consumer_item's.)"""
+    walk, which held no registers for it; Q stays in its buffer (q_slot of the kernel's Q buffers) until it returns.
+    (Other parameters as _consumer_item's.)"""
     descs, ring, lists, outputs, norms, kv, scale_log2, merge = shared
     q_smem = ring[0]
     K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs = kv
     off_b, off_h, off_hkv, start_m, index_row, count = _program(lists, item, BLOCK_Q, CAUSAL)
     first_row = start_m + HALF * _ROWS
-    q = q_smem.index(HALF).reshape([_ROWS, descs[0].block_type.shape[3]])
+    q_box = q_smem.index(q_slot)
+    q = q_box.reshape([_ROWS, descs[0].block_type.shape[3]])
     k_head = K + off_b.to(gl.int64) * stride_kb + off_hkv.to(gl.int64) * stride_kh
     v_head = V + off_b.to(gl.int64) * stride_vb + off_hkv.to(gl.int64) * stride_vh
     HEAD_DIM: gl.constexpr = q.shape[1]
@@ -905,7 +931,7 @@ def _walk_again(shared, item, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_K
         v = gl.load(v_head + (start + keys_v).to(gl.int64)[:, None] * stride_vs + dims_v[None, :])
         acc = mma_v2(gl.convert_layout(p.to(q.dtype), a_op), v, acc * alpha[:, None])
         m_i = m_new
-    _finish(acc, m_i, l_i, shared, q, HALF, off_b, off_h, first_row, rows, O_THROUGH_TMA)
+    _finish(acc, m_i, l_i, shared, q_box, off_b, off_h, first_row, rows, O_THROUGH_TMA)
 
 
 @gluon.jit
@@ -925,9 +951,11 @@ def _loader(shared, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.con
                                 STAGES, CAUSAL, True)
             position = _claim(lists)
             turn += 1
-        mbarrier.wait(ring[4], (turn & 1) ^ 1)  # q_empty: the consumers are done with the last item's post
-        _post_item(ring[8], -1)
-        mbarrier.arrive(ring[3], count=1)  # q_ready with no bytes to wait for
+        buffer, phase = _q_buffer(ring, turn)
+        # q_empty: the consumers are done with the post of the item that last had this buffer
+        mbarrier.wait(ring[4].index(buffer), phase ^ 1)
+        _post_item(ring[8].index(buffer), -1)
+        mbarrier.arrive(ring[3].index(buffer), count=1)  # q_ready with no bytes to wait for
     elif PERSISTENT:
         lists = shared[2]
         base = gl.program_id(0) * 0  # (as _consumer's)
@@ -941,8 +969,9 @@ def _loader(shared, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.con
 @gluon.jit
 def _loader_item(shared, item, turn, base, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
                  TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, POST: gl.constexpr):
-    """Work item `item`'s loads (its turn-th in the program): the tile's two halves of Q once both consumers have
-    released the last item's (POST: the item posted to them first, _post_item), then each kept key tile's K and V
+    """Work item `item`'s loads (its turn-th in the program): the tile's two halves of Q into its Q buffer
+    (_q_buffer) once both consumers have released the buffer's last item's (POST: the item posted to them first,
+    _post_item), then each kept key tile's K and V
     into the ring from position base on, a stage once both consumers have released it. Returns the ring position
     after them. (Parameters as _consumer_item's.)"""
     descs, ring, lists, outputs, norms, kv, scale_log2, merge = shared
@@ -955,12 +984,14 @@ def _loader_item(shared, item, turn, base, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.c
     tiles = (sub_tiles + PARTS - 1) // PARTS
     # a fresh barrier counts as released in the phase before its first: the first item's Q and the first round of
     # stages go at once
-    mbarrier.wait(q_empty, (turn & 1) ^ 1)
+    buffer, phase = _q_buffer(ring, turn)
+    q_ready = q_ready.index(buffer)
+    mbarrier.wait(q_empty.index(buffer), phase ^ 1)
     if POST:
-        _post_item(item_smem, item)
+        _post_item(item_smem.index(buffer), item)
     mbarrier.expect(q_ready, 2 * Q_DESC.block_type.nbytes)
-    tma_load(Q_DESC, [off_b, off_h, start_m, 0], q_ready, q_smem.index(0))
-    tma_load(Q_DESC, [off_b, off_h, start_m + _ROWS, 0], q_ready, q_smem.index(1))
+    tma_load(Q_DESC, [off_b, off_h, start_m, 0], q_ready, q_smem.index(2 * buffer))
+    tma_load(Q_DESC, [off_b, off_h, start_m + _ROWS, 0], q_ready, q_smem.index(2 * buffer + 1))
     for j in range(tiles):
         stage = (base + j) % STAGES
         mbarrier.wait(kv_empty.index(stage), (((base + j) // STAGES) & 1) ^ 1)
@@ -987,7 +1018,7 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
                             EMULATE_EXP2: gl.constexpr = False, O_THROUGH_TMA: gl.constexpr = False,
                             FIXED_OFFSETS: gl.constexpr = False, CHECK_RISE: gl.constexpr = False,
                             PERSISTENT: gl.constexpr = False, CLAIMED: gl.constexpr = False,
-                            KEY_SPLIT: gl.constexpr = 1):
+                            KEY_SPLIT: gl.constexpr = 1, Q_BUFFERS: gl.constexpr = 1):
     """Grid (cdiv(Sq, 128) = q_tiles, launch.batch_head_axes(B, H)), a program a work item (a query tile of a head);
     under PERSISTENT (see PERSISTENT_DIMS) (programs, 1, 1), each taking the items at positions program_id(0) + n *
     programs of ITEM_ORDER int32 [items = q_tiles * B * H] (query_tile_order) in turn, else ITEM_ORDER None; under
@@ -1004,20 +1035,22 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     KEY_NORM_PARTS] (last dim contiguous, key_norm_parts), whose maximum over the parts bounds a kv head's key norms;
     else None. K and V: k and v's pointers (strides stride_k* / stride_v*, last dim contiguous), which only
     CHECK_RISE's cold walk again reads. KEY_SPLIT 2 (KEY_SPLIT_DIMS, KEY_SPLIT_CAUSAL_DIMS): four consumers, a pair of
-    them on each half of the key tiles (_consumer_item)."""
-    q_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2] + Q_DESC.block_type.shape, Q_DESC.layout)
+    them on each half of the key tiles (_consumer_item). Q_BUFFERS 2 (Q_BUFFER_DIMS): two Q buffers, which successive
+    items take in turn (_q_buffer)."""
+    gl.static_assert(Q_BUFFERS == 1 or KEY_SPLIT == 1, "a split walk's merge buffers hold one item's rows")
+    q_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2 * Q_BUFFERS] + Q_DESC.block_type.shape, Q_DESC.layout)
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
     # a stage: one [TILE_N, D] key tile, which the loader fills with TILE_N // SUB_N boxes of SUB_N keys (_sub_tile)
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, HEAD_DIM], K_DESC.dtype)
     k_smem = gl.allocate_shared_memory(K_DESC.dtype, [STAGES, TILE_N, HEAD_DIM], tile_layout)
     v_smem = gl.allocate_shared_memory(V_DESC.dtype, [STAGES, TILE_N, HEAD_DIM], tile_layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # CLAIMED: the item the loader claimed, posted to the consumers (_post_item)
-    item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    item_smem = gl.allocate_shared_memory(gl.int32, [Q_BUFFERS, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     # KEY_SPLIT: what a PART 1 consumer hands the PART 0 one of its rows (_hand_over): accumulator [64, D] and
     # offsets, sums and the again flag [64] per half of the rows, and the barriers that tell it. Without a key
     # split nothing reads them, and buffers that exist anyway stand in, so that the kernel allocates nothing more.
@@ -1029,8 +1062,9 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
                  merged)
     else:
         merge = (item_smem, item_smem, q_ready)
-    mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=2 * KEY_SPLIT)  # every consumer releases its half of Q
+    for i in gl.static_range(Q_BUFFERS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2 * KEY_SPLIT)  # every consumer releases its half of Q
     if KEY_SPLIT > 1:
         mbarrier.init(merge[2].index(0), count=1)
         mbarrier.init(merge[2].index(1), count=1)
@@ -1310,15 +1344,22 @@ def grid_settings(grid: Optional[str]) -> dict:
 def _settings(chosen: Plan, dtype: torch.dtype, dim: int, claimed: Optional[bool] = None) -> dict:
     """The kernel's constexprs that the module's settings decide for a launch of plan `chosen` at dtype and head dim
     `dim` (EMULATED_EXP2_DIMS, O_THROUGH_TMA, RISE_CHECKED_DTYPES, _DIMS and _CAUSAL_DIMS, PERSISTENT_DIMS,
-    CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS): what attention_forward_ws launches with and compile_sm90 compiles by
-    default. claimed: whether the items are claimed (None: as CLAIMED_DIMS or CLAIMED_CAUSAL_DIMS say), which makes
-    the grid persistent."""
+    CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS, Q_BUFFER_DIMS): what attention_forward_ws launches with and compile_sm90
+    compiles by default. claimed: whether the items are claimed (None: as CLAIMED_DIMS or CLAIMED_CAUSAL_DIMS say),
+    which makes the grid persistent."""
     if claimed is None:
         claimed = _claims(dim, chosen.causal)
+    persistent = claimed or (dim in PERSISTENT_DIMS and not chosen.causal)
     return dict(EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, O_THROUGH_TMA=O_THROUGH_TMA,
                 CHECK_RISE=chosen.fixed_offsets and dtype in RISE_CHECKED_DTYPES
                 and dim in (RISE_CHECKED_CAUSAL_DIMS if chosen.causal else RISE_CHECKED_DIMS),
-                PERSISTENT=claimed or (dim in PERSISTENT_DIMS and not chosen.causal), CLAIMED=claimed)
+                PERSISTENT=persistent, CLAIMED=claimed, Q_BUFFERS=_q_buffers(chosen, dim, persistent))
+
+
+def _q_buffers(chosen: Plan, dim: int, persistent: bool) -> int:
+    """The kernel's Q buffers for a launch of plan `chosen` at head dim `dim` (Q_BUFFER_DIMS): two only where a
+    program takes several items (persistent) and one pair of consumers walks them."""
+    return 2 if persistent and chosen.key_split == 1 and dim in Q_BUFFER_DIMS else 1
 
 
 def _unused_arguments(chosen: Plan, settings: dict) -> dict:
@@ -1355,7 +1396,7 @@ def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
 def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                  dim: int = HEAD_DIM, emulate_exp2: Optional[bool] = None, o_through_tma: Optional[bool] = None,
                  fixed_offsets: Optional[bool] = None, check_rise: Optional[bool] = None,
-                 persistent: Optional[bool] = None, claimed: Optional[bool] = None):
+                 persistent: Optional[bool] = None, claimed: Optional[bool] = None, q_buffers: Optional[int] = None):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for lists at (block_q, block_kv) and head dim `dim`, with the launch's tile choice (plan()), stages and
     register settings (the key blocks it walks too: SPLIT_KEY_BLOCK_DIMS); emulate_exp2, o_through_tma,
@@ -1363,7 +1404,7 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES, _DIMS and _CAUSAL_DIMS, PERSISTENT_DIMS, CLAIMED_DIMS
     and CLAIMED_CAUSAL_DIMS).
     Claimed items imply the persistent grid, so persistent decides only where they are not claimed (claimed=False,
-    persistent=True: the items in turns)."""
+    persistent=True: the items in turns). q_buffers None: as Q_BUFFER_DIMS says for the grid."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     chosen = _plan(block_kv, dim, causal)
@@ -1377,6 +1418,7 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
                      PERSISTENT=None if settings["CLAIMED"] else persistent)
     settings = {name: overrides[name] if overrides.get(name) is not None else value
                 for name, value in settings.items()}
+    settings["Q_BUFFERS"] = q_buffers or _q_buffers(chosen, dim, settings["PERSISTENT"])
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap,
                      STAGES=chosen.stages(dim), CAUSAL=causal, CONSUMER_REGS=chosen.consumer_regs(),
                      LOADER_REGS=LOADER_REGS, FIXED_OFFSETS=chosen.fixed_offsets, KEY_SPLIT=chosen.key_split,
