@@ -971,9 +971,8 @@ def _loader_item(shared, item, turn, base, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.c
                  TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, POST: gl.constexpr):
     """Work item `item`'s loads (its turn-th in the program): the tile's two halves of Q into its Q buffer
     (_q_buffer) once both consumers have released the buffer's last item's (POST: the item posted to them first,
-    _post_item), then each kept key tile's K and V
-    into the ring from position base on, a stage once both consumers have released it. Returns the ring position
-    after them. (Parameters as _consumer_item's.)"""
+    _post_item), then each kept key tile's K and V into the ring from position base on, a stage once both consumers
+    have released it. Returns the ring position after them. (Parameters as _consumer_item's.)"""
     descs, ring, lists, outputs, norms, kv, scale_log2, merge = shared
     Q_DESC, K_DESC, V_DESC, O_DESC = descs
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, item_smem = ring
