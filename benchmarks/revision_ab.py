@@ -43,19 +43,18 @@ def base_module(revision: str, path: str | None = None):
     """kernels/forward_ws.py at `revision` (git show, from the repository holding this file), or the file at `path`
     where one is given, loaded as blockattn.kernels.forward_ws_base (its relative imports resolve in the installed
     package)."""
-    if path is not None:
-        with open(path) as handle:
-            source = handle.read()
-    else:
+    if path is None:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         source = subprocess.run(["git", "show", f"{revision}:blockattn/kernels/forward_ws.py"], cwd=root,
                                 capture_output=True, text=True, check=True).stdout
-    # Triton's JIT reads a kernel's source from its file (inspect), so the file must outlive the import: it goes at exit
-    handle = tempfile.NamedTemporaryFile("w", suffix="_forward_ws_base.py", delete=False)
-    handle.write(source)
-    handle.close()
-    atexit.register(os.remove, handle.name)
-    spec = importlib.util.spec_from_file_location("blockattn.kernels.forward_ws_base", handle.name)
+        # Triton's JIT reads a kernel's source from its file (inspect), so the file must outlive the import: it goes
+        # at exit
+        handle = tempfile.NamedTemporaryFile("w", suffix="_forward_ws_base.py", delete=False)
+        handle.write(source)
+        handle.close()
+        atexit.register(os.remove, handle.name)
+        path = handle.name
+    spec = importlib.util.spec_from_file_location("blockattn.kernels.forward_ws_base", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
