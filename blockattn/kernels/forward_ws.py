@@ -225,8 +225,10 @@ CLAIMED_CAUSAL_DIMS: tuple = ()
 # CLAIMED_CAUSAL_DIMS on too, 1.04x / 1.03x causal (128x128 / 128x64). Off: on with the rise checked
 # (RISE_CHECKED_DIMS) and 256-key TMA boxes (256-key blocks walked as listed, SUB_N 256) the outputs came out wrong
 # on the GPU (H100 and H200, any number of programs), while the same walks with the offsets bounded, or with 64-key
-# boxes, or with one Q buffer, met the oracle; cause not found, but narrowed to the first consumer's walk with the
-# tensor cores (kernels/README.md, "Two Q buffers"; benchmarks/q_buffers_repro.py reproduces it).
+# boxes, or with one Q buffer, met the oracle. The cause (sixty-fourth session): ptxas 12.8 (Triton 3.6) keeps the
+# first consumer's Q descriptors from the preheader of a loop the item never runs (kernels/README.md, "Two Q
+# buffers"; benchmarks/q_buffers_repro.py, benchmarks/sass_descriptors.py); the workaround waits for the GPU
+# (benchmarks/patches/first-tile-alone.patch).
 Q_BUFFER_DIMS: tuple = ()
 PERSISTENT_PROGRAMS: Optional[int] = None
 
