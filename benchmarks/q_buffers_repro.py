@@ -3,10 +3,10 @@
 
 One call of the D=64 forward on the case the GPU tests failed on: B1 H2 Sq1000 Sk1024 bf16, 256x256 blocks walked as
 listed (256-key TMA boxes), the rise checked, claimed items on a persistent grid of --programs programs, query block 1
-keeping nothing. Prints the plan the kernel ran with, the largest error against the fp64 oracle, and a map of every
-64-row group of each head ('.' right, else its largest error): even groups are a tile's first consumer's (HALF 0), odd
-ones the second's. With --explain, for each wrong group the nearest of some guesses (another group's output, another
-group's Q with this group's keys, this Q with another group's keys). Knobs that isolate the fault:
+keeping nothing. Prints the plan the kernel ran with, the largest errors of out and LSE against the fp64 oracle, and a
+map of every 64-row group of each head ('.' right, else its largest error): even groups are a tile's first consumer's
+(HALF 0), odd ones the second's. With --explain, for each wrong group the nearest of some guesses (another group's
+output, another group's Q with this group's keys, this Q with another group's keys). Knobs that isolate the fault:
 
   --buffers 1             one Q buffer (passes)
   --split                 the blocks walked as 64-key ones, 64-key boxes (passes)
@@ -107,8 +107,10 @@ def main():
     visible = expand(keep, block, seq_q, seq_kv)
     want, want_lse = oracle(q, k, v, visible)
     err = (out.double() - want).abs().amax(-1)
+    seen = torch.isfinite(want_lse)
     print(f"{vars(args)}\nplans {plans}\nlargest error {err.max().item():.3e}, relative "
-          f"{((out.double() - want).norm() / want.norm()).item():.3e}")
+          f"{((out.double() - want).norm() / want.norm()).item():.3e}, LSE "
+          f"{(lse.double() - want_lse)[seen].abs().max().item():.3e} (rows with a key)")
     wrong = []
     for head in range(heads):
         marks = []

@@ -18,9 +18,11 @@ Run under Triton 3.6 to see what the GPU machine builds (see sass_loop.py for th
 import argparse
 import os
 import re
-import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sass_loop import _tool  # noqa: E402  (stubs torch where it is missing, and puts the package on the path)
 
 # (name, compile_sm90 arguments, SPLIT_KEY_BLOCK_DIMS): the builds the package ships at D=64 (its walk in turn, where
 # the fault was) and D=128, and the two-buffer build the GPU tests failed on
@@ -135,13 +137,13 @@ def descriptor_reads(sass: str) -> list:
     return reads
 
 
-def undefined_reads(sass: str) -> list:
-    """descriptor_reads' entries with a path that writes nothing (ENTRY among the reaching writes)."""
-    return [read for read in descriptor_reads(sass) if any(address == ENTRY for address, _ in read[3])]
+def undefined_reads(reads: list) -> list:
+    """Those of descriptor_reads' entries that a path reaches with nothing written (ENTRY among their writes)."""
+    return [read for read in reads if any(address == ENTRY for address, _ in read[3])]
 
 
 def _sass_of(arguments: dict, split_dims: tuple) -> str:
-    import triton
+    """nvdisasm's listing of forward_ws.compile_sm90(**arguments) with SPLIT_KEY_BLOCK_DIMS split_dims."""
     from blockattn.kernels import forward_ws
     saved = forward_ws.SPLIT_KEY_BLOCK_DIMS
     forward_ws.SPLIT_KEY_BLOCK_DIMS = split_dims
@@ -149,11 +151,10 @@ def _sass_of(arguments: dict, split_dims: tuple) -> str:
         kernel = forward_ws.compile_sm90(**arguments)
     finally:
         forward_ws.SPLIT_KEY_BLOCK_DIMS = saved
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
-        return subprocess.run([tool, "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+        return _tool("nvdisasm", cubin.name, "-c")
 
 
 def main():
@@ -167,7 +168,7 @@ def main():
         [(name, _sass_of(arguments, split)) for name, arguments, split in CASES]
     for name, sass in listings:
         reads = descriptor_reads(sass)
-        undefined = undefined_reads(sass)
+        undefined = undefined_reads(reads)
         print(f"{name}: {len(undefined)} of {len(reads)} descriptor register reads with no write on some path")
         if args.verbose:
             for address, text, register, writes in undefined:
