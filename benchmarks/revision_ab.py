@@ -7,6 +7,7 @@ largest gap between the two ways' outputs (0 where the change keeps the arithmet
 
     cd benchmarks && python revision_ab.py --base HEAD --rounds 5
     cd benchmarks && python revision_ab.py --base HEAD~1 --cases d64 key-split --rounds 4
+    cd benchmarks && python revision_ab.py --base HEAD --cases d64-densities   # D=64 at d=0.5 / 0.25 / 0.1, both blocks
     cd benchmarks && python revision_ab.py --base-file /path/to/forward_ws.py   # where the copy has no .git
 
 Only forward_ws.py differs between the ways; the rest of the package is the working tree's. A base whose file
@@ -34,6 +35,9 @@ _GLUON_MODULE = forward.gluon_module
 SUITES = {"design": [(Case(block=block, density=0.1), ()) for block in ((128, 128), (128, 64))],
           "d64": [(Case(dim=64, block=(128, 128), density=d), ()) for d in (0.5, 0.1)]
           + [(Case(dim=64, block=(128, 64), density=0.1), ())],
+          # D=64 at the design densities and both block shapes: a change that trades dense masks for sparse ones
+          "d64-densities": [(Case(dim=64, block=block, density=d), ()) for block in ((128, 128), (128, 64))
+                            for d in (0.5, 0.25, 0.1)],
           "causal": [(Case(pattern="causal", block=(128, 128), density=0.5), ()),
                      (Case(dim=64, pattern="causal", block=(128, 64), density=0.5), ())],
           "key-split": [(Case(dim=64, block=(128, 128), density=d), (64, )) for d in (0.5, 0.1)]}

@@ -17,6 +17,7 @@ same block mask, in one process: ms and effective TFLOP/s per case, and each rat
     python benchmarks/ws_forward.py --cases d64 design --triton-fixed-offsets   # the Triton forward's, the other way
     python benchmarks/ws_forward.py --cases d64causal --fixed-offsets   # causal's row counts, at random positions
     python benchmarks/ws_forward.py --cases d64 design causal --grid claimed   # every column on the persistent grid
+    python benchmarks/ws_forward.py --cases d64 --q-buffers    # and D=64 with the Q buffers the other way
 """
 
 import argparse
@@ -105,6 +106,9 @@ def main():
                         "program a query tile, or the persistent grid with the tiles in turns (forward_ws."
                         "PERSISTENT_DIMS, not under is_causal) or claimed as programs free up (CLAIMED_DIMS and "
                         "CLAIMED_CAUSAL_DIMS)")
+    parser.add_argument("--q-buffers", action="store_true",
+                        help="also time D=64 with the Q buffers the other way (forward_ws.Q_BUFFER_DIMS: two taken in "
+                        "turn by a persistent program's items, or one)")
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out (its ratio columns read nan)")
     args = parser.parse_args()
     if args.grid != "default":
@@ -119,6 +123,7 @@ def main():
     default_triton_fixed = forward.FIXED_OFFSET_DIMS
     default_checked, default_checked_dims = forward_ws.RISE_CHECKED_DTYPES, forward_ws.RISE_CHECKED_DIMS
     default_checked_causal_dims = forward_ws.RISE_CHECKED_CAUSAL_DIMS
+    default_q_buffer_dims = forward_ws.Q_BUFFER_DIMS
     device = torch.device("cuda")
     print("| case | Triton forward ms | warp-specialized ms | flex ms | Triton vs flex | warp-specialized vs flex |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -186,6 +191,11 @@ def main():
             variant("the rise checked after the walk" if checked else "the rise bounded")
             forward_ws.RISE_CHECKED_DTYPES, forward_ws.RISE_CHECKED_DIMS = default_checked, default_checked_dims
             forward_ws.RISE_CHECKED_CAUSAL_DIMS = default_checked_causal_dims
+        if args.q_buffers and case.dim == 64:  # (two buffers only where a program takes several items)
+            two = case.dim not in default_q_buffer_dims
+            forward_ws.Q_BUFFER_DIMS = (case.dim, ) if two else ()
+            variant("two Q buffers" if two else "one Q buffer")
+            forward_ws.Q_BUFFER_DIMS = default_q_buffer_dims
         if args.o_through_tma:
             forward_ws.O_THROUGH_TMA = not default_o_through_tma
             variant("out through the TMA unit" if forward_ws.O_THROUGH_TMA else "out by pointer stores")

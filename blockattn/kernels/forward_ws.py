@@ -222,13 +222,13 @@ CLAIMED_CAUSAL_DIMS: tuple = ()
 # the key split (KEY_SPLIT_DIMS), whose merge buffers hold one item's rows. Measured in turns (sixty-third session,
 # `benchmarks/ws_forward_ab.py --setting q-buffers --cases d64`, B1 H24 S32k bf16, H100, claimed items): 1.06x /
 # 1.08x as fast at 128x128 d=0.1 and 1.03x / 1.04x at 128x64 d=0.1 (two runs), 0.98-1.02x at d=0.5 and 0.25; with
-# CLAIMED_CAUSAL_DIMS on too, 1.04x / 1.03x causal (128x128 / 128x64). Off: on with the rise checked
-# (RISE_CHECKED_DIMS) and 256-key TMA boxes (256-key blocks walked as listed, SUB_N 256) the outputs came out wrong
-# on the GPU (H100 and H200, any number of programs), while the same walks with the offsets bounded, or with 64-key
-# boxes, or with one Q buffer, met the oracle. The cause (sixty-fourth session): ptxas 12.8 (Triton 3.6) keeps the
-# first consumer's Q descriptors from the preheader of a loop the item never runs (kernels/README.md, "Two Q
-# buffers"; benchmarks/q_buffers_repro.py, benchmarks/sass_descriptors.py); the workaround waits for the GPU
-# (benchmarks/patches/first-tile-alone.patch).
+# CLAIMED_CAUSAL_DIMS on too, 1.04x / 1.03x causal (128x128 / 128x64). Right since the sixty-fifth session: before,
+# with the rise checked (RISE_CHECKED_DIMS) and 256-key TMA boxes, ptxas 12.8 (Triton 3.6) kept the first consumer's
+# Q descriptors from the preheader of a loop the item never ran, until its first tile was taken alone
+# (kernels/README.md, "Two Q buffers"). Off: timed again in turns with that (sixty-fifth session, H100, two runs)
+# 1.03x / 1.06x as fast at 128x128 d=0.1 and 1.04x / 1.02x at 128x64, but 0.96x at 128x128 d=0.5 and 0.97x at
+# 128x64, 0.97-1.00x at d=0.25: the two-buffer build runs 2-9% slower even at one buffer's timing (cause not found,
+# kernels/README.md), and the launcher has no list length to choose by without waiting for the GPU.
 Q_BUFFER_DIMS: tuple = ()
 PERSISTENT_PROGRAMS: Optional[int] = None
 
@@ -725,8 +725,11 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
             if not CHECKED:  # the rows' bounds before the first tile, whose work hides their loads
                 bound = _score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2, o_layout,
                                       row_s)
-            acc, m_i, l_i = _walk_in_turn(walk, 0, gl.minimum(mine, 1), acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES,
-                                          CAUSAL, EMULATE_EXP2, False, KEY_SPLIT, PART)
+            # the first tile alone, not a walk of one (whose empty loop's preheader ptxas 12.8 once kept Q's
+            # descriptors in: kernels/README.md, "Two Q buffers"); tested under CAUSAL where it crosses the diagonal
+            if mine > 0:
+                acc, m_i, l_i = _tile_in_turn(walk, 0, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2,
+                                              False, True, True, KEY_SPLIT, PART)
             # after the first tile, the offsets it leaves
             keep = _all_seen(m_i) if CHECKED else _keeps_offsets(bound, m_i, dtype)
             if keep:
