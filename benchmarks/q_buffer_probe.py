@@ -7,7 +7,9 @@ revision_ab.py to time against the package's one buffer in turns.
             buffer: the two-buffer build with one buffer's timing (sixty-fifth session: 1.07-1.09x slower at d=0.5
             and 0.25, 1.02-1.03x at d=0.1; Nsight Compute: the consumers' exponentials collide more)
   one-used  two buffers allocated (shared memory 225 KiB, barriers and posts two each) but every item in the first:
-            whether the loss comes with the allocation or with Q's address alternating between items
+            whether the loss comes with the allocation or with Q's address alternating between items (its sm_90
+            SASS under Triton 3.6 is one buffer's but for the barriers 16 KiB further on, the second buffer's
+            barriers' initialization and about 130 lines that ptxas orders otherwise)
 
     python benchmarks/q_buffer_probe.py --out /tmp/probe        # writes /tmp/probe/forward_ws_<way>.py
     cd benchmarks && python revision_ab.py --base held --base-file /tmp/probe/forward_ws_held.py \\
