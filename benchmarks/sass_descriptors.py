@@ -8,9 +8,9 @@ Why: with two Q buffers (forward_ws.Q_BUFFER_DIMS) on the 256-key-box build that
 of the first walk's loop, which never runs, and reads them in every later tile body of the item (kernels/README.md,
 "Two Q buffers"): the PTX computes them where they are read. Since the first tile is taken alone (sixty-fifth
 session) that build has 8 reports, all on the path of an item with no tile, where no tile body runs either; the GPU
-tests pass with two buffers. The analysis knows no branch conditions, so a report
-is a path to look at, not proof: a write guarded by "the item has a tile" read in a body guarded by "it has two" is
-reported too, though no run takes that path.
+tests pass with two buffers. The analysis knows no branch conditions, so a report is a path to look at, not proof: a
+write guarded by "the item has a tile" read in a body guarded by "it has two" is reported too, though no run takes
+that path.
 
 Run under Triton 3.6 to see what the GPU machine builds (see sass_loop.py for the environment):
 
@@ -21,10 +21,9 @@ import argparse
 import os
 import re
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sass_loop import _tool  # noqa: E402  (stubs torch where it is missing, and puts the package on the path)
+from sass_loop import disassemble  # noqa: E402  (stubs torch where it is missing, and puts the package on the path)
 
 # (name, compile_sm90 arguments, SPLIT_KEY_BLOCK_DIMS): the builds the package ships at D=64 (its walk in turn, where
 # the fault was) and D=128, and the two-buffer build the GPU tests failed on before the first tile was taken alone
@@ -153,10 +152,7 @@ def _sass_of(arguments: dict, split_dims: tuple) -> str:
         kernel = forward_ws.compile_sm90(**arguments)
     finally:
         forward_ws.SPLIT_KEY_BLOCK_DIMS = saved
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        return _tool("nvdisasm", cubin.name, "-c")
+    return disassemble(kernel.asm["cubin"])
 
 
 def main():

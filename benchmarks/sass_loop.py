@@ -103,6 +103,14 @@ def _tool(name, cubin_path, *flags):
     return subprocess.run([path, *flags, cubin_path], capture_output=True, text=True, check=True).stdout
 
 
+def disassemble(cubin: bytes) -> str:
+    """nvdisasm's listing of a compiled kernel (its asm["cubin"]), with the control flow's labels (-c)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return _tool("nvdisasm", f.name, "-c")
+
+
 def loops(sass: str) -> list:
     """Every span of nvdisasm's lines from a label to a conditional branch back to it (a loop's step), as
     (the label's line number, the span's lines), in SASS order."""

@@ -60,12 +60,8 @@ GLUON_VARIANTS = [
 ]
 
 
-def _sass_fingerprint(cubin_bytes: bytes, tool) -> str:
-    """Instruction count and a hash of the SASS without addresses and comments."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(cubin_bytes)
-        cubin.flush()
-        sass = tool("nvdisasm", cubin.name, "-c")
+def _sass_fingerprint(sass: str) -> str:
+    """Instruction count and a hash of an nvdisasm listing without addresses and comments."""
     # (a called function's mangled name spells its argument types, which a regrouping of its arguments changes
     # without changing an instruction: names count as one, and so does any run of spaces, whose padding follows them)
     lines = [" ".join(re.sub(r"\$[^\s,;()`]+", "$name", re.sub(r"/\*[0-9a-f]+\*/", "", line)).split())
@@ -88,7 +84,7 @@ def fingerprints(root: str) -> dict:
         except Exception as error:  # the base may predate a flag
             result[label] = f"does not compile: {type(error).__name__}"
             continue
-        result[label] = _sass_fingerprint(compiled.asm["cubin"], sass_loop._tool)
+        result[label] = _sass_fingerprint(sass_loop.disassemble(compiled.asm["cubin"]))
     for module, kwargs in GLUON_VARIANTS:
         label = f"{module} {json.dumps(kwargs, sort_keys=True)}"
         try:
@@ -96,7 +92,7 @@ def fingerprints(root: str) -> dict:
         except Exception as error:
             result[label] = f"does not compile: {type(error).__name__}"
             continue
-        result[label] = _sass_fingerprint(compiled.asm["cubin"], sass_loop._tool)
+        result[label] = _sass_fingerprint(sass_loop.disassemble(compiled.asm["cubin"]))
     return result
 
 

@@ -191,7 +191,7 @@ def main():
             variant("the rise checked after the walk" if checked else "the rise bounded")
             forward_ws.RISE_CHECKED_DTYPES, forward_ws.RISE_CHECKED_DIMS = default_checked, default_checked_dims
             forward_ws.RISE_CHECKED_CAUSAL_DIMS = default_checked_causal_dims
-        if args.q_buffers and case.dim == 64:  # (two buffers only where a program takes several items)
+        if args.q_buffers and case.dim == 64:  # (D=128 has no shared memory for a second buffer)
             two = case.dim not in default_q_buffer_dims
             forward_ws.Q_BUFFER_DIMS = (case.dim, ) if two else ()
             variant("two Q buffers" if two else "one Q buffer")
