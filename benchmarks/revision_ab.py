@@ -8,6 +8,7 @@ largest gap between the two ways' outputs (0 where the change keeps the arithmet
     cd benchmarks && python revision_ab.py --base HEAD --rounds 5
     cd benchmarks && python revision_ab.py --base HEAD~1 --cases d64 key-split --rounds 4
     cd benchmarks && python revision_ab.py --base HEAD --cases d64-densities   # D=64 at d=0.5 / 0.25 / 0.1, both blocks
+    cd benchmarks && python revision_ab.py --base HEAD --cases d64-short   # D=64 B8 S2048 / 4096 and the skewed mask
     cd benchmarks && python revision_ab.py --base-file /path/to/forward_ws.py   # where the copy has no .git
 
 Only forward_ws.py differs between the ways; the rest of the package is the working tree's. A base whose file
@@ -38,6 +39,9 @@ SUITES = {"design": [(Case(block=block, density=0.1), ()) for block in ((128, 12
           # D=64 at the design densities and both block shapes: a change that trades dense masks for sparse ones
           "d64-densities": [(Case(dim=64, block=block, density=d), ()) for block in ((128, 128), (128, 64))
                             for d in (0.5, 0.25, 0.1)],
+          # D=64 where items are short (B8 S2048 / 4096) or long and short mixed (the skewed mask, target 6)
+          "d64-short": [(Case(batch=8, heads=16, kv_heads=16, seq=seq, dim=64, density=0.5), ())
+                        for seq in (2048, 4096)] + [(Case(dim=64, pattern="skewed", density=0.25), ())],
           "causal": [(Case(pattern="causal", block=(128, 128), density=0.5), ()),
                      (Case(dim=64, pattern="causal", block=(128, 64), density=0.5), ())],
           "key-split": [(Case(dim=64, block=(128, 128), density=d), (64, )) for d in (0.5, 0.1)]}
