@@ -20,7 +20,8 @@ Sixty-sixth session (H100, raw output in results-2026-12-07-h100-session66.md): 
 and 0.25 (flag 0) and 0.97x at d=0.1 (flag 1); runtime-never 1.05-1.07x slower at d=0.5 and 0.25 and 1.00-1.05x at
 d=0.1. So whatever makes Q's buffer a run-time value costs the time, even where it never changes; and giving each
 buffer its own copy of the item's code (benchmarks/patches/q-buffers-unrolled.patch) cost more: 1.05-1.09x slower at
-d=0.5 and 0.25 and 1.22-1.25x at d=0.1, where the doubled code (960 HGMMA instructions against 480) counts most.
+d=0.5 and 0.25 and 1.22-1.25x at d=0.1, where the doubled code (960 HGMMA instructions against 480) counts most;
+less code (benchmarks/patches/no-cold-walk.patch) lost 6-10% at d=0.5 as well (kernels/README.md).
 
     python benchmarks/q_buffer_probe.py --out /tmp/probe        # writes /tmp/probe/forward_ws_<way>.py
     cd benchmarks && python revision_ab.py --base held --base-file /tmp/probe/forward_ws_held.py \\
