@@ -62,40 +62,44 @@ ORDER_CALL = ("        tensors[\"ITEM_ORDER\"] = cached_query_tile_order(kv_coun
               "block_q, q_tiles,\n                                                        chosen.causal)\n")
 
 
-def runtime_way(source: str, keys: int) -> str:
+def _substitute(source: str, way: str, pairs: list, times: int = 1) -> str:
+    """source with each (old, new) of pairs replaced, in order; a ValueError naming way where an old string does not
+    occur exactly `times` times (the file has moved on from the copy's substitutions)."""
+    for old, new in pairs:
+        if source.count(old) != times:
+            raise ValueError(f"way {way!r}: {old.strip()!r} occurs {source.count(old)} times in forward_ws.py, "
+                             f"expected {times}")
+        source = source.replace(old, new)
+    return source
+
+
+def runtime_way(source: str, way: str) -> str:
     """The runtime ways' substitutions (see the docstring): _q_buffer reads the launch's flag, which the launch
-    appends to ITEM_ORDER (mean keys an item below `keys`), cached per lists tensor as the order is."""
+    appends to ITEM_ORDER (mean keys an item below ALTERNATE_KEYS[way]), cached per lists tensor as the order is."""
     name, body, new_name, new_body = Q_BUFFER_RUNTIME
-    for old in (name, body, ORDER_CALL):
-        if source.count(old) != 1:
-            raise ValueError(f"runtime: {old.strip()!r} occurs {source.count(old)} times in forward_ws.py, "
-                             "expected once")
-    source = source.replace(name, new_name).replace(body, new_body)
-    source = source.replace("    BUFFERS: gl.constexpr = ring[0].shape[0] // 2\n",
-                            "    ring = shared[1]\n    BUFFERS: gl.constexpr = ring[0].shape[0] // 2\n")
-    calls = source.count("_q_buffer(ring, turn")
-    if calls != 4:
-        raise ValueError(f"runtime: _q_buffer(ring, turn ...) called {calls} times in forward_ws.py, expected 4")
-    source = source.replace("_q_buffer(ring, turn", "_q_buffer(shared, turn")
-    return source.replace(ORDER_CALL, (
-        "        order = cached_query_tile_order(kv_count, batch, heads, heads // k.shape[1], block_q, q_tiles,\n"
-        "                                        chosen.causal)\n"
-        "        key = (id(kv_count), kv_count._version, order.data_ptr())\n"
-        "        if key not in _PROBE_ORDERS:  # (probe) the flag: items' mean keys below the threshold\n"
-        f"            short = kv_count.expand(batch, heads, -1).float().mean() * block_kv < {keys}\n"
-        "            _PROBE_ORDERS.clear()\n"
-        "            _PROBE_ORDERS[key] = (kv_count, torch.cat([order, short.to(torch.int32).view(1)]))\n"
-        "        tensors[\"ITEM_ORDER\"] = _PROBE_ORDERS[key][1]\n")) + "\n\n_PROBE_ORDERS: dict = {}\n"
+    order = ("        order = cached_query_tile_order(kv_count, batch, heads, heads // k.shape[1], block_q, q_tiles,\n"
+             "                                        chosen.causal)\n"
+             "        key = (id(kv_count), kv_count._version, order.data_ptr())\n"
+             "        if key not in _PROBE_ORDERS:  # (probe) the flag: items' mean keys below the threshold\n"
+             "            short = kv_count.expand(batch, heads, -1).float().mean() * block_kv < "
+             f"{ALTERNATE_KEYS[way]}\n"
+             "            _PROBE_ORDERS.clear()\n"
+             "            _PROBE_ORDERS[key] = (kv_count, torch.cat([order, short.to(torch.int32).view(1)]))\n"
+             "        tensors[\"ITEM_ORDER\"] = _PROBE_ORDERS[key][1]\n")
+    source = _substitute(source, way, [
+        (name, new_name), (body, new_body),
+        ("    BUFFERS: gl.constexpr = ring[0].shape[0] // 2\n",
+         "    ring = shared[1]\n    BUFFERS: gl.constexpr = ring[0].shape[0] // 2\n"),
+        (ORDER_CALL, order)])
+    # every call of _q_buffer, once its definition has changed
+    source = _substitute(source, way, [("_q_buffer(ring, turn", "_q_buffer(shared, turn")], times=4)
+    return source + "\n\n_PROBE_ORDERS: dict = {}\n"
 
 
 def variant(source: str, way: str) -> str:
     """forward_ws.py's source with two Q buffers and way's substitutions."""
-    for old, new in [TWO_BUFFERS] + WAYS.get(way, []):
-        if source.count(old) != 1:
-            raise ValueError(f"way {way!r}: {old.strip()!r} occurs {source.count(old)} times in forward_ws.py, "
-                             "expected once")
-        source = source.replace(old, new)
-    return runtime_way(source, ALTERNATE_KEYS[way]) if way in ALTERNATE_KEYS else source
+    source = _substitute(source, way, [TWO_BUFFERS] + WAYS.get(way, []))
+    return runtime_way(source, way) if way in ALTERNATE_KEYS else source
 
 
 def main():
