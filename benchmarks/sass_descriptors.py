@@ -37,11 +37,6 @@ CASES = [
      dict(block_q=256, block_kv=256, dim=64, check_rise=True, claimed=True, q_buffers=2), ()),
     ("D=64 256x256 as listed, one Q buffer, rise checked", dict(block_q=256, block_kv=256, dim=64, check_rise=True,
                                                               claimed=True, q_buffers=1), ()),
-    # each half of Q its own barriers (Q_HALVES_APART_DIMS), with one buffer
-    ("D=64 128x128 Q halves apart", dict(block_q=128, block_kv=128, dim=64, claimed=True, q_halves=2), (64, )),
-    ("D=64 256x256 as listed, Q halves apart, rise checked", dict(block_q=256, block_kv=256, dim=64, check_rise=True,
-                                                                claimed=True, q_halves=2), ()),
-    ("D=128 128x64 Q halves apart", dict(block_q=128, block_kv=64, dim=128, claimed=True, q_halves=2), (64, )),
 ]
 
 

@@ -320,31 +320,6 @@ def test_two_q_buffers_where_the_table_says(monkeypatch):
     assert forward_ws._settings(plan, torch.bfloat16, 64, claimed=True)["Q_BUFFERS"] == 1
 
 
-def test_q_halves_apart_where_the_table_says(monkeypatch):
-    """Q_HALVES_APART_DIMS: each half of Q its own barriers (the kernel's Q_HALVES 2) only on a persistent grid, at
-    its head dims (D=128 too: it takes no shared memory), with one consumer pair."""
-    monkeypatch.setattr(forward_ws, "Q_HALVES_APART_DIMS", (64, 128))
-    monkeypatch.setattr(forward_ws, "KEY_SPLIT_DIMS", ())
-    for dim, block_kv in ((64, 64), (128, 128)):
-        plan = forward_ws._plan(block_kv, dim, False)
-        assert forward_ws._settings(plan, torch.bfloat16, dim, claimed=True)["Q_HALVES"] == 2
-        assert forward_ws._settings(plan, torch.bfloat16, dim, claimed=False)["Q_HALVES"] == 1  # a program a tile
-    monkeypatch.setattr(forward_ws, "KEY_SPLIT_DIMS", (64, ))
-    split = forward_ws._plan(128, 64, False)
-    assert split.key_split == 2 and forward_ws._settings(split, torch.bfloat16, 64, claimed=True)["Q_HALVES"] == 1
-    monkeypatch.setattr(forward_ws, "Q_HALVES_APART_DIMS", ())
-    assert forward_ws._settings(forward_ws._plan(64, 64, False), torch.bfloat16, 64, claimed=True)["Q_HALVES"] == 1
-
-
-@pytest.mark.parametrize("dim, blocks, causal", [(64, (128, 128), False), (64, (128, 64), True),
-                                                 (128, (128, 64), False)])
-def test_compiles_with_q_halves_apart(dim, blocks, causal):
-    """Each half of Q with its own barriers (Q_HALVES_APART_DIMS) on the claimed grid, D=64's walk in turn and
-    D=128's overlapped one: as _assert_compiles asks, within SPILL_BUDGET_CLAIMED."""
-    _assert_compiles(f"forward_ws.compile_sm90({blocks[0]}, {blocks[1]}, torch.bfloat16, causal={causal}, dim={dim}, "
-                     "claimed=True, q_halves=2)", SPILL_BUDGET_CLAIMED, forward_ws._plan(blocks[1], dim, causal))
-
-
 @pytest.mark.parametrize("blocks, o_through_tma, causal", [((128, 128), False, False), ((128, 64), True, True)])
 def test_compiles_with_two_q_buffers(blocks, o_through_tma, causal):
     """D=64 with two Q buffers (Q_BUFFER_DIMS) on the claimed grid: as _assert_compiles asks (the 16 KiB more
@@ -705,44 +680,31 @@ def test_query_tile_order_puts_the_longest_lists_first(batch, heads, kv_heads, s
     assert forward_ws.cached_query_tile_order(kv_count, batch, heads, group, block_q, q_tiles, causal) is not cached
 
 
-def set_q_way(monkeypatch, way: str) -> None:
-    """The persistent grid's Q buffers for the test: "one", "two" taken in turn (Q_BUFFER_DIMS, D=64), or one with
-    each half's own barriers ("apart": Q_HALVES_APART_DIMS, D=64 and 128)."""
-    monkeypatch.setattr(forward_ws, "Q_BUFFER_DIMS", (64, ) if way == "two" else ())
-    monkeypatch.setattr(forward_ws, "Q_HALVES_APART_DIMS", (64, 128) if way == "apart" else ())
-
-
 # the persistent grid's cases: (a table, its case, head dim, out through the TMA unit, its programs' items: "turns"
-# (PERSISTENT_DIMS, never under is_causal) or "claimed" from a counter (set_grid: under is_causal too), Q's buffers
-# (set_q_way))
-PERSISTENT_CASES = ([("CASES", case, 128, False, grid, "one") for case in CASES for grid in ("turns", "claimed")]
-                    + [("CASES", case, 128, False, "claimed", "apart") for case in ("128x64 fp16, query tail",
-                                                                                    "short query tail", "256x256 gqa")]
-                    + [("HEAD_DIM_64_CASES", case, 64, False, grid, way) for case, spec in HEAD_DIM_64_CASES.items()
-                       for grid in ("turns", "claimed") if grid == "claimed" or not spec[7]
-                       for way in (("one", "two", "apart") if grid == "claimed" else ("one", "two"))]
-                    + [("CAUSAL_CASES", case, 128, False, "claimed", "one") for case in CAUSAL_CASES]
-                    + [("CAUSAL_CASES", "128x64 causal gqa", 128, False, "claimed", "apart")]
-                    + [("CASES", case, 128, True, grid, "one") for case in ("128x64 fp16, query tail", "bshd layout")
+# (PERSISTENT_DIMS, never under is_causal) or "claimed" from a counter (set_grid: under is_causal too), Q buffers
+# (Q_BUFFER_DIMS: two at D=64))
+PERSISTENT_CASES = ([("CASES", case, 128, False, grid, 1) for case in CASES for grid in ("turns", "claimed")]
+                    + [("HEAD_DIM_64_CASES", case, 64, False, grid, buffers) for case, spec in HEAD_DIM_64_CASES.items()
+                       for grid in ("turns", "claimed") if grid == "claimed" or not spec[7] for buffers in (1, 2)]
+                    + [("CAUSAL_CASES", case, 128, False, "claimed", 1) for case in CAUSAL_CASES]
+                    + [("CASES", case, 128, True, grid, 1) for case in ("128x64 fp16, query tail", "bshd layout")
                        for grid in ("turns", "claimed")]
-                    + [("CASES", "128x64 fp16, query tail", 64, True, "claimed", way) for way in ("two", "apart")])
+                    + [("CASES", "128x64 fp16, query tail", 64, True, "claimed", 2)])
 
 
-@pytest.mark.parametrize("table, case, dim, o_through_tma, grid, q_way", PERSISTENT_CASES)
-def test_persistent_grid_against_the_oracle(table, case, dim, o_through_tma, grid, q_way, monkeypatch, poisoned,
+@pytest.mark.parametrize("table, case, dim, o_through_tma, grid, q_buffers", PERSISTENT_CASES)
+def test_persistent_grid_against_the_oracle(table, case, dim, o_through_tma, grid, q_buffers, monkeypatch, poisoned,
                                             warp_specialized_calls):
     """The persistent grid (set_grid: in turns or claimed) with 7 programs, so that each walks many items of unequal
     lists and the ring's stages and the barriers' phases carry over from item to item, its last turn shorter in some
     programs than in others (claimed: however many items each program claims, and the consumers stopped by the
     loader's post of none left): the tables' cases (a query block that keeps nothing, a
     head that keeps nothing, query tails; claimed also is_causal's, with rows that see no key in a tile), D=128 and
-    64, out through the TMA unit, at D=64 two Q buffers taken in turn (Q_BUFFER_DIMS), and claimed items with each
-    half of Q its own barriers (Q_HALVES_APART_DIMS), so that one consumer may start an item before the other ends
-    the last."""
+    64, out through the TMA unit, and at D=64 two Q buffers taken in turn (Q_BUFFER_DIMS)."""
     set_grid(monkeypatch, grid)
     monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 7)
     monkeypatch.setattr(forward_ws, "O_THROUGH_TMA", o_through_tma)
-    set_q_way(monkeypatch, q_way)
+    monkeypatch.setattr(forward_ws, "Q_BUFFER_DIMS", (64, ) if q_buffers == 2 else ())
     monkeypatch.setattr(forward_ws, "MIN_KEYS", {})
     causal = False
     if table == "HEAD_DIM_64_CASES":
@@ -785,13 +747,12 @@ FIXED_OFFSET_CASES = {
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("inputs", ["bound 13.5", "bound 28.8", "bound 160", "large norms"])
-@pytest.mark.parametrize("case, checked, grid, q_way",
-                         [(case, False, None, "one") for case in FIXED_OFFSET_CASES]
-                         + [(case, True, grid, way) for case, spec in FIXED_OFFSET_CASES.items()
+@pytest.mark.parametrize("case, checked, grid, q_buffers",
+                         [(case, False, None, 1) for case in FIXED_OFFSET_CASES]
+                         + [(case, True, grid, buffers) for case, spec in FIXED_OFFSET_CASES.items()
                             if spec[6] == torch.bfloat16 for grid in (None, "turns", "claimed")
-                            for way in (("one", "two") if spec[8] == 64 and grid is not None else ("one", ))
-                            + (("apart", ) if grid == "claimed" else ())])
-def test_fixed_offsets_against_the_oracle(case, checked, grid, q_way, inputs, monkeypatch, poisoned,
+                            for buffers in ((1, 2) if spec[8] == 64 and grid is not None else (1, ))])
+def test_fixed_offsets_against_the_oracle(case, checked, grid, q_buffers, inputs, monkeypatch, poisoned,
                                           warp_specialized_calls):
     """The walk with fixed offsets (FIXED_OFFSET_DIMS, here at D=64 and 128) on scores that rise past each list's
     first key tile by nearly the rows' bounds (aligned_scores: 13.5, 28.8 or 160 log2 units, so P reaches 2^12,
@@ -802,10 +763,10 @@ def test_fixed_offsets_against_the_oracle(case, checked, grid, q_way, inputs, mo
     their overflowed sums would show here. Against the oracle, with the share of tiles taking each walk and the
     scores' rise computed on the host. grid: with the rise checked, on the persistent grid of 5 programs taking their
     items in turns or claiming them (set_grid; claimed under is_causal too), where a walk again comes between one
-    item and the next; None: a program an item. q_way: on the persistent grid, one Q buffer, at D=64 two taken in
-    turn by a program's items, and on the claimed grid one with each half's own barriers (set_q_way)."""
+    item and the next; None: a program an item. q_buffers: at D=64 on the persistent grid, one Q buffer or two taken
+    in turn by a program's items (Q_BUFFER_DIMS)."""
     monkeypatch.setattr(forward_ws, "MIN_KEYS", {})
-    set_q_way(monkeypatch, q_way)
+    monkeypatch.setattr(forward_ws, "Q_BUFFER_DIMS", (64, ) if q_buffers == 2 else ())
     set_grid(monkeypatch, grid)
     monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 5)
     monkeypatch.setattr(forward_ws, "FIXED_OFFSET_DIMS", (64, 128))

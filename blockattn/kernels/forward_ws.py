@@ -230,13 +230,6 @@ CLAIMED_CAUSAL_DIMS: tuple = ()
 # 128x64, 0.97-1.00x at d=0.25: the two-buffer build runs 2-9% slower even at one buffer's timing (cause not found,
 # kernels/README.md), and the launcher has no list length to choose by without waiting for the GPU.
 Q_BUFFER_DIMS: tuple = ()
-# Head dims whose persistent launches give each consumer's half of Q barriers and a post of its own (q_ready, q_empty,
-# item_smem), with one Q buffer: a consumer that ends an item first releases its half alone, and the loader loads the
-# next item's first half and its first key tiles without waiting for the other consumer, whose half it loads just
-# before the ring's last stage of the new item (which would wait for that consumer's last tiles anyway). So the
-# consumers need not meet at each item's start (when the first leads), without the second buffer's run-time address
-# (Q_BUFFER_DIMS, which costs its consumers 5-7%; kernels/README.md, "Two Q buffers"). Never with the key split.
-Q_HALVES_APART_DIMS: tuple = ()
 PERSISTENT_PROGRAMS: Optional[int] = None
 
 _ROWS = gl.constexpr(CONSUMER_ROWS)
@@ -337,15 +330,6 @@ def _q_buffer(ring, turn):
     and its post (item_smem), and the phase of those barriers for that turn. (ring: as the kernel packs it.)"""
     BUFFERS: gl.constexpr = ring[0].shape[0] // 2
     return turn % BUFFERS, (turn // BUFFERS) & 1
-
-
-@gluon.jit
-def _q_barrier(ring, buffer, HALF: gl.constexpr):
-    """The index of consumer HALF's barriers q_ready and q_empty and its post (item_smem) for Q buffer `buffer`:
-    the buffer's own (both halves share them), or under Q_HALVES_APART_DIMS its half's (ring: as the kernel packs
-    it, q_ready [buffers * halves, 1])."""
-    HALVES: gl.constexpr = ring[3].shape[0] // (ring[0].shape[0] // 2)
-    return buffer * HALVES + HALF % HALVES
 
 
 @gluon.jit
@@ -655,17 +639,15 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
         ring = shared[1]
         base = gl.program_id(0) * 0  # (as below)
         turn = base
-        first = _q_barrier(ring, 0, HALF)
-        mbarrier.wait(ring[3].index(first), 0)  # q_ready: the loader's first item posted (or -1)
-        item = _posted_item(ring[8].index(first))
+        mbarrier.wait(ring[3].index(0), 0)  # q_ready: the loader's first item posted (or -1)
+        item = _posted_item(ring[8].index(0))
         while item >= 0:
             base = _consumer_item(shared, item, turn, base, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL,
                                   OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, KEY_SPLIT, PART)
             turn += 1
             buffer, phase = _q_buffer(ring, turn)
-            barrier = _q_barrier(ring, buffer, HALF)
-            mbarrier.wait(ring[3].index(barrier), phase)
-            item = _posted_item(ring[8].index(barrier))
+            mbarrier.wait(ring[3].index(buffer), phase)
+            item = _posted_item(ring[8].index(buffer))
     elif PERSISTENT:
         lists = shared[2]
         base = gl.program_id(0) * 0  # ring position of the item's first key tile (the items' before it), int32
@@ -729,8 +711,8 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
     q_slot = 2 * buffer + HALF
     q_box = q_smem.index(q_slot)
     q = q_box.reshape([_ROWS, HEAD_DIM])
-    q_empty = q_empty.index(_q_barrier(ring, buffer, HALF))
-    mbarrier.wait(q_ready.index(_q_barrier(ring, buffer, HALF)), phase)
+    q_empty = q_empty.index(buffer)
+    mbarrier.wait(q_ready.index(buffer), phase)
     walk = (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
             scale_log2, base)
     # CHECK_RISE (RISE_CHECKED_DTYPES): the offsets stay wherever every row has a key in the first tile, and the
@@ -976,13 +958,10 @@ def _loader(shared, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.con
             position = _claim(lists)
             turn += 1
         buffer, phase = _q_buffer(ring, turn)
-        HALVES: gl.constexpr = ring[3].shape[0] // (ring[0].shape[0] // 2)
-        for half in gl.static_range(HALVES):
-            barrier = _q_barrier(ring, buffer, half)
-            # q_empty: the consumers are done with the post of the item that last had this buffer
-            mbarrier.wait(ring[4].index(barrier), phase ^ 1)
-            _post_item(ring[8].index(barrier), -1)
-            mbarrier.arrive(ring[3].index(barrier), count=1)  # q_ready with no bytes to wait for
+        # q_empty: the consumers are done with the post of the item that last had this buffer
+        mbarrier.wait(ring[4].index(buffer), phase ^ 1)
+        _post_item(ring[8].index(buffer), -1)
+        mbarrier.arrive(ring[3].index(buffer), count=1)  # q_ready with no bytes to wait for
     elif PERSISTENT:
         lists = shared[2]
         base = gl.program_id(0) * 0  # (as _consumer's)
@@ -1011,15 +990,14 @@ def _loader_item(shared, item, turn, base, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.c
     # a fresh barrier counts as released in the phase before its first: the first item's Q and the first round of
     # stages go at once
     buffer, phase = _q_buffer(ring, turn)
-    HALVES: gl.constexpr = q_ready.shape[0] // (q_smem.shape[0] // 2)
-    if HALVES == 1:
-        _load_q(ring, Q_DESC, item, buffer, phase, 0, 2, off_b, off_h, start_m, POST)
-    else:  # (Q_HALVES_APART_DIMS) the first half now, the second before the ring's last stage of this item
-        _load_q(ring, Q_DESC, item, buffer, phase, 0, 1, off_b, off_h, start_m, POST)
+    q_ready = q_ready.index(buffer)
+    mbarrier.wait(q_empty.index(buffer), phase ^ 1)
+    if POST:
+        _post_item(item_smem.index(buffer), item)
+    mbarrier.expect(q_ready, 2 * Q_DESC.block_type.nbytes)
+    tma_load(Q_DESC, [off_b, off_h, start_m, 0], q_ready, q_smem.index(2 * buffer))
+    tma_load(Q_DESC, [off_b, off_h, start_m + _ROWS, 0], q_ready, q_smem.index(2 * buffer + 1))
     for j in range(tiles):
-        if HALVES > 1:
-            if j == STAGES - 1:
-                _load_q(ring, Q_DESC, item, buffer, phase, 1, 1, off_b, off_h, start_m, POST)
         stage = (base + j) % STAGES
         mbarrier.wait(kv_empty.index(stage), (((base + j) // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(stage), PARTS * K_DESC.block_type.nbytes)
@@ -1031,29 +1009,7 @@ def _loader_item(shared, item, turn, base, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.c
                      _sub_tile(k_smem, stage, part, SUB_N))
             tma_load(V_DESC, [off_b, off_hkv, row, 0], v_ready.index(stage),
                      _sub_tile(v_smem, stage, part, SUB_N))
-    if HALVES > 1:
-        if tiles < STAGES:
-            _load_q(ring, Q_DESC, item, buffer, phase, 1, 1, off_b, off_h, start_m, POST)
     return base + tiles
-
-
-@gluon.jit
-def _load_q(ring, Q_DESC, item, buffer, phase, FIRST_HALF: gl.constexpr, HALVES: gl.constexpr, off_b, off_h, start_m,
-            POST: gl.constexpr):
-    """The loader's load of Q halves FIRST_HALF .. FIRST_HALF + HALVES - 1 of work item `item` (its query tile starts
-    at row start_m of batch off_b, head off_h) into Q buffer `buffer` (_q_buffer, phase its barriers' phase for the
-    item's turn), once the consumers of those halves have released the buffer's last item's (q_empty), the item
-    posted to them first (POST, _post_item); one barrier for both halves, or each half's own
-    (Q_HALVES_APART_DIMS)."""
-    q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, item_smem = ring
-    barrier = _q_barrier(ring, buffer, FIRST_HALF)
-    mbarrier.wait(q_empty.index(barrier), phase ^ 1)
-    if POST:
-        _post_item(item_smem.index(barrier), item)
-    mbarrier.expect(q_ready.index(barrier), HALVES * Q_DESC.block_type.nbytes)
-    for half in gl.static_range(FIRST_HALF, FIRST_HALF + HALVES):
-        tma_load(Q_DESC, [off_b, off_h, start_m + half * _ROWS, 0], q_ready.index(barrier),
-                 q_smem.index(2 * buffer + half))
 
 
 @gluon.jit
@@ -1067,8 +1023,7 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
                             EMULATE_EXP2: gl.constexpr = False, O_THROUGH_TMA: gl.constexpr = False,
                             FIXED_OFFSETS: gl.constexpr = False, CHECK_RISE: gl.constexpr = False,
                             PERSISTENT: gl.constexpr = False, CLAIMED: gl.constexpr = False,
-                            KEY_SPLIT: gl.constexpr = 1, Q_BUFFERS: gl.constexpr = 1,
-                            Q_HALVES: gl.constexpr = 1):
+                            KEY_SPLIT: gl.constexpr = 1, Q_BUFFERS: gl.constexpr = 1):
     """Grid (cdiv(Sq, 128) = q_tiles, launch.batch_head_axes(B, H)), a program a work item (a query tile of a head);
     under PERSISTENT (see PERSISTENT_DIMS) (programs, 1, 1), each taking the items at positions program_id(0) + n *
     programs of ITEM_ORDER int32 [items = q_tiles * B * H] (query_tile_order) in turn, else ITEM_ORDER None; under
@@ -1086,24 +1041,21 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     else None. K and V: k and v's pointers (strides stride_k* / stride_v*, last dim contiguous), which only
     CHECK_RISE's cold walk again reads. KEY_SPLIT 2 (KEY_SPLIT_DIMS, KEY_SPLIT_CAUSAL_DIMS): four consumers, a pair of
     them on each half of the key tiles (_consumer_item). Q_BUFFERS 2 (Q_BUFFER_DIMS): two Q buffers, which successive
-    items take in turn (_q_buffer). Q_HALVES 2 (Q_HALVES_APART_DIMS): each consumer's half of Q has its own
-    barriers and post (_q_barrier)."""
+    items take in turn (_q_buffer)."""
     gl.static_assert(Q_BUFFERS == 1 or KEY_SPLIT == 1, "a split walk's merge buffers hold one item's rows")
-    gl.static_assert(Q_HALVES == 1 or KEY_SPLIT == 1, "a split walk's halves of Q have two consumers each")
     q_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2 * Q_BUFFERS] + Q_DESC.block_type.shape, Q_DESC.layout)
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
     # a stage: one [TILE_N, D] key tile, which the loader fills with TILE_N // SUB_N boxes of SUB_N keys (_sub_tile)
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, HEAD_DIM], K_DESC.dtype)
     k_smem = gl.allocate_shared_memory(K_DESC.dtype, [STAGES, TILE_N, HEAD_DIM], tile_layout)
     v_smem = gl.allocate_shared_memory(V_DESC.dtype, [STAGES, TILE_N, HEAD_DIM], tile_layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * Q_HALVES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * Q_HALVES, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # CLAIMED: the item the loader claimed, posted to the consumers (_post_item)
-    item_smem = gl.allocate_shared_memory(gl.int32, [Q_BUFFERS * Q_HALVES, 1],
-                                          gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    item_smem = gl.allocate_shared_memory(gl.int32, [Q_BUFFERS, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     # KEY_SPLIT: what a PART 1 consumer hands the PART 0 one of its rows (_hand_over): accumulator [64, D] and
     # offsets, sums and the again flag [64] per half of the rows, and the barriers that tell it. Without a key
     # split nothing reads them, and buffers that exist anyway stand in, so that the kernel allocates nothing more.
@@ -1115,10 +1067,9 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
                  merged)
     else:
         merge = (item_smem, item_smem, q_ready)
-    for i in gl.static_range(Q_BUFFERS * Q_HALVES):
+    for i in gl.static_range(Q_BUFFERS):
         mbarrier.init(q_ready.index(i), count=1)
-        # every consumer releases its half of Q: to the buffer's barrier, or to its half's (Q_HALVES 2)
-        mbarrier.init(q_empty.index(i), count=2 * KEY_SPLIT // Q_HALVES)
+        mbarrier.init(q_empty.index(i), count=2 * KEY_SPLIT)  # every consumer releases its half of Q
     if KEY_SPLIT > 1:
         mbarrier.init(merge[2].index(0), count=1)
         mbarrier.init(merge[2].index(1), count=1)
@@ -1398,17 +1349,16 @@ def grid_settings(grid: Optional[str]) -> dict:
 def _settings(chosen: Plan, dtype: torch.dtype, dim: int, claimed: Optional[bool] = None) -> dict:
     """The kernel's constexprs that the module's settings decide for a launch of plan `chosen` at dtype and head dim
     `dim` (EMULATED_EXP2_DIMS, O_THROUGH_TMA, RISE_CHECKED_DTYPES, _DIMS and _CAUSAL_DIMS, PERSISTENT_DIMS,
-    CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS, Q_BUFFER_DIMS, Q_HALVES_APART_DIMS): what attention_forward_ws launches
-    with and compile_sm90 compiles by default. claimed: whether the items are claimed (None: as CLAIMED_DIMS or
-    CLAIMED_CAUSAL_DIMS say), which makes the grid persistent."""
+    CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS, Q_BUFFER_DIMS): what attention_forward_ws launches with and compile_sm90
+    compiles by default. claimed: whether the items are claimed (None: as CLAIMED_DIMS or CLAIMED_CAUSAL_DIMS say),
+    which makes the grid persistent."""
     if claimed is None:
         claimed = _claims(dim, chosen.causal)
     persistent = claimed or (dim in PERSISTENT_DIMS and not chosen.causal)
     return dict(EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, O_THROUGH_TMA=O_THROUGH_TMA,
                 CHECK_RISE=chosen.fixed_offsets and dtype in RISE_CHECKED_DTYPES
                 and dim in (RISE_CHECKED_CAUSAL_DIMS if chosen.causal else RISE_CHECKED_DIMS),
-                PERSISTENT=persistent, CLAIMED=claimed, Q_BUFFERS=_q_buffers(chosen, dim, persistent),
-                Q_HALVES=2 if persistent and chosen.key_split == 1 and dim in Q_HALVES_APART_DIMS else 1)
+                PERSISTENT=persistent, CLAIMED=claimed, Q_BUFFERS=_q_buffers(chosen, dim, persistent))
 
 
 def _q_buffers(chosen: Plan, dim: int, persistent: bool) -> int:
@@ -1451,8 +1401,7 @@ def launch_warp_specialized(kernel_fn, site_key: tuple, tensors: dict,
 def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                  dim: int = HEAD_DIM, emulate_exp2: Optional[bool] = None, o_through_tma: Optional[bool] = None,
                  fixed_offsets: Optional[bool] = None, check_rise: Optional[bool] = None,
-                 persistent: Optional[bool] = None, claimed: Optional[bool] = None, q_buffers: Optional[int] = None,
-                 q_halves: Optional[int] = None):
+                 persistent: Optional[bool] = None, claimed: Optional[bool] = None, q_buffers: Optional[int] = None):
     """Compile the kernel for sm_90 ahead of time, with no GPU (tests and benchmarks/sass tools): the compiled
     kernel for lists at (block_q, block_kv) and head dim `dim`, with the launch's tile choice (plan()), stages and
     register settings (the key blocks it walks too: SPLIT_KEY_BLOCK_DIMS); emulate_exp2, o_through_tma,
@@ -1460,8 +1409,7 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES, _DIMS and _CAUSAL_DIMS, PERSISTENT_DIMS, CLAIMED_DIMS
     and CLAIMED_CAUSAL_DIMS).
     Claimed items imply the persistent grid, so persistent decides only where they are not claimed (claimed=False,
-    persistent=True: the items in turns). q_buffers and q_halves None: as Q_BUFFER_DIMS and Q_HALVES_APART_DIMS say
-    for the grid (q_halves 2 needs the persistent grid)."""
+    persistent=True: the items in turns). q_buffers None: as Q_BUFFER_DIMS says for the grid."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     chosen = _plan(block_kv, dim, causal)
@@ -1476,7 +1424,6 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     settings = {name: overrides[name] if overrides.get(name) is not None else value
                 for name, value in settings.items()}
     settings["Q_BUFFERS"] = q_buffers or _q_buffers(chosen, dim, settings["PERSISTENT"])
-    settings["Q_HALVES"] = q_halves or settings["Q_HALVES"]
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap,
                      STAGES=chosen.stages(dim), CAUSAL=causal, CONSUMER_REGS=chosen.consumer_regs(),
                      LOADER_REGS=LOADER_REGS, FIXED_OFFSETS=chosen.fixed_offsets, KEY_SPLIT=chosen.key_split,
