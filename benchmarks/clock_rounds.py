@@ -7,7 +7,13 @@ one process) follows the clock, and what each implementation does per clock cycl
 Each round times each implementation with bench._time_ms (do_bench, the L2 flushed before each call), then 40
 calls back to back with a CUDA event pair each (no flush), whose spread tells a slow round from slow calls within
 a round. The clock and power are nvidia-smi's, sampled every 20 ms in a second process; a round's figures are the
-medians of the samples taken while it ran. "Mcycles" is ms x MHz / 1000: the call's length in SM clock cycles.
+medians of the samples taken while it ran. "Mcycles" is ms x MHz / 1000: the call's length in SM clock cycles, as
+near as a clock that moves within a round allows. nvidia-smi's power reading is an average over about a second, so it
+lags the rounds (121 W in a first round that began with the GPU idle).
+
+Sixty-seventh session (H100, D=64 d=0.5): blockattn 5.94 ms at 1980 MHz in the first round, before the GPU reached its
+700 W limit, then 6.76 / 6.40 ms at 1605 / 1455 MHz; FlexAttention 8.16-8.30 ms at 1785-1980 MHz: 1.37x, then
+1.23x / 1.29x (BENCHMARKS.md).
 """
 
 import argparse
