@@ -8,7 +8,7 @@ If the spread follows an offset, the buffer's placement is a lever; if it follow
 
 import argparse
 import statistics
-import threading
+import time
 
 import torch
 
@@ -16,7 +16,7 @@ import blockattn
 from blockattn.bench import Case, _inputs, _time_ms, block_mask
 from blockattn.kernels import backward
 
-from clocks import sample_gpu
+from clocks import Sampler
 
 _plain_empty = backward.buffers.empty
 
@@ -33,15 +33,11 @@ def offset_empty(offset_bytes: int):
     return empty
 
 
-def timed(fn) -> tuple:
+def timed(fn, sampler: Sampler) -> tuple:
     """(ms, median SM clock MHz while it was timed)."""
-    stop, samples = threading.Event(), []
-    sampler = threading.Thread(target=sample_gpu, args=(stop, samples))
-    sampler.start()
+    begin = time.perf_counter()
     ms = _time_ms(fn)
-    stop.set()
-    sampler.join()
-    return ms, statistics.median(s[0] for s in samples) if samples else float("nan")
+    return ms, sampler.medians(begin, time.perf_counter())[0]
 
 
 def main():
@@ -52,29 +48,34 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     device = torch.device("cuda")
-    for density in args.density:
-        case = Case(block=(128, 64), density=density)
-        blocks = blockattn.BlockSparsity.from_mask(block_mask(case, device), case.block, case.seq, case.seq)
-        graphs = []
-        for _ in range(args.inputs):  # each set of inputs at other addresses (the earlier sets stay allocated)
-            q, k, v = _inputs(case, device, requires_grad=True)
-            grad = torch.randn_like(q)
-            graphs.append((blockattn.attention(q, k, v, blocks), (q, k, v), grad))
-        variants = [(f"dQ buffer +{o} B", o, 0) for o in args.offsets]
-        variants += [(f"inputs set {i}", 0, i) for i in range(1, args.inputs)]
-        results = {label: [] for label, _, _ in variants}
-        for _ in range(args.rounds):
-            for label, offset, which in variants:
-                out, inputs, grad = graphs[which]
-                backward.buffers.empty = offset_empty(offset)
-                try:
-                    results[label].append(timed(lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True)))
-                finally:
-                    backward.buffers.empty = _plain_empty
-        print(f"d={density}, 128x64, B1 H24 S32k D128 bf16, backward alone, ms (SM MHz) per round:", flush=True)
-        for label, rows in results.items():
-            cells = ", ".join(f"{ms:.3f} ({mhz:.0f})" for ms, mhz in rows)
-            print(f"  {label}: {cells}; median {statistics.median(ms for ms, _ in rows):.3f}", flush=True)
+    sampler = Sampler()
+    try:
+        for density in args.density:
+            case = Case(block=(128, 64), density=density)
+            blocks = blockattn.BlockSparsity.from_mask(block_mask(case, device), case.block, case.seq, case.seq)
+            graphs = []
+            for _ in range(args.inputs):  # each set of inputs at other addresses (the earlier sets stay allocated)
+                q, k, v = _inputs(case, device, requires_grad=True)
+                grad = torch.randn_like(q)
+                graphs.append((blockattn.attention(q, k, v, blocks), (q, k, v), grad))
+            variants = [(f"dQ buffer +{o} B", o, 0) for o in args.offsets]
+            variants += [(f"inputs set {i}", 0, i) for i in range(1, args.inputs)]
+            results = {label: [] for label, _, _ in variants}
+            for _ in range(args.rounds):
+                for label, offset, which in variants:
+                    out, inputs, grad = graphs[which]
+                    backward.buffers.empty = offset_empty(offset)
+                    try:
+                        step = lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True)  # noqa: E731
+                        results[label].append(timed(step, sampler))
+                    finally:
+                        backward.buffers.empty = _plain_empty
+            print(f"d={density}, 128x64, B1 H24 S32k D128 bf16, backward alone, ms (SM MHz) per round:", flush=True)
+            for label, rows in results.items():
+                cells = ", ".join(f"{ms:.3f} ({mhz:.0f})" for ms, mhz in rows)
+                print(f"  {label}: {cells}; median {statistics.median(ms for ms, _ in rows):.3f}", flush=True)
+    finally:
+        sampler.close()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ one process) follows the clock, and what each implementation does per clock cycl
 
 Each round times each implementation with bench._time_ms (do_bench, the L2 flushed before each call), then 40
 calls back to back with a CUDA event pair each (no flush), whose spread tells a slow round from slow calls within
-a round. The clock and power are nvidia-smi's, sampled every 20 ms in a second process; a round's figures are the
+a round. The clock and power are nvidia-smi's, sampled every 20 ms (clocks.Sampler); a round's figures are the
 medians of the samples taken while it ran. "Mcycles" is ms x MHz / 1000: the call's length in SM clock cycles, as
 near as a clock that moves within a round allows. nvidia-smi's power reading is an average over about a second, so it
 lags the rounds (121 W in a first round that began with the GPU idle).
@@ -18,44 +18,13 @@ Sixty-seventh session (H100, D=64 d=0.5): blockattn 5.94 ms at 1980 MHz in the f
 
 import argparse
 import statistics
-import subprocess
-import threading
 import time
 
 import torch
 
 from blockattn.bench import Case, _inputs, _runners, _time_ms, block_mask
 
-
-class Sampler:
-    """nvidia-smi's SM clock (MHz) and board power (W) every `period_ms`, stamped with time.perf_counter()."""
-
-    def __init__(self, period_ms: int = 20):
-        self.samples: list[tuple[float, float, float]] = []
-        self.process = subprocess.Popen(
-            ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
-             f"--loop-ms={period_ms}"], stdout=subprocess.PIPE, text=True)
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self):
-        for line in self.process.stdout:
-            try:
-                clock, power = (float(x) for x in line.split(",")[:2])
-            except ValueError:
-                continue
-            self.samples.append((time.perf_counter(), clock, power))
-
-    def between(self, start: float, end: float) -> tuple[float, float, int]:
-        """Median clock and power of the samples taken in [start, end], and their number (nan where none)."""
-        inside = [s for s in list(self.samples) if start <= s[0] <= end]
-        if not inside:
-            return float("nan"), float("nan"), 0
-        return (statistics.median(s[1] for s in inside), statistics.median(s[2] for s in inside), len(inside))
-
-    def close(self):
-        self.process.terminate()
-        self.process.wait()
+from clocks import Sampler
 
 
 def back_to_back_ms(fn, calls: int = 40) -> list[float]:
@@ -94,8 +63,8 @@ def main():
                     middle = time.perf_counter()
                     calls = back_to_back_ms(lambda: fn(q, k, v))
                     end = time.perf_counter()
-                    clock, power, count = sampler.between(begin, middle)
-                    clock_b2b, _, count_b2b = sampler.between(middle, end)
+                    clock, power, count = sampler.medians(begin, middle)
+                    clock_b2b, _, count_b2b = sampler.medians(middle, end)
                     medians[name].append(ms)
                     print(f"| {index} | {name} | {ms:.3f} | {clock:.0f} | {power:.0f} | {ms * clock / 1e3:.2f} | "
                           f"{min(calls):.3f} / {statistics.median(calls):.3f} / {max(calls):.3f} | {clock_b2b:.0f} | "
