@@ -16,6 +16,8 @@ Settings (module attributes of blockattn.kernels.forward_ws, set for the case's 
                   (SPLIT_KEY_BLOCK_DIMS; at 128x64 and under is_causal the same kernel both ways)
   q-buffers       two Q buffers taken in turn by a persistent program's items, or one (Q_BUFFER_DIMS; D=64 only,
                   and where the grid is persistent: the claimed items, on where not causal)
+  mma-sums        the fixed walk's row sums from the tensor cores (P times a tile of ones), or added up
+                  (MMA_ROW_SUM_DIMS and MMA_ROW_SUM_CAUSAL_DIMS; D=64's walk in turn)
   null            the same kernel both ways: how far apart the medians of two ways fall when nothing differs
                   (D=64, five rounds, H100, fifty-ninth session: 0.984-1.019x)
 
@@ -29,6 +31,7 @@ Settings (module attributes of blockattn.kernels.forward_ws, set for the case's 
     cd benchmarks && python ws_forward_ab.py --setting null --cases d64 --rounds 5
     cd benchmarks && python ws_forward_ab.py --setting q-buffers --cases d64 --rounds 5
     cd benchmarks && python ws_forward_ab.py --setting q-buffers --cases items --rounds 5
+    cd benchmarks && python ws_forward_ab.py --setting mma-sums --cases d64 --rounds 5
 
 The fifty-first session timed the walk in turn's wait for V, its last tile peeled off the loop and the causal walk's
 split this way (BENCHMARKS.md) and kept the two that won, which have no switch since; and the persistent grid, which
@@ -75,6 +78,8 @@ SETTINGS = {"rise-checked": (("RISE_CHECKED_DIMS", "RISE_CHECKED_CAUSAL_DIMS"), 
             "split-key-blocks": (("SPLIT_KEY_BLOCK_DIMS", ), "64-key blocks", "the mask's blocks"),
             "key-split": (("KEY_SPLIT_DIMS", "KEY_SPLIT_CAUSAL_DIMS"), "four consumers", "two consumers"),
             "q-buffers": (("Q_BUFFER_DIMS", ), "two Q buffers", "one Q buffer"),
+            "mma-sums": (("MMA_ROW_SUM_DIMS", "MMA_ROW_SUM_CAUSAL_DIMS"), "row sums on the tensor cores",
+                         "row sums added"),
             "null": ((), "first", "second")}
 ATTRIBUTES = [attribute for attributes, _, _ in SETTINGS.values() for attribute in attributes]
 

@@ -320,6 +320,37 @@ def test_two_q_buffers_where_the_table_says(monkeypatch):
     assert forward_ws._settings(plan, torch.bfloat16, 64, claimed=True)["Q_BUFFERS"] == 1
 
 
+def test_row_sums_on_the_tensor_cores_where_the_tables_say(monkeypatch):
+    """MMA_ROW_SUM_DIMS and MMA_ROW_SUM_CAUSAL_DIMS: their head dims' walks in turn with fixed offsets, two consumers
+    and one Q buffer, nothing else."""
+    monkeypatch.setattr(forward_ws, "KEY_SPLIT_DIMS", ())
+    monkeypatch.setattr(forward_ws, "FIXED_OFFSET_DIMS", (64, 128))
+    for plain, causal_dims in (((64, ), ()), ((), (64, )), ((64, 128), (64, 128))):
+        monkeypatch.setattr(forward_ws, "MMA_ROW_SUM_DIMS", plain)
+        monkeypatch.setattr(forward_ws, "MMA_ROW_SUM_CAUSAL_DIMS", causal_dims)
+        for dim, causal in ((64, False), (64, True), (128, False), (128, True)):
+            plan = forward_ws._plan(128, dim, causal)
+            expected = dim == 64 and dim in (causal_dims if causal else plain)  # (D=128's walk overlaps)
+            assert forward_ws._settings(plan, torch.bfloat16, dim)["MMA_SUMS"] is expected, (plain, dim, causal)
+    assert not forward_ws._settings(forward_ws._plan(128, 64, False)._replace(fixed_offsets=False), torch.bfloat16,
+                                    64)["MMA_SUMS"]
+    monkeypatch.setattr(forward_ws, "Q_BUFFER_DIMS", (64, ))
+    assert not forward_ws._settings(forward_ws._plan(128, 64, False), torch.bfloat16, 64, claimed=True)["MMA_SUMS"]
+    monkeypatch.setattr(forward_ws, "Q_BUFFER_DIMS", ())
+    monkeypatch.setattr(forward_ws, "KEY_SPLIT_DIMS", (64, ))
+    assert not forward_ws._settings(forward_ws._plan(128, 64, False), torch.bfloat16, 64)["MMA_SUMS"]
+
+
+@pytest.mark.parametrize("blocks, dtype, causal, claimed", [((128, 128), "bfloat16", False, None),
+                                                            ((128, 64), "float16", True, True)])
+def test_compiles_with_row_sums_on_the_tensor_cores(blocks, dtype, causal, claimed):
+    """D=64 with MMA_ROW_SUM_DIMS: as _assert_compiles asks (its tiles of ones within Hopper's shared memory), with
+    the launch's stack budget."""
+    _assert_compiles(f"setattr(forward_ws, 'MMA_ROW_SUM_DIMS', (64, )) or forward_ws.compile_sm90({blocks[0]}, "
+                     f"{blocks[1]}, torch.{dtype}, causal={causal}, dim=64, claimed={claimed})",
+                     SPILL_BUDGET_CLAIMED, forward_ws._plan(blocks[1], 64, causal))
+
+
 @pytest.mark.parametrize("blocks, o_through_tma, causal", [((128, 128), False, False), ((128, 64), True, True)])
 def test_compiles_with_two_q_buffers(blocks, o_through_tma, causal):
     """D=64 with two Q buffers (Q_BUFFER_DIMS) on the claimed grid: as _assert_compiles asks (the 16 KiB more
@@ -579,15 +610,40 @@ def test_key_split_walked_again_against_the_oracle(largest_bound, grid, monkeypa
     log2 units (aligned_scores): past 2^RISE_LIMIT a part's rows are walked again whole by the PART 0 consumer
     (_walk_again), whichever part rose; else merged."""
     monkeypatch.setattr(forward_ws, "KEY_SPLIT_DIMS", (64, ))
-    monkeypatch.setattr(forward_ws, "MIN_KEYS", {})
     set_grid(monkeypatch, grid)
+    _check_rising_scores(largest_bound, monkeypatch, warp_specialized_calls)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("grid", [None, "claimed"])
+@pytest.mark.parametrize("inputs", ["128x128 bf16", "128x64 fp16 causal gqa", "128x64 bf16", "256x256 bf16 causal",
+                                    "bf16 rising 28.8", "bf16 rising 160"])
+def test_row_sums_on_the_tensor_cores_against_the_oracle(inputs, grid, monkeypatch, poisoned, warp_specialized_calls):
+    """D=64 with the fixed walk's row sums from the tensor cores (MMA_ROW_SUM_DIMS): HEAD_DIM_64_CASES' cases (bf16
+    with the rise checked, fp16 and causal with the bound), and bf16 scores rising past the first tile by up to 28.8
+    or 160 log2 units (aligned_scores), where past 2^RISE_LIMIT the sums' rows are walked again."""
+    monkeypatch.setattr(forward_ws, "MMA_ROW_SUM_DIMS", (64, ))
+    set_grid(monkeypatch, grid)
+    if inputs.startswith("bf16 rising"):
+        _check_rising_scores(float(inputs.split()[-1]), monkeypatch, warp_specialized_calls)
+    else:
+        monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 5)
+        _check_head_dim_64_case(inputs, monkeypatch, warp_specialized_calls)
+
+
+def _check_rising_scores(largest_bound: float, monkeypatch, warp_specialized_calls) -> None:
+    """D=64 bf16 at 128x64, density 0.5 with every row's first 256 keys kept, on scores that rise past that first
+    tile by up to largest_bound log2 units (aligned_scores), through attention() on the Triton backend (persistent
+    grids of 5 programs): out and LSE against the oracle."""
+    monkeypatch.setattr(forward_ws, "MIN_KEYS", {})
     monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 5)
     batch, heads, seq, block = 1, 4, 1024, (128, 64)
     heads, kv_heads, seq_q, seq_kv = interpreter_share(batch, heads, heads, seq, seq, block)
     seq_q, seq_kv = max(seq_q, 512), max(seq_kv, 512)
     q, k, v = qkv(batch, heads, seq_q, 64, kv_heads=kv_heads, seq_kv=seq_kv, dtype=torch.bfloat16)
     keep = random_keep(batch, heads, seq_q, seq_kv, block, density=0.5)
-    keep[..., :4] = True  # both parts' first tiles hold keys 0-255
+    keep[..., :4] = True  # keys 0-255: every row's first tile (each part's, under the key split)
     q, k = (t.to(torch.bfloat16) for t in aligned_scores(q, k, largest_bound))
     out, lse = blockattn.attention(q, k, v, keep, block, return_lse=True, backend="triton")
     assert warp_specialized_calls == _expected_calls(_plan_for_block(block[1], False, 64))
@@ -705,6 +761,9 @@ def test_persistent_grid_against_the_oracle(table, case, dim, o_through_tma, gri
     monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 7)
     monkeypatch.setattr(forward_ws, "O_THROUGH_TMA", o_through_tma)
     monkeypatch.setattr(forward_ws, "Q_BUFFER_DIMS", (64, ) if q_buffers == 2 else ())
+    if q_buffers == 2:  # (two Q buffers leave no room for the tiles of ones: the program a tile below must add too)
+        monkeypatch.setattr(forward_ws, "MMA_ROW_SUM_DIMS", ())
+        monkeypatch.setattr(forward_ws, "MMA_ROW_SUM_CAUSAL_DIMS", ())
     monkeypatch.setattr(forward_ws, "MIN_KEYS", {})
     causal = False
     if table == "HEAD_DIM_64_CASES":

@@ -230,6 +230,18 @@ CLAIMED_CAUSAL_DIMS: tuple = ()
 # 128x64, 0.97-1.00x at d=0.25: the two-buffer build runs 2-9% slower even at one buffer's timing (cause not found,
 # kernels/README.md), and the launcher has no list length to choose by without waiting for the GPU.
 Q_BUFFER_DIMS: tuple = ()
+# Head dims whose walk in turn with fixed offsets takes its rows' sums of P from the tensor cores instead of adding
+# them up: each tile's P times a [TILE_N, 8] tile of ones in shared memory, accumulated across the walk in a [64, 8]
+# wgmma accumulator (every column a row's sum of P as rounded for P V), in place of 128 FADDs a thread a 256-key
+# tile, for 1/16 more tensor work than P V; a consumer's loop 440 instructions a tile instead of 535 (sm_90 SASS,
+# Triton 3.6; kernels/README.md, "Row sums on the tensor cores"). Never with two Q buffers (Q_BUFFER_DIMS), whose
+# 16 KiB the tiles of ones leave no room for. Measured in turns (H100, sixty-eighth session, `benchmarks/
+# ws_forward_ab.py --setting mma-sums --cases d64 --rounds 5`, B1 H24 S32k D=64 bf16): 1.057x / 1.070x as fast under
+# is_causal (128x128 / 128x64; 1.060x in a three-round run before), but 0.982x / 1.001x / 1.008x at d=0.5 / 0.25 /
+# 0.1 with 128x128 blocks and 0.984x / 1.006x / 1.014x with 128x64 where not causal: so under is_causal only.
+MMA_ROW_SUM_DIMS: tuple = ()
+# The same under is_causal.
+MMA_ROW_SUM_CAUSAL_DIMS: tuple = (64, )
 PERSISTENT_PROGRAMS: Optional[int] = None
 
 _ROWS = gl.constexpr(CONSUMER_ROWS)
@@ -459,57 +471,82 @@ def _part_tiles(tiles, KEY_SPLIT: gl.constexpr, PART: gl.constexpr):
 @gluon.jit
 def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr,
-                  KEY_SPLIT: gl.constexpr = 1, PART: gl.constexpr = 0):
+                  KEY_SPLIT: gl.constexpr = 1, PART: gl.constexpr = 0, MMA_SUMS: gl.constexpr = False):
     """Key tiles start .. end-1 of a consumer's walk, each one's products and softmax in turn: (acc, m_i, l_i) after
     them, from the accumulator fp32 [64, D] and the rows' offsets and sums [64] before. walk: the consumer's Q tile,
     rings, barriers, zeroed scores and list (as _consumer_item packs them). FIXED: the offsets m_i stay (finite, and no
     score above m_i + headroom: FIXED_OFFSET_DIMS), so a tile takes no row maxima and the accumulator no rescale.
     Under CAUSAL the tiles before the first tested one (first_tested) run in a loop of their own, without the causal
     test (kernels/README.md, "The causal walk split"). KEY_SPLIT (KEY_SPLIT_DIMS, KEY_SPLIT_CAUSAL_DIMS): start and
-    end count the part's own tiles, the walk's PART, PART + KEY_SPLIT, ..."""
+    end count the part's own tiles, the walk's PART, PART + KEY_SPLIT, ... MMA_SUMS (with FIXED, without KEY_SPLIT;
+    MMA_ROW_SUM_DIMS, MMA_ROW_SUM_CAUSAL_DIMS): the rows' sums from the tensor cores, in a [64, 8] accumulator (each
+    column the sums) that starts from l_i and is carried through the walk."""
+    if MMA_SUMS:
+        sums_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, 8, 16])
+        row_layout: gl.constexpr = l_i.type.layout
+        sums = gl.zeros([_ROWS, 8], gl.float32, sums_layout) + gl.convert_layout(
+            l_i, gl.SliceLayout(1, sums_layout))[:, None]
+        acc, m_i, sums = _walk_in_turn_rows(walk, start, end, acc, m_i, sums, BLOCK_KV, SUB_N, STAGES, CAUSAL,
+                                            EMULATE_EXP2, FIXED, KEY_SPLIT, PART, True)
+        l_i = gl.convert_layout(gl.max(sums, 1), row_layout)
+    else:
+        acc, m_i, l_i = _walk_in_turn_rows(walk, start, end, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
+                                           EMULATE_EXP2, FIXED, KEY_SPLIT, PART, False)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _walk_in_turn_rows(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
+                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr,
+                       KEY_SPLIT: gl.constexpr, PART: gl.constexpr, SUMS: gl.constexpr):
+    """_walk_in_turn's walk (its arguments), with l_i the [64, 8] accumulator of the sums under SUMS."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
-     scale_log2, base) = walk
+     scale_log2, base, ones) = walk
     if CAUSAL:
         middle = gl.minimum(gl.maximum(_part_tiles(first_tested, KEY_SPLIT, PART), start), end)
         acc, m_i, l_i = _tiles_in_turn(walk, start, middle, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                       EMULATE_EXP2, FIXED, False, KEY_SPLIT, PART)
+                                       EMULATE_EXP2, FIXED, False, KEY_SPLIT, PART, SUMS)
         acc, m_i, l_i = _tiles_in_turn(walk, middle, end, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                       EMULATE_EXP2, FIXED, True, KEY_SPLIT, PART)
+                                       EMULATE_EXP2, FIXED, True, KEY_SPLIT, PART, SUMS)
     else:
         acc, m_i, l_i = _tiles_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                       EMULATE_EXP2, FIXED, True, KEY_SPLIT, PART)
+                                       EMULATE_EXP2, FIXED, True, KEY_SPLIT, PART, SUMS)
     return acc, m_i, l_i
 
 
 @gluon.jit
 def _tiles_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr,
-                   TESTED: gl.constexpr, KEY_SPLIT: gl.constexpr = 1, PART: gl.constexpr = 0):
+                   TESTED: gl.constexpr, KEY_SPLIT: gl.constexpr = 1, PART: gl.constexpr = 0,
+                   SUMS: gl.constexpr = False):
     """_walk_in_turn's tiles start .. end-1: all but the last in one loop, the last after it, so that the loop's
     tiles skip the test for the walk's last tile (kernels/README.md, "The last tile peeled off the loop"). TESTED:
     under CAUSAL, the tiles take the causal test (from first_tested on); else none of them needs it. KEY_SPLIT,
-    PART: as _walk_in_turn's."""
+    PART: as _walk_in_turn's; SUMS: as _walk_in_turn_rows'."""
     for j in range(start, end - 1):  # none of these is the walk's last tile (total - 1)
         acc, m_i, l_i = _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2, FIXED,
-                                      False, TESTED, KEY_SPLIT, PART)
+                                      False, TESTED, KEY_SPLIT, PART, SUMS)
     if end > start:
         acc, m_i, l_i = _tile_in_turn(walk, end - 1, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2,
-                                      FIXED, True, TESTED, KEY_SPLIT, PART)
+                                      FIXED, True, TESTED, KEY_SPLIT, PART, SUMS)
     return acc, m_i, l_i
 
 
 @gluon.jit
 def _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr, MAYBE_LAST: gl.constexpr,
-                  TESTED: gl.constexpr, KEY_SPLIT: gl.constexpr = 1, PART: gl.constexpr = 0):
+                  TESTED: gl.constexpr, KEY_SPLIT: gl.constexpr = 1, PART: gl.constexpr = 0,
+                  SUMS: gl.constexpr = False):
     """Key tile j of a consumer's walk in turn (_walk_in_turn's, whose arguments these are): its products and
     softmax, (acc, m_i, l_i) after it. MAYBE_LAST: j may be the walk's last tile, whose sub tiles past its own
     keys are masked when the sub tiles do not fill it (_scores_masked); else that test is left out. TESTED: as
     _tiles_in_turn's. KEY_SPLIT: j is the part's own j-th tile, the walk's j * KEY_SPLIT + PART. A tile whose keys
     outnumber the scores' columns (s_zero's: under KEY_SPLIT, _STEP_N) goes in steps of that many keys, each step's
-    products and softmax in turn, one V wait before the first and one release after the last."""
+    products and softmax in turn, one V wait before the first and one release after the last. SUMS (FIXED, tiles of
+    one step): l_i is the sums' [64, 8] accumulator, to which the tile's P times the stage's tile of ones adds."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
-     scale_log2, base) = walk
+     scale_log2, base, ones) = walk
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     s_layout: gl.constexpr = s_zero.type.layout
@@ -537,7 +574,10 @@ def _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.cons
         qk = warpgroup_mma_wait(0, deps=(qk, ))
         qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N,
                             CAUSAL and TESTED, MAYBE_LAST, TILE_N, step * STEP_N)
-        p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2, FIXED)
+        if SUMS:  # (fixed offsets) the sums from the tensor cores, below
+            p = _exp2(qk * scale_log2 - m_i[:, None], EMULATE_EXP2)
+        else:
+            p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2, FIXED)
         if not FIXED:
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             m_i = m_new
@@ -550,7 +590,11 @@ def _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.cons
         else:
             v_step = v_tile.slice(step * STEP_N, STEP_N)
         acc = warpgroup_mma(p_op, v_step, acc, is_async=True)
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        if SUMS:
+            l_i = warpgroup_mma(p_op, ones.index(stage).permute((1, 0)), l_i, is_async=True)
+            acc, l_i, p_op = warpgroup_mma_wait(0, deps=(acc, l_i, p_op))
+        else:
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(kv_empty.index(stage), count=1)
     return acc, m_i, l_i
 
@@ -562,7 +606,7 @@ def _walk_overlapped(walk, acc, m_i, l_i, p_prev, BLOCK_KV: gl.constexpr, SUB_N:
     with the previous tile's P V, whose P (p_prev, the dot operand) comes in from tile 0 and goes out for the last
     tile's P V. (acc, m_i, l_i, p_prev) after them; FIXED and the causal split: as _walk_in_turn's."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
-     scale_log2, base) = walk
+     scale_log2, base, ones) = walk
     if CAUSAL:
         middle = gl.minimum(gl.maximum(first_tested, 1), total)
         acc, m_i, l_i, p_prev = _tiles_overlapped(walk, 1, middle, acc, m_i, l_i, p_prev, BLOCK_KV, SUB_N, STAGES,
@@ -581,7 +625,7 @@ def _tiles_overlapped(walk, start, end, acc, m_i, l_i, p_prev, BLOCK_KV: gl.cons
                       TESTED: gl.constexpr):
     """_walk_overlapped's tiles start .. end-1 (start >= 1), in one loop. TESTED: as _tiles_in_turn's."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
-     scale_log2, base) = walk
+     scale_log2, base, ones) = walk
     row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     for j in range(start, end):
         stage = (base + j) % STAGES
@@ -630,7 +674,7 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
               TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
               EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr, FIXED_OFFSETS: gl.constexpr,
               CHECK_RISE: gl.constexpr, PERSISTENT: gl.constexpr, CLAIMED: gl.constexpr, KEY_SPLIT: gl.constexpr,
-              PART: gl.constexpr):
+              PART: gl.constexpr, MMA_SUMS: gl.constexpr = False):
     """A consumer warpgroup: query rows HALF*64 .. HALF*64+63 of its program's work items (_consumer_item), one
     (_grid_item), or under PERSISTENT its turns' items (_turns, _turn_item), or under CLAIMED those its loader
     claims and posts (_posted_item), the ring's stages and the barriers' phases going on from one item to the next.
@@ -643,7 +687,8 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
         item = _posted_item(ring[8].index(0))
         while item >= 0:
             base = _consumer_item(shared, item, turn, base, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL,
-                                  OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, KEY_SPLIT, PART)
+                                  OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, KEY_SPLIT, PART,
+                                  MMA_SUMS)
             turn += 1
             buffer, phase = _q_buffer(ring, turn)
             mbarrier.wait(ring[3].index(buffer), phase)
@@ -654,10 +699,10 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
         for turn in range(_turns(lists)):
             base = _consumer_item(shared, _turn_item(lists, turn), turn, base, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N,
                                   STAGES, CAUSAL, OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE,
-                                  KEY_SPLIT, PART)
+                                  KEY_SPLIT, PART, MMA_SUMS)
     else:
         _consumer_item(shared, _grid_item(), 0, 0, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP,
-                       EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, KEY_SPLIT, PART)
+                       EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, KEY_SPLIT, PART, MMA_SUMS)
 
 
 @gluon.jit
@@ -665,7 +710,7 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
                    SUB_N: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                    OVERLAP: gl.constexpr, EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr,
                    FIXED_OFFSETS: gl.constexpr, CHECK_RISE: gl.constexpr, KEY_SPLIT: gl.constexpr = 1,
-                   PART: gl.constexpr = 0):
+                   PART: gl.constexpr = 0, MMA_SUMS: gl.constexpr = False):
     """Query rows HALF*64 .. HALF*64+63 of work item `item` (its turn-th in the program; _program): the online
     softmax over the kv list (CAUSAL: keys up to each row's own position only), then Out [B, H, Sq, D] and Lse
     fp32 [B, H, Sq] (natural log; -inf and zeros for a row with no key). Returns the ring position after its key
@@ -675,7 +720,7 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
     not OVERLAP): the rows' walk covers the key tiles PART, PART + 2, ... only, and the PART 1 consumer hands its
     offsets, sums and accumulator to the PART 0 one (_hand_over), which merges them with its own (_merged) and stores
     the rows."""
-    descs, ring, lists, outputs, norms, kv, scale_log2, merge = shared
+    descs, ring, lists, outputs, norms, kv, scale_log2, merge, ones = shared
     Q_DESC = descs[0]
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, item_smem = ring
     KEY_NORMS, stride_nb, stride_nh = norms
@@ -714,7 +759,7 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
     q_empty = q_empty.index(buffer)
     mbarrier.wait(q_ready.index(buffer), phase)
     walk = (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
-            scale_log2, base)
+            scale_log2, base, ones)
     # CHECK_RISE (RISE_CHECKED_DTYPES): the offsets stay wherever every row has a key in the first tile, and the
     # walk's rise is checked after it; else only where the rows' bounds hold the rise
     CHECKED: gl.constexpr = FIXED_OFFSETS and CHECK_RISE
@@ -734,7 +779,7 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
             keep = _all_seen(m_i) if CHECKED else _keeps_offsets(bound, m_i, dtype)
             if keep:
                 acc, m_i, l_i = _walk_in_turn(walk, 1, mine, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                              EMULATE_EXP2, True, KEY_SPLIT, PART)
+                                              EMULATE_EXP2, True, KEY_SPLIT, PART, MMA_SUMS)
             else:
                 acc, m_i, l_i = _walk_in_turn(walk, 1, mine, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
                                               EMULATE_EXP2, False, KEY_SPLIT, PART)
@@ -845,7 +890,7 @@ def _finish(acc, m_i, l_i, shared, q_box, off_b, off_h, first_row, rows_s, O_THR
     """A consumer's rows first_row .. first_row+63 of Out and Lse from its walk's accumulator acc [64, D] and its
     rows' offsets and sums m_i, l_i [64] (rows_s: the rows' indices, in m_i's layout): zeros and -inf for a row with
     no key. q_box: its Q tile's buffer in shared memory, [1, 1, 64, D]. (shared: as _consumer's.)"""
-    descs, ring, lists, outputs, norms, kv, scale_log2, merge = shared
+    descs, ring, lists, outputs, norms, kv, scale_log2, merge, ones = shared
     O_DESC = descs[3]
     Out, Lse, seq_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh = outputs
     o_layout: gl.constexpr = acc.type.layout
@@ -898,7 +943,7 @@ def _walk_again(shared, item, HALF: gl.constexpr, q_slot, BLOCK_Q: gl.constexpr,
     memory (none is left). It finds its item's place and list again (_program) rather than keep them through the
     walk, which held no registers for it; Q stays in its buffer (q_slot of the kernel's Q buffers) until it returns.
     (Other parameters as _consumer_item's.)"""
-    descs, ring, lists, outputs, norms, kv, scale_log2, merge = shared
+    descs, ring, lists, outputs, norms, kv, scale_log2, merge, ones = shared
     q_smem = ring[0]
     K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs = kv
     off_b, off_h, off_hkv, start_m, index_row, count = _program(lists, item, BLOCK_Q, CAUSAL)
@@ -979,7 +1024,7 @@ def _loader_item(shared, item, turn, base, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.c
     (_q_buffer) once both consumers have released the buffer's last item's (POST: the item posted to them first,
     _post_item), then each kept key tile's K and V into the ring from position base on, a stage once both consumers
     have released it. Returns the ring position after them. (Parameters as _consumer_item's.)"""
-    descs, ring, lists, outputs, norms, kv, scale_log2, merge = shared
+    descs, ring, lists, outputs, norms, kv, scale_log2, merge, ones = shared
     Q_DESC, K_DESC, V_DESC, O_DESC = descs
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, item_smem = ring
     off_b, off_h, off_hkv, start_m, index_row, count = _program(lists, item, BLOCK_Q, CAUSAL)
@@ -1023,7 +1068,7 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
                             EMULATE_EXP2: gl.constexpr = False, O_THROUGH_TMA: gl.constexpr = False,
                             FIXED_OFFSETS: gl.constexpr = False, CHECK_RISE: gl.constexpr = False,
                             PERSISTENT: gl.constexpr = False, CLAIMED: gl.constexpr = False,
-                            KEY_SPLIT: gl.constexpr = 1, Q_BUFFERS: gl.constexpr = 1):
+                            KEY_SPLIT: gl.constexpr = 1, Q_BUFFERS: gl.constexpr = 1, MMA_SUMS: gl.constexpr = False):
     """Grid (cdiv(Sq, 128) = q_tiles, launch.batch_head_axes(B, H)), a program a work item (a query tile of a head);
     under PERSISTENT (see PERSISTENT_DIMS) (programs, 1, 1), each taking the items at positions program_id(0) + n *
     programs of ITEM_ORDER int32 [items = q_tiles * B * H] (query_tile_order) in turn, else ITEM_ORDER None; under
@@ -1041,7 +1086,8 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     else None. K and V: k and v's pointers (strides stride_k* / stride_v*, last dim contiguous), which only
     CHECK_RISE's cold walk again reads. KEY_SPLIT 2 (KEY_SPLIT_DIMS, KEY_SPLIT_CAUSAL_DIMS): four consumers, a pair of
     them on each half of the key tiles (_consumer_item). Q_BUFFERS 2 (Q_BUFFER_DIMS): two Q buffers, which successive
-    items take in turn (_q_buffer)."""
+    items take in turn (_q_buffer). MMA_SUMS (MMA_ROW_SUM_DIMS, MMA_ROW_SUM_CAUSAL_DIMS): the fixed walk's row sums
+    from the tensor cores, P times a tile of ones a stage."""
     gl.static_assert(Q_BUFFERS == 1 or KEY_SPLIT == 1, "a split walk's merge buffers hold one item's rows")
     q_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2 * Q_BUFFERS] + Q_DESC.block_type.shape, Q_DESC.layout)
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
@@ -1067,6 +1113,17 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
                  merged)
     else:
         merge = (item_smem, item_smem, q_ready)
+    # MMA_SUMS: a [8, TILE_N] tile of ones a stage, the B operand of the consumers' row sums (MMA_ROW_SUM_DIMS), one
+    # a stage so that its address moves with the stage's, as V's does: at one address ptxas holds the 16 loop-invariant
+    # descriptors of a 256-key tile in registers and moves them to uniform ones every tile (59 instructions)
+    if MMA_SUMS:
+        ones = gl.allocate_shared_memory(K_DESC.dtype, [STAGES, 8, TILE_N],
+                                         gl.NVMMASharedLayout.get_default_for([8, TILE_N], K_DESC.dtype))
+        for i in gl.static_range(STAGES):
+            ones.index(i).store(gl.full([8, TILE_N], 1.0, K_DESC.dtype,
+                                        gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])))
+    else:
+        ones = item_smem
     for i in gl.static_range(Q_BUFFERS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2 * KEY_SPLIT)  # every consumer releases its half of Q
@@ -1088,25 +1145,25 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
                stride_ib, stride_ih, stride_iq),
               (Out, Lse, seq_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh),
               (KEY_NORMS, stride_nb, stride_nh),
-              (K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs), scale_log2, merge)
+              (K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs), scale_log2, merge, ones)
     if KEY_SPLIT > 1:
         gl.warp_specialize([
             (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, FIRST)),
+                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, FIRST, MMA_SUMS)),
             (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, FIRST)),
+                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, FIRST, MMA_SUMS)),
             (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, SECOND)),
+                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, SECOND, MMA_SUMS)),
             (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, SECOND)),
+                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, SECOND, MMA_SUMS)),
             (_loader, (shared, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, PERSISTENT, CLAIMED)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, FIRST)),
+                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, FIRST, MMA_SUMS)),
             (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, FIRST)),
+                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, FIRST, MMA_SUMS)),
             (_loader, (shared, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, PERSISTENT, CLAIMED)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -1349,16 +1406,25 @@ def grid_settings(grid: Optional[str]) -> dict:
 def _settings(chosen: Plan, dtype: torch.dtype, dim: int, claimed: Optional[bool] = None) -> dict:
     """The kernel's constexprs that the module's settings decide for a launch of plan `chosen` at dtype and head dim
     `dim` (EMULATED_EXP2_DIMS, O_THROUGH_TMA, RISE_CHECKED_DTYPES, _DIMS and _CAUSAL_DIMS, PERSISTENT_DIMS,
-    CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS, Q_BUFFER_DIMS): what attention_forward_ws launches with and compile_sm90
-    compiles by default. claimed: whether the items are claimed (None: as CLAIMED_DIMS or CLAIMED_CAUSAL_DIMS say),
-    which makes the grid persistent."""
+    CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS, Q_BUFFER_DIMS, MMA_ROW_SUM_DIMS and _CAUSAL_DIMS): what attention_forward_ws
+    launches with and compile_sm90 compiles by default. claimed: whether the items are claimed (None: as
+    CLAIMED_DIMS or CLAIMED_CAUSAL_DIMS say), which makes the grid persistent."""
     if claimed is None:
         claimed = _claims(dim, chosen.causal)
     persistent = claimed or (dim in PERSISTENT_DIMS and not chosen.causal)
+    q_buffers = _q_buffers(chosen, dim, persistent)
     return dict(EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, O_THROUGH_TMA=O_THROUGH_TMA,
                 CHECK_RISE=chosen.fixed_offsets and dtype in RISE_CHECKED_DTYPES
                 and dim in (RISE_CHECKED_CAUSAL_DIMS if chosen.causal else RISE_CHECKED_DIMS),
-                PERSISTENT=persistent, CLAIMED=claimed, Q_BUFFERS=_q_buffers(chosen, dim, persistent))
+                PERSISTENT=persistent, CLAIMED=claimed, Q_BUFFERS=q_buffers, MMA_SUMS=_mma_sums(chosen, dim, q_buffers))
+
+
+def _mma_sums(chosen: Plan, dim: int, q_buffers: int) -> bool:
+    """Whether a launch of plan `chosen` at head dim `dim` with q_buffers Q buffers takes its fixed walk's row sums
+    from the tensor cores (MMA_ROW_SUM_DIMS, MMA_ROW_SUM_CAUSAL_DIMS): only the walk in turn of two consumers, and
+    with one Q buffer (the tiles of ones take the 12 KiB a second one would: 236 KiB against Hopper's 227)."""
+    return (dim in (MMA_ROW_SUM_CAUSAL_DIMS if chosen.causal else MMA_ROW_SUM_DIMS) and chosen.fixed_offsets
+            and not chosen.overlap and chosen.key_split == 1 and q_buffers == 1)
 
 
 def _q_buffers(chosen: Plan, dim: int, persistent: bool) -> int:
@@ -1409,7 +1475,8 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     O_THROUGH_TMA, FIXED_OFFSET_DIMS, RISE_CHECKED_DTYPES, _DIMS and _CAUSAL_DIMS, PERSISTENT_DIMS, CLAIMED_DIMS
     and CLAIMED_CAUSAL_DIMS).
     Claimed items imply the persistent grid, so persistent decides only where they are not claimed (claimed=False,
-    persistent=True: the items in turns). q_buffers None: as Q_BUFFER_DIMS says for the grid."""
+    persistent=True: the items in turns). q_buffers None: as Q_BUFFER_DIMS says for the grid; the row sums from the
+    tensor cores (MMA_ROW_SUM_DIMS, MMA_ROW_SUM_CAUSAL_DIMS) where the Q buffers leave room for them."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     chosen = _plan(block_kv, dim, causal)
@@ -1424,6 +1491,7 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
     settings = {name: overrides[name] if overrides.get(name) is not None else value
                 for name, value in settings.items()}
     settings["Q_BUFFERS"] = q_buffers or _q_buffers(chosen, dim, settings["PERSISTENT"])
+    settings["MMA_SUMS"] = _mma_sums(chosen, dim, settings["Q_BUFFERS"])
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap,
                      STAGES=chosen.stages(dim), CAUSAL=causal, CONSUMER_REGS=chosen.consumer_regs(),
                      LOADER_REGS=LOADER_REGS, FIXED_OFFSETS=chosen.fixed_offsets, KEY_SPLIT=chosen.key_split,
