@@ -421,17 +421,21 @@ def _exp_offset(m, CAUSAL: gl.constexpr):
 
 @gluon.jit
 def _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr,
-                    FIXED: gl.constexpr):
+                    FIXED: gl.constexpr, MMA_SUMS: gl.constexpr = False):
     """One key tile's step of the online softmax: (p, alpha, m_new, l_new) for scores qk fp32 [64, TILE_N], the
     running max m_i and sum l_i [64] (log2 units): p = 2^(scaled scores - m_new), alpha = 2^(m_i - m_new), which
     rescales what came before (0 on a row's first tile, m_i = -inf), and l_new = l_i * alpha + the row sums of p.
     FIXED (FIXED_OFFSET_DIMS): the offsets stay, m_new = m_i, and alpha is 1 and not computed (returned as m_i):
-    the caller skips the rescale."""
+    the caller skips the rescale. MMA_SUMS (with FIXED): the caller takes the row sums from the tensor cores, and
+    l_i comes back as it went in."""
     if FIXED:
         p = _exp2(qk * scale_log2 - m_i[:, None], EMULATE_EXP2)
         alpha = m_i
         m_new = m_i
-        l_new = l_i + gl.sum(p, 1)
+        if MMA_SUMS:
+            l_new = l_i
+        else:
+            l_new = l_i + gl.sum(p, 1)
     else:
         m_new = gl.maximum(m_i, gl.max(qk, 1) * scale_log2)
         offset = _exp_offset(m_new, CAUSAL)
@@ -480,38 +484,26 @@ def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N
     test (kernels/README.md, "The causal walk split"). KEY_SPLIT (KEY_SPLIT_DIMS, KEY_SPLIT_CAUSAL_DIMS): start and
     end count the part's own tiles, the walk's PART, PART + KEY_SPLIT, ... MMA_SUMS (with FIXED, without KEY_SPLIT;
     MMA_ROW_SUM_DIMS, MMA_ROW_SUM_CAUSAL_DIMS): the rows' sums from the tensor cores, in a [64, 8] accumulator (each
-    column the sums) that starts from l_i and is carried through the walk."""
+    column the sums) that starts from l_i and is carried through the walk in l_i's place."""
+    row_layout: gl.constexpr = l_i.type.layout
     if MMA_SUMS:
         sums_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                               instr_shape=[16, 8, 16])
-        row_layout: gl.constexpr = l_i.type.layout
-        sums = gl.zeros([_ROWS, 8], gl.float32, sums_layout) + gl.convert_layout(
+        l_i = gl.zeros([_ROWS, 8], gl.float32, sums_layout) + gl.convert_layout(
             l_i, gl.SliceLayout(1, sums_layout))[:, None]
-        acc, m_i, sums = _walk_in_turn_rows(walk, start, end, acc, m_i, sums, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                            EMULATE_EXP2, FIXED, KEY_SPLIT, PART, True)
-        l_i = gl.convert_layout(gl.max(sums, 1), row_layout)
-    else:
-        acc, m_i, l_i = _walk_in_turn_rows(walk, start, end, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                           EMULATE_EXP2, FIXED, KEY_SPLIT, PART, False)
-    return acc, m_i, l_i
-
-
-@gluon.jit
-def _walk_in_turn_rows(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
-                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr,
-                       KEY_SPLIT: gl.constexpr, PART: gl.constexpr, SUMS: gl.constexpr):
-    """_walk_in_turn's walk (its arguments), with l_i the [64, 8] accumulator of the sums under SUMS."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
      scale_log2, base, ones) = walk
     if CAUSAL:
         middle = gl.minimum(gl.maximum(_part_tiles(first_tested, KEY_SPLIT, PART), start), end)
         acc, m_i, l_i = _tiles_in_turn(walk, start, middle, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                       EMULATE_EXP2, FIXED, False, KEY_SPLIT, PART, SUMS)
+                                       EMULATE_EXP2, FIXED, False, KEY_SPLIT, PART, MMA_SUMS)
         acc, m_i, l_i = _tiles_in_turn(walk, middle, end, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                       EMULATE_EXP2, FIXED, True, KEY_SPLIT, PART, SUMS)
+                                       EMULATE_EXP2, FIXED, True, KEY_SPLIT, PART, MMA_SUMS)
     else:
         acc, m_i, l_i = _tiles_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                       EMULATE_EXP2, FIXED, True, KEY_SPLIT, PART, SUMS)
+                                       EMULATE_EXP2, FIXED, True, KEY_SPLIT, PART, MMA_SUMS)
+    if MMA_SUMS:
+        l_i = gl.convert_layout(gl.max(l_i, 1), row_layout)
     return acc, m_i, l_i
 
 
@@ -523,7 +515,7 @@ def _tiles_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_
     """_walk_in_turn's tiles start .. end-1: all but the last in one loop, the last after it, so that the loop's
     tiles skip the test for the walk's last tile (kernels/README.md, "The last tile peeled off the loop"). TESTED:
     under CAUSAL, the tiles take the causal test (from first_tested on); else none of them needs it. KEY_SPLIT,
-    PART: as _walk_in_turn's; SUMS: as _walk_in_turn_rows'."""
+    PART: as _walk_in_turn's; SUMS: l_i is the accumulator of the sums (_walk_in_turn's MMA_SUMS)."""
     for j in range(start, end - 1):  # none of these is the walk's last tile (total - 1)
         acc, m_i, l_i = _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2, FIXED,
                                       False, TESTED, KEY_SPLIT, PART, SUMS)
@@ -574,10 +566,7 @@ def _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.cons
         qk = warpgroup_mma_wait(0, deps=(qk, ))
         qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N,
                             CAUSAL and TESTED, MAYBE_LAST, TILE_N, step * STEP_N)
-        if SUMS:  # (fixed offsets) the sums from the tensor cores, below
-            p = _exp2(qk * scale_log2 - m_i[:, None], EMULATE_EXP2)
-        else:
-            p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2, FIXED)
+        p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2, FIXED, SUMS)
         if not FIXED:
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             m_i = m_new
@@ -1422,7 +1411,7 @@ def _settings(chosen: Plan, dtype: torch.dtype, dim: int, claimed: Optional[bool
 def _mma_sums(chosen: Plan, dim: int, q_buffers: int) -> bool:
     """Whether a launch of plan `chosen` at head dim `dim` with q_buffers Q buffers takes its fixed walk's row sums
     from the tensor cores (MMA_ROW_SUM_DIMS, MMA_ROW_SUM_CAUSAL_DIMS): only the walk in turn of two consumers, and
-    with one Q buffer (the tiles of ones take the 12 KiB a second one would: 236 KiB against Hopper's 227)."""
+    with one Q buffer (the tiles of ones, 12 KiB, and a second buffer's 16 KiB: 236 KiB against Hopper's 227)."""
     return (dim in (MMA_ROW_SUM_CAUSAL_DIMS if chosen.causal else MMA_ROW_SUM_DIMS) and chosen.fixed_offsets
             and not chosen.overlap and chosen.key_split == 1 and q_buffers == 1)
 
