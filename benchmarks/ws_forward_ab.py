@@ -18,6 +18,8 @@ Settings (module attributes of blockattn.kernels.forward_ws, set for the case's 
                   and where the grid is persistent: the claimed items, on where not causal)
   mma-sums        the fixed walk's row sums from the tensor cores (P times a tile of ones), or added up
                   (MMA_ROW_SUM_DIMS and MMA_ROW_SUM_CAUSAL_DIMS; D=64's walk in turn)
+  early-release   on the persistent grid, each consumer gives Q back after its walk's last Q K^T, or after its
+                  rows' store (EARLY_Q_RELEASE_DIMS; the claimed items, on where not causal)
   null            the same kernel both ways: how far apart the medians of two ways fall when nothing differs
                   (D=64, five rounds, H100, fifty-ninth session: 0.984-1.019x)
 
@@ -32,6 +34,7 @@ Settings (module attributes of blockattn.kernels.forward_ws, set for the case's 
     cd benchmarks && python ws_forward_ab.py --setting q-buffers --cases d64 --rounds 5
     cd benchmarks && python ws_forward_ab.py --setting q-buffers --cases items --rounds 5
     cd benchmarks && python ws_forward_ab.py --setting mma-sums --cases d64 --rounds 5
+    cd benchmarks && python ws_forward_ab.py --setting early-release --cases items --rounds 3
 
 The fifty-first session timed the walk in turn's wait for V, its last tile peeled off the loop and the causal walk's
 split this way (BENCHMARKS.md) and kept the two that won, which have no switch since; and the persistent grid, which
@@ -80,6 +83,8 @@ SETTINGS = {"rise-checked": (("RISE_CHECKED_DIMS", "RISE_CHECKED_CAUSAL_DIMS"), 
             "q-buffers": (("Q_BUFFER_DIMS", ), "two Q buffers", "one Q buffer"),
             "mma-sums": (("MMA_ROW_SUM_DIMS", "MMA_ROW_SUM_CAUSAL_DIMS"), "row sums on the tensor cores",
                          "row sums added"),
+            "early-release": (("EARLY_Q_RELEASE_DIMS", ), "Q given back after the last Q K^T",
+                              "Q given back after the rows"),
             "null": ((), "first", "second")}
 ATTRIBUTES = [attribute for attributes, _, _ in SETTINGS.values() for attribute in attributes]
 

@@ -320,6 +320,38 @@ def test_two_q_buffers_where_the_table_says(monkeypatch):
     assert forward_ws._settings(plan, torch.bfloat16, 64, claimed=True)["Q_BUFFERS"] == 1
 
 
+def test_q_given_back_early_where_the_table_says(monkeypatch):
+    """EARLY_Q_RELEASE_DIMS: its head dims' persistent launches (claimed, or in turns), with one consumer pair and out
+    not through Q's buffer, where not causal; a program a tile, the key split, out through the TMA unit and causal
+    launches give Q back after the rows."""
+    monkeypatch.setattr(forward_ws, "KEY_SPLIT_DIMS", ())
+    monkeypatch.setattr(forward_ws, "PERSISTENT_DIMS", ())
+    monkeypatch.setattr(forward_ws, "EARLY_Q_RELEASE_DIMS", (64, 128))
+    for dim, causal in itertools.product((64, 128), (False, True)):
+        plan = forward_ws._plan(128, dim, causal)
+        assert forward_ws._settings(plan, torch.bfloat16, dim, claimed=True)["RELEASE_Q"] is not causal, (dim, causal)
+        assert not forward_ws._settings(plan, torch.bfloat16, dim, claimed=False)["RELEASE_Q"], (dim, causal)
+    monkeypatch.setattr(forward_ws, "PERSISTENT_DIMS", (64, ))
+    assert forward_ws._settings(forward_ws._plan(128, 64, False), torch.float16, 64, claimed=False)["RELEASE_Q"]
+    monkeypatch.setattr(forward_ws, "O_THROUGH_TMA", True)
+    assert not forward_ws._settings(forward_ws._plan(128, 64, False), torch.bfloat16, 64, claimed=True)["RELEASE_Q"]
+    monkeypatch.setattr(forward_ws, "O_THROUGH_TMA", False)
+    monkeypatch.setattr(forward_ws, "KEY_SPLIT_DIMS", (64, ))
+    assert not forward_ws._settings(forward_ws._plan(128, 64, False), torch.bfloat16, 64, claimed=True)["RELEASE_Q"]
+    monkeypatch.setattr(forward_ws, "EARLY_Q_RELEASE_DIMS", (64, ))
+    assert not forward_ws._settings(forward_ws._plan(128, 128, False), torch.bfloat16, 128, claimed=True)["RELEASE_Q"]
+
+
+@pytest.mark.parametrize("blocks, dim, dtype", [((128, 128), 64, "bfloat16"), ((128, 64), 128, "bfloat16"),
+                                                 ((128, 128), 128, "float16")])
+def test_compiles_with_q_given_back_early(blocks, dim, dtype):
+    """The claimed grid with Q given back after the walks' last Q K^T (EARLY_Q_RELEASE_DIMS): as _assert_compiles
+    asks, within SPILL_BUDGET_CLAIMED."""
+    _assert_compiles(f"setattr(forward_ws, 'EARLY_Q_RELEASE_DIMS', (64, 128)) or forward_ws.compile_sm90({blocks[0]}, "
+                     f"{blocks[1]}, torch.{dtype}, dim={dim}, claimed=True)", SPILL_BUDGET_CLAIMED,
+                     forward_ws._plan(blocks[1], dim, False))
+
+
 def test_row_sums_on_the_tensor_cores_where_the_tables_say(monkeypatch):
     """MMA_ROW_SUM_DIMS and MMA_ROW_SUM_CAUSAL_DIMS: their head dims' walks in turn with fixed offsets, two consumers
     and one Q buffer, nothing else."""
@@ -757,6 +789,13 @@ def test_persistent_grid_against_the_oracle(table, case, dim, o_through_tma, gri
     loader's post of none left): the tables' cases (a query block that keeps nothing, a
     head that keeps nothing, query tails; claimed also is_causal's, with rows that see no key in a tile), D=128 and
     64, out through the TMA unit, and at D=64 two Q buffers taken in turn (Q_BUFFER_DIMS)."""
+    _check_persistent_case(table, case, dim, o_through_tma, grid, q_buffers, monkeypatch, warp_specialized_calls)
+
+
+def _check_persistent_case(table, case, dim, o_through_tma, grid, q_buffers, monkeypatch,
+                           warp_specialized_calls) -> None:
+    """A PERSISTENT_CASES case on the persistent grid of 7 programs, against the oracle and bit for bit against a
+    program a tile (as test_persistent_grid_against_the_oracle says)."""
     set_grid(monkeypatch, grid)
     monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 7)
     monkeypatch.setattr(forward_ws, "O_THROUGH_TMA", o_through_tma)
@@ -786,6 +825,28 @@ def test_persistent_grid_against_the_oracle(table, case, dim, o_through_tma, gri
     out_tiled, lse_tiled = blockattn.attention(q, k, v, keep, block, return_lse=True, is_causal=causal,
                                                backend="triton")
     assert torch.equal(out, out_tiled) and torch.equal(lse, lse_tiled)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("grid", ["turns", "claimed"])
+@pytest.mark.parametrize("inputs", ["D=128 128x64 fp16, query tail", "D=128 bshd layout", "D=64 128x64 bf16",
+                                    "D=64 128x128 bf16", "bf16 rising 160"])
+def test_q_given_back_early_against_the_oracle(inputs, grid, monkeypatch, poisoned, warp_specialized_calls):
+    """Each consumer giving its half of Q back after its walk's last Q K^T (EARLY_Q_RELEASE_DIMS, at D=128 and 64)
+    on the persistent grid in turns or claimed, so that a program's next item loads its Q while the rows' last tile
+    runs and they are stored: query blocks and a head that keep nothing (their walks give Q back at the end), query
+    tails, and bf16 scores rising past 2^RISE_LIMIT, whose rows are walked again (_walk_again, reading Q by pointer
+    while its buffer may hold the next item's). Against the oracle, and bit for bit against a program a tile, which
+    gives Q back after its rows."""
+    monkeypatch.setattr(forward_ws, "EARLY_Q_RELEASE_DIMS", (64, 128))
+    if inputs.startswith("bf16 rising"):
+        set_grid(monkeypatch, grid)
+        _check_rising_scores(float(inputs.split()[-1]), monkeypatch, warp_specialized_calls)
+        return
+    dim, case = int(inputs.split()[0][2:]), inputs.split(maxsplit=1)[1]
+    table = "CASES" if dim == 128 else "HEAD_DIM_64_CASES"
+    _check_persistent_case(table, case, dim, False, grid, 1, monkeypatch, warp_specialized_calls)
 
 
 FIXED_OFFSET_CASES = {

@@ -360,24 +360,29 @@ def test_repeated_calls_with_fresh_tensors_stay_exact(geometry, poisoned, monkey
 
 
 @pytest.mark.parametrize("plans", [False, True])
-@pytest.mark.parametrize("which", ["forward", "backward"])
+@pytest.mark.parametrize("which", ["forward", "forward, Q given back early", "backward"])
 def test_warp_specialized_launchers_pass_every_parameter_by_name(monkeypatch, plans, which):
     """forward_ws.launch_warp_specialized, directly or through a launch plan (LAUNCH_PLANS), gives the Gluon kernel
     each of its parameters by name and nothing else but launch options: 4 warps, the register bound, Triton's
-    defaults for the rest. Checked on meta tensors, the kernel's run replaced (no GPU needed)."""
+    defaults for the rest; q's pointer and strides only where the forward's consumers give Q back early
+    (EARLY_Q_RELEASE_DIMS, on the claimed grid), for the walk again. Checked on meta tensors, the kernel's run
+    replaced (no GPU needed)."""
     from blockattn.kernels import backward_ws, forward_ws
     monkeypatch.setattr(forward_ws, "LAUNCH_PLANS", plans)
+    monkeypatch.setattr(forward_ws, "PERSISTENT_PROGRAMS", 5)
+    monkeypatch.setattr(forward_ws, "EARLY_Q_RELEASE_DIMS", (128, ) if which.endswith("early") else ())
     monkeypatch.setattr(launch, "_PLANS", {})
     calls = []
-    kernel_fn = forward_ws.attention_fwd_ws_kernel if which == "forward" else backward_ws.attention_bwd_ws_kernel
+    kernel_fn = forward_ws.attention_fwd_ws_kernel if which != "backward" else backward_ws.attention_bwd_ws_kernel
     monkeypatch.setattr(kernel_fn, "run", lambda *args, grid, warmup, **kwargs: calls.append((args, grid, kwargs)))
 
     q, lists = meta(2, 4, 256, 128), (meta(1, 4, 2, dtype=torch.int32), meta(1, 4, 2, 2, dtype=torch.int32))
     kv = meta(2, 2, 256, 128)
-    if which == "forward":
+    if which.startswith("forward"):
+        early = which.endswith("early")  # (claimed, so persistent: where not causal)
         forward_ws.attention_forward_ws(q, kv, kv, *lists, 128, 128, 0.1, q, meta(2, 4, 256, dtype=torch.float32),
-                                        forward_ws.Plan(128, causal=True))
-        want_grid = (2, 8, 1)
+                                        forward_ws.Plan(128, causal=not early))
+        want_grid = (5, 1, 1) if early else (2, 8, 1)
     else:
         row_terms = backward_ws.row_terms_buffer(2, 4, 256, "meta")
         backward_ws.attention_backward_ws(q, kv, kv, q, row_terms, *lists, 128, 128, 0.1, True,
@@ -387,9 +392,11 @@ def test_warp_specialized_launchers_pass_every_parameter_by_name(monkeypatch, pl
     assert args == () and tuple(grid) == want_grid
     options = {name: kwargs.pop(name) for name in list(kwargs) if name not in kernel_fn.arg_names}
     assert set(kwargs) == set(kernel_fn.arg_names)
-    assert kwargs["CAUSAL"] is True and kwargs["BLOCK_Q"] == 128
-    if which == "forward":  # out by pointer stores (O_THROUGH_TMA off): no descriptor of it built or passed
+    assert kwargs["CAUSAL"] is (which != "forward, Q given back early") and kwargs["BLOCK_Q"] == 128
+    if which.startswith("forward"):  # out by pointer stores (O_THROUGH_TMA off): no descriptor of it built or passed
         assert not forward_ws.O_THROUGH_TMA and kwargs["O_DESC"] is None and kwargs["Out"] is q
+        q_args = [kwargs[name] for name in ("Q", "stride_qb", "stride_qh", "stride_qs")]
+        assert kwargs["RELEASE_Q"] is early and q_args == ([q, 4 * 256 * 128, 256 * 128, 128] if early else [None] * 4)
     assert options.pop("num_warps") == 4 and options.pop("maxnreg") == forward_ws.MAX_REGS
     assert options == ({"num_ctas": 1, "num_stages": 3, "enable_fp_fusion": True} if plans else {}), options
 

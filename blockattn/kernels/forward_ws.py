@@ -242,6 +242,13 @@ Q_BUFFER_DIMS: tuple = ()
 MMA_ROW_SUM_DIMS: tuple = ()
 # The same under is_causal.
 MMA_ROW_SUM_CAUSAL_DIMS: tuple = (64, )
+# Head dims whose persistent launches (PERSISTENT_DIMS, CLAIMED_DIMS) have each consumer give its half of Q back to
+# the loader as soon as its walk's last Q K^T is done, before that tile's softmax and P V and the rows' store, rather
+# than after them: the loader waits for both halves before it loads the next item's Q and then its first key tiles,
+# which so arrive under this item's end instead of after it. Q is not read again: the cold walk again
+# (_walk_again) loads its rows by pointer. Never with out through Q's buffer (O_THROUGH_TMA), the key split, or under
+# is_causal (_releases_q_early).
+EARLY_Q_RELEASE_DIMS: tuple = ()
 PERSISTENT_PROGRAMS: Optional[int] = None
 
 _ROWS = gl.constexpr(CONSUMER_ROWS)
@@ -475,7 +482,8 @@ def _part_tiles(tiles, KEY_SPLIT: gl.constexpr, PART: gl.constexpr):
 @gluon.jit
 def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr,
-                  KEY_SPLIT: gl.constexpr = 1, PART: gl.constexpr = 0, MMA_SUMS: gl.constexpr = False):
+                  KEY_SPLIT: gl.constexpr = 1, PART: gl.constexpr = 0, MMA_SUMS: gl.constexpr = False,
+                  RELEASE_Q: gl.constexpr = False):
     """Key tiles start .. end-1 of a consumer's walk, each one's products and softmax in turn: (acc, m_i, l_i) after
     them, from the accumulator fp32 [64, D] and the rows' offsets and sums [64] before. walk: the consumer's Q tile,
     rings, barriers, zeroed scores and list (as _consumer_item packs them). FIXED: the offsets m_i stay (finite, and no
@@ -484,7 +492,8 @@ def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N
     test (kernels/README.md, "The causal walk split"). KEY_SPLIT (KEY_SPLIT_DIMS, KEY_SPLIT_CAUSAL_DIMS): start and
     end count the part's own tiles, the walk's PART, PART + KEY_SPLIT, ... MMA_SUMS (with FIXED, without KEY_SPLIT;
     MMA_ROW_SUM_DIMS, MMA_ROW_SUM_CAUSAL_DIMS): the rows' sums from the tensor cores, in a [64, 8] accumulator (each
-    column the sums) that starts from l_i and is carried through the walk in l_i's place."""
+    column the sums) that starts from l_i and is carried through the walk in l_i's place. RELEASE_Q: Q's buffer goes
+    back to the loader after the walk's last Q K^T (_tile_in_turn)."""
     row_layout: gl.constexpr = l_i.type.layout
     if MMA_SUMS:
         sums_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -492,16 +501,16 @@ def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N
         l_i = gl.zeros([_ROWS, 8], gl.float32, sums_layout) + gl.convert_layout(
             l_i, gl.SliceLayout(1, sums_layout))[:, None]
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
-     scale_log2, base, ones) = walk
+     scale_log2, base, ones, q_release) = walk
     if CAUSAL:
         middle = gl.minimum(gl.maximum(_part_tiles(first_tested, KEY_SPLIT, PART), start), end)
         acc, m_i, l_i = _tiles_in_turn(walk, start, middle, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                       EMULATE_EXP2, FIXED, False, KEY_SPLIT, PART, MMA_SUMS)
+                                       EMULATE_EXP2, FIXED, False, KEY_SPLIT, PART, MMA_SUMS, RELEASE_Q)
         acc, m_i, l_i = _tiles_in_turn(walk, middle, end, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                       EMULATE_EXP2, FIXED, True, KEY_SPLIT, PART, MMA_SUMS)
+                                       EMULATE_EXP2, FIXED, True, KEY_SPLIT, PART, MMA_SUMS, RELEASE_Q)
     else:
         acc, m_i, l_i = _tiles_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                       EMULATE_EXP2, FIXED, True, KEY_SPLIT, PART, MMA_SUMS)
+                                       EMULATE_EXP2, FIXED, True, KEY_SPLIT, PART, MMA_SUMS, RELEASE_Q)
     if MMA_SUMS:
         l_i = gl.convert_layout(gl.max(l_i, 1), row_layout)
     return acc, m_i, l_i
@@ -511,17 +520,17 @@ def _walk_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N
 def _tiles_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr,
                    TESTED: gl.constexpr, KEY_SPLIT: gl.constexpr = 1, PART: gl.constexpr = 0,
-                   SUMS: gl.constexpr = False):
+                   SUMS: gl.constexpr = False, RELEASE_Q: gl.constexpr = False):
     """_walk_in_turn's tiles start .. end-1: all but the last in one loop, the last after it, so that the loop's
     tiles skip the test for the walk's last tile (kernels/README.md, "The last tile peeled off the loop"). TESTED:
     under CAUSAL, the tiles take the causal test (from first_tested on); else none of them needs it. KEY_SPLIT,
-    PART: as _walk_in_turn's; SUMS: l_i is the accumulator of the sums (_walk_in_turn's MMA_SUMS)."""
+    PART, RELEASE_Q: as _walk_in_turn's; SUMS: l_i is the accumulator of the sums (_walk_in_turn's MMA_SUMS)."""
     for j in range(start, end - 1):  # none of these is the walk's last tile (total - 1)
         acc, m_i, l_i = _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2, FIXED,
                                       False, TESTED, KEY_SPLIT, PART, SUMS)
     if end > start:
         acc, m_i, l_i = _tile_in_turn(walk, end - 1, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2,
-                                      FIXED, True, TESTED, KEY_SPLIT, PART, SUMS)
+                                      FIXED, True, TESTED, KEY_SPLIT, PART, SUMS, RELEASE_Q)
     return acc, m_i, l_i
 
 
@@ -529,16 +538,18 @@ def _tiles_in_turn(walk, start, end, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_
 def _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, EMULATE_EXP2: gl.constexpr, FIXED: gl.constexpr, MAYBE_LAST: gl.constexpr,
                   TESTED: gl.constexpr, KEY_SPLIT: gl.constexpr = 1, PART: gl.constexpr = 0,
-                  SUMS: gl.constexpr = False):
+                  SUMS: gl.constexpr = False, RELEASE_Q: gl.constexpr = False):
     """Key tile j of a consumer's walk in turn (_walk_in_turn's, whose arguments these are): its products and
     softmax, (acc, m_i, l_i) after it. MAYBE_LAST: j may be the walk's last tile, whose sub tiles past its own
     keys are masked when the sub tiles do not fill it (_scores_masked); else that test is left out. TESTED: as
     _tiles_in_turn's. KEY_SPLIT: j is the part's own j-th tile, the walk's j * KEY_SPLIT + PART. A tile whose keys
     outnumber the scores' columns (s_zero's: under KEY_SPLIT, _STEP_N) goes in steps of that many keys, each step's
     products and softmax in turn, one V wait before the first and one release after the last. SUMS (FIXED, tiles of
-    one step): l_i is the sums' [64, 8] accumulator, to which the tile's P times the stage's tile of ones adds."""
+    one step): l_i is the sums' [64, 8] accumulator, to which the tile's P times the stage's tile of ones adds.
+    RELEASE_Q (MAYBE_LAST, tiles of one step; EARLY_Q_RELEASE_DIMS): if j is the walk's last tile, Q's buffer goes back
+    to the loader (q_release) once its Q K^T is done."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
-     scale_log2, base, ones) = walk
+     scale_log2, base, ones, q_release) = walk
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     s_layout: gl.constexpr = s_zero.type.layout
@@ -564,6 +575,9 @@ def _tile_in_turn(walk, j, acc, m_i, l_i, BLOCK_KV: gl.constexpr, SUB_N: gl.cons
             k_step = k_tile.slice(step * STEP_N, STEP_N)
         qk = warpgroup_mma(q, k_step.permute((1, 0)), zeros, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
+        if RELEASE_Q and MAYBE_LAST:
+            gl.static_assert(TILE_N == STEP_N, "Q goes back after a tile's one Q K^T")
+            mbarrier.arrive(q_release, count=1, pred=j == total - 1)
         qk = _scores_masked(qk, j, total, sub_tiles, first_tested, index_row, rows_s, BLOCK_KV, SUB_N,
                             CAUSAL and TESTED, MAYBE_LAST, TILE_N, step * STEP_N)
         p, alpha, m_new, l_i = _online_softmax(qk, m_i, l_i, scale_log2, CAUSAL, EMULATE_EXP2, FIXED, SUMS)
@@ -595,7 +609,7 @@ def _walk_overlapped(walk, acc, m_i, l_i, p_prev, BLOCK_KV: gl.constexpr, SUB_N:
     with the previous tile's P V, whose P (p_prev, the dot operand) comes in from tile 0 and goes out for the last
     tile's P V. (acc, m_i, l_i, p_prev) after them; FIXED and the causal split: as _walk_in_turn's."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
-     scale_log2, base, ones) = walk
+     scale_log2, base, ones, q_release) = walk
     if CAUSAL:
         middle = gl.minimum(gl.maximum(first_tested, 1), total)
         acc, m_i, l_i, p_prev = _tiles_overlapped(walk, 1, middle, acc, m_i, l_i, p_prev, BLOCK_KV, SUB_N, STAGES,
@@ -614,7 +628,7 @@ def _tiles_overlapped(walk, start, end, acc, m_i, l_i, p_prev, BLOCK_KV: gl.cons
                       TESTED: gl.constexpr):
     """_walk_overlapped's tiles start .. end-1 (start >= 1), in one loop. TESTED: as _tiles_in_turn's."""
     (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
-     scale_log2, base, ones) = walk
+     scale_log2, base, ones, q_release) = walk
     row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     for j in range(start, end):
         stage = (base + j) % STAGES
@@ -663,7 +677,7 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
               TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
               EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr, FIXED_OFFSETS: gl.constexpr,
               CHECK_RISE: gl.constexpr, PERSISTENT: gl.constexpr, CLAIMED: gl.constexpr, KEY_SPLIT: gl.constexpr,
-              PART: gl.constexpr, MMA_SUMS: gl.constexpr = False):
+              PART: gl.constexpr, MMA_SUMS: gl.constexpr = False, RELEASE_Q: gl.constexpr = False):
     """A consumer warpgroup: query rows HALF*64 .. HALF*64+63 of its program's work items (_consumer_item), one
     (_grid_item), or under PERSISTENT its turns' items (_turns, _turn_item), or under CLAIMED those its loader
     claims and posts (_posted_item), the ring's stages and the barriers' phases going on from one item to the next.
@@ -677,7 +691,7 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
         while item >= 0:
             base = _consumer_item(shared, item, turn, base, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL,
                                   OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, KEY_SPLIT, PART,
-                                  MMA_SUMS)
+                                  MMA_SUMS, RELEASE_Q)
             turn += 1
             buffer, phase = _q_buffer(ring, turn)
             mbarrier.wait(ring[3].index(buffer), phase)
@@ -688,10 +702,10 @@ def _consumer(shared, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.co
         for turn in range(_turns(lists)):
             base = _consumer_item(shared, _turn_item(lists, turn), turn, base, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N,
                                   STAGES, CAUSAL, OVERLAP, EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE,
-                                  KEY_SPLIT, PART, MMA_SUMS)
+                                  KEY_SPLIT, PART, MMA_SUMS, RELEASE_Q)
     else:
         _consumer_item(shared, _grid_item(), 0, 0, HALF, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP,
-                       EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, KEY_SPLIT, PART, MMA_SUMS)
+                       EMULATE_EXP2, O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, KEY_SPLIT, PART, MMA_SUMS, RELEASE_Q)
 
 
 @gluon.jit
@@ -699,7 +713,7 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
                    SUB_N: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                    OVERLAP: gl.constexpr, EMULATE_EXP2: gl.constexpr, O_THROUGH_TMA: gl.constexpr,
                    FIXED_OFFSETS: gl.constexpr, CHECK_RISE: gl.constexpr, KEY_SPLIT: gl.constexpr = 1,
-                   PART: gl.constexpr = 0, MMA_SUMS: gl.constexpr = False):
+                   PART: gl.constexpr = 0, MMA_SUMS: gl.constexpr = False, RELEASE_Q: gl.constexpr = False):
     """Query rows HALF*64 .. HALF*64+63 of work item `item` (its turn-th in the program; _program): the online
     softmax over the kv list (CAUSAL: keys up to each row's own position only), then Out [B, H, Sq, D] and Lse
     fp32 [B, H, Sq] (natural log; -inf and zeros for a row with no key). Returns the ring position after its key
@@ -708,8 +722,9 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
     see FIXED_OFFSET_DIMS; CHECK_RISE: see RISE_CHECKED_DTYPES. KEY_SPLIT 2 (KEY_SPLIT_DIMS, KEY_SPLIT_CAUSAL_DIMS;
     not OVERLAP): the rows' walk covers the key tiles PART, PART + 2, ... only, and the PART 1 consumer hands its
     offsets, sums and accumulator to the PART 0 one (_hand_over), which merges them with its own (_merged) and stores
-    the rows."""
-    descs, ring, lists, outputs, norms, kv, scale_log2, merge, ones = shared
+    the rows. RELEASE_Q (EARLY_Q_RELEASE_DIMS; not with KEY_SPLIT or O_THROUGH_TMA): the consumer's half of Q goes
+    back to the loader once the walk's last Q K^T is done, or at the end where the walk has no tile."""
+    descs, ring, lists, outputs, norms, qkv, scale_log2, merge, ones = shared
     Q_DESC = descs[0]
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, item_smem = ring
     KEY_NORMS, stride_nb, stride_nh = norms
@@ -725,6 +740,7 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
 
     gl.static_assert(KEY_SPLIT == 1 or not OVERLAP, "a split walk is not overlapped")
+    gl.static_assert(not RELEASE_Q or (KEY_SPLIT == 1 and not O_THROUGH_TMA), "Q goes back early from one pair")
     SCORE_N: gl.constexpr = _STEP_N if KEY_SPLIT > 1 else TILE_N  # score columns a product (_tile_in_turn)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, SCORE_N, 16])
@@ -748,7 +764,7 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
     q_empty = q_empty.index(buffer)
     mbarrier.wait(q_ready.index(buffer), phase)
     walk = (q, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero, total, sub_tiles, first_tested, index_row, rows_s,
-            scale_log2, base, ones)
+            scale_log2, base, ones, q_empty)
     # CHECK_RISE (RISE_CHECKED_DTYPES): the offsets stay wherever every row has a key in the first tile, and the
     # walk's rise is checked after it; else only where the rows' bounds hold the rise
     CHECKED: gl.constexpr = FIXED_OFFSETS and CHECK_RISE
@@ -763,20 +779,20 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
             # descriptors in: kernels/README.md, "Two Q buffers"); tested under CAUSAL where it crosses the diagonal
             if mine > 0:
                 acc, m_i, l_i = _tile_in_turn(walk, 0, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL, EMULATE_EXP2,
-                                              False, True, True, KEY_SPLIT, PART)
+                                              False, True, True, KEY_SPLIT, PART, False, RELEASE_Q)
             # after the first tile, the offsets it leaves
             keep = _all_seen(m_i) if CHECKED else _keeps_offsets(bound, m_i, dtype)
             if keep:
                 acc, m_i, l_i = _walk_in_turn(walk, 1, mine, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                              EMULATE_EXP2, True, KEY_SPLIT, PART, MMA_SUMS)
+                                              EMULATE_EXP2, True, KEY_SPLIT, PART, MMA_SUMS, RELEASE_Q)
             else:
                 acc, m_i, l_i = _walk_in_turn(walk, 1, mine, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                              EMULATE_EXP2, False, KEY_SPLIT, PART)
+                                              EMULATE_EXP2, False, KEY_SPLIT, PART, False, RELEASE_Q)
             if CHECKED:  # (whichever walk ran: the running maxima's stay in range on finite inputs)
                 again = ~_sums_within(l_i, acc)
         else:
             acc, m_i, l_i = _walk_in_turn(walk, 0, mine, acc, m_i, l_i, BLOCK_KV, SUB_N, STAGES, CAUSAL,
-                                          EMULATE_EXP2, False, KEY_SPLIT, PART)
+                                          EMULATE_EXP2, False, KEY_SPLIT, PART, False, RELEASE_Q)
     elif total > 0:
         if FIXED_OFFSETS and not CHECKED:  # (as in the loop without the overlap, above)
             bound = _score_bounds(q, KEY_NORMS + off_b * stride_nb + off_hkv * stride_nh, scale_log2, o_layout, row_s)
@@ -799,6 +815,8 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
         else:
             acc, m_i, l_i, p_prev = _walk_overlapped(walk, acc, m_i, l_i, p_prev, BLOCK_KV, SUB_N, STAGES, CAUSAL,
                                                      EMULATE_EXP2, False)
+        if RELEASE_Q:  # the walk's last Q K^T is done
+            mbarrier.arrive(q_empty, count=1)
         last = (base + total - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((base + total - 1) // STAGES) & 1)
         acc = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
@@ -813,16 +831,19 @@ def _consumer_item(shared, item, turn, base, HALF: gl.constexpr, BLOCK_Q: gl.con
     else:
         if KEY_SPLIT > 1:
             acc, m_i, l_i, again = _merged(merge, HALF, turn, acc, m_i, l_i, again)
+        if RELEASE_Q:  # (a walk of no tiles has not given Q back)
+            mbarrier.arrive(q_empty, count=1, pred=total == 0)
         if CHECKED:
             if again:  # cold: a score rose more than 2^RISE_LIMIT past its row's offset (kernels/README.md)
-                _walk_again(shared, item, HALF, q_slot, BLOCK_Q, BLOCK_KV, CAUSAL, O_THROUGH_TMA)
-                mbarrier.arrive(q_empty, count=1)
+                _walk_again(shared, item, HALF, q_slot, BLOCK_Q, BLOCK_KV, CAUSAL, O_THROUGH_TMA, RELEASE_Q)
+                if not RELEASE_Q:
+                    mbarrier.arrive(q_empty, count=1)
             else:
                 _release_and_finish(acc, m_i, l_i, shared, q_box, q_empty, off_b, off_h, first_row, rows_s,
-                                    O_THROUGH_TMA)
+                                    O_THROUGH_TMA, RELEASE_Q)
         else:
             _release_and_finish(acc, m_i, l_i, shared, q_box, q_empty, off_b, off_h, first_row, rows_s,
-                                O_THROUGH_TMA)
+                                O_THROUGH_TMA, RELEASE_Q)
     return base + total
 
 
@@ -863,14 +884,14 @@ def _merged(merge, HALF: gl.constexpr, turn, acc, m_i, l_i, again):
 
 @gluon.jit
 def _release_and_finish(acc, m_i, l_i, shared, q_box, q_empty, off_b, off_h, first_row, rows_s,
-                        O_THROUGH_TMA: gl.constexpr):
+                        O_THROUGH_TMA: gl.constexpr, RELEASED: gl.constexpr = False):
     """A consumer's half of Q released to the loader (its buffer's barrier q_empty), and its rows stored (_finish,
     whose other arguments these are): the release first, so that a later item's Q loads while the rows go out,
-    unless they go out through Q's buffer (O_THROUGH_TMA)."""
-    if not O_THROUGH_TMA:
+    unless they go out through Q's buffer (O_THROUGH_TMA); none where the walk has RELEASED it (RELEASE_Q)."""
+    if not O_THROUGH_TMA and not RELEASED:
         mbarrier.arrive(q_empty, count=1)
     _finish(acc, m_i, l_i, shared, q_box, off_b, off_h, first_row, rows_s, O_THROUGH_TMA)
-    if O_THROUGH_TMA:
+    if O_THROUGH_TMA and not RELEASED:
         mbarrier.arrive(q_empty, count=1)
 
 
@@ -879,7 +900,7 @@ def _finish(acc, m_i, l_i, shared, q_box, off_b, off_h, first_row, rows_s, O_THR
     """A consumer's rows first_row .. first_row+63 of Out and Lse from its walk's accumulator acc [64, D] and its
     rows' offsets and sums m_i, l_i [64] (rows_s: the rows' indices, in m_i's layout): zeros and -inf for a row with
     no key. q_box: its Q tile's buffer in shared memory, [1, 1, 64, D]. (shared: as _consumer's.)"""
-    descs, ring, lists, outputs, norms, kv, scale_log2, merge, ones = shared
+    descs, ring, lists, outputs, norms, qkv, scale_log2, merge, ones = shared
     O_DESC = descs[3]
     Out, Lse, seq_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh = outputs
     o_layout: gl.constexpr = acc.type.layout
@@ -924,29 +945,36 @@ def _sums_within(l_i, acc):
 
 @gluon.jit(noinline=True)
 def _walk_again(shared, item, HALF: gl.constexpr, q_slot, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr,
-                CAUSAL: gl.constexpr, O_THROUGH_TMA: gl.constexpr):
+                CAUSAL: gl.constexpr, O_THROUGH_TMA: gl.constexpr, RELEASE_Q: gl.constexpr = False):
     """A consumer's rows walked again with running maxima, and stored, where its walk with fixed offsets rose too far
     (CHECKED): the whole kv list, under CAUSAL with the test key <= query. Cold, and alone: the loader has moved on
     and the ring's stages may still be the other consumer's, so K and V come by pointer loads straight into
     registers for the Ampere products (mma_v2), _AGAIN_KEYS keys a step, and no conversion goes through shared
     memory (none is left). It finds its item's place and list again (_program) rather than keep them through the
-    walk, which held no registers for it; Q stays in its buffer (q_slot of the kernel's Q buffers) until it returns.
-    (Other parameters as _consumer_item's.)"""
-    descs, ring, lists, outputs, norms, kv, scale_log2, merge, ones = shared
-    q_smem = ring[0]
-    K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs = kv
+    walk, which held no registers for it. Its rows of Q stay in their buffer (q_slot of the kernel's Q buffers) until
+    it returns, or under RELEASE_Q, where that buffer may already hold a later item's, come by pointer once. (Other
+    parameters as _consumer_item's.)"""
+    descs, ring, lists, outputs, norms, qkv, scale_log2, merge, ones = shared
+    (Q, K, V, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+     stride_vs) = qkv
+    seq_q = outputs[2]
     off_b, off_h, off_hkv, start_m, index_row, count = _program(lists, item, BLOCK_Q, CAUSAL)
     first_row = start_m + HALF * _ROWS
-    q_box = q_smem.index(q_slot)
-    q = q_box.reshape([_ROWS, descs[0].block_type.shape[3]])
+    q_box = ring[0].index(q_slot)
     k_head = K + off_b.to(gl.int64) * stride_kb + off_hkv.to(gl.int64) * stride_kh
     v_head = V + off_b.to(gl.int64) * stride_vb + off_hkv.to(gl.int64) * stride_vh
-    HEAD_DIM: gl.constexpr = q.shape[1]
+    HEAD_DIM: gl.constexpr = descs[0].block_type.shape[3]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     row: gl.constexpr = gl.SliceLayout(1, mma)
     rows = first_row + gl.arange(0, _ROWS, row)
+    if RELEASE_Q:  # Q [64, D] in registers, rows past Sq as zeros (as the TMA box reads them)
+        rows_q = first_row + gl.arange(0, _ROWS, gl.SliceLayout(1, a_op))
+        dims_q = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, a_op))
+        q_head = Q + off_b.to(gl.int64) * stride_qb + off_h.to(gl.int64) * stride_qh
+        q_rows = gl.load(q_head + rows_q.to(gl.int64)[:, None] * stride_qs + dims_q[None, :],
+                         mask=(rows_q < seq_q)[:, None], other=0.0)
     keys_k = gl.arange(0, _AGAIN_KEYS, gl.SliceLayout(0, b_op))  # K^T [D, keys]: a column a key
     dims_k = gl.arange(0, HEAD_DIM, gl.SliceLayout(1, b_op))
     keys_v = gl.arange(0, _AGAIN_KEYS, gl.SliceLayout(1, b_op))  # V [keys, D]: a row a key
@@ -960,7 +988,11 @@ def _walk_again(shared, item, HALF: gl.constexpr, q_slot, BLOCK_Q: gl.constexpr,
     for step in range(count * STEPS):
         start = gl.load(index_row + step // STEPS) * BLOCK_KV + (step % STEPS) * _AGAIN_KEYS
         k_t = gl.load(k_head + (start + keys_k).to(gl.int64)[None, :] * stride_ks + dims_k[:, None])
-        qk = mma_v2(q.load(a_op), k_t, s_zero)  # (Q from shared memory each step: fewer registers held)
+        if RELEASE_Q:
+            q_op = q_rows
+        else:
+            q_op = q_box.reshape([_ROWS, HEAD_DIM]).load(a_op)  # (from shared memory each step: fewer registers held)
+        qk = mma_v2(q_op, k_t, s_zero)
         if CAUSAL:
             qk = gl.where((start + keys_s)[None, :] <= rows[:, None], qk, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(qk, 1) * scale_log2)
@@ -969,7 +1001,7 @@ def _walk_again(shared, item, HALF: gl.constexpr, q_slot, BLOCK_Q: gl.constexpr,
         alpha = gl.exp2(m_i - offset)
         l_i = l_i * alpha + gl.sum(p, 1)
         v = gl.load(v_head + (start + keys_v).to(gl.int64)[:, None] * stride_vs + dims_v[None, :])
-        acc = mma_v2(gl.convert_layout(p.to(q.dtype), a_op), v, acc * alpha[:, None])
+        acc = mma_v2(gl.convert_layout(p.to(v.dtype), a_op), v, acc * alpha[:, None])
         m_i = m_new
     _finish(acc, m_i, l_i, shared, q_box, off_b, off_h, first_row, rows, O_THROUGH_TMA)
 
@@ -1013,7 +1045,7 @@ def _loader_item(shared, item, turn, base, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.c
     (_q_buffer) once both consumers have released the buffer's last item's (POST: the item posted to them first,
     _post_item), then each kept key tile's K and V into the ring from position base on, a stage once both consumers
     have released it. Returns the ring position after them. (Parameters as _consumer_item's.)"""
-    descs, ring, lists, outputs, norms, kv, scale_log2, merge, ones = shared
+    descs, ring, lists, outputs, norms, qkv, scale_log2, merge, ones = shared
     Q_DESC, K_DESC, V_DESC, O_DESC = descs
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, item_smem = ring
     off_b, off_h, off_hkv, start_m, index_row, count = _program(lists, item, BLOCK_Q, CAUSAL)
@@ -1050,14 +1082,15 @@ def _loader_item(shared, item, turn, base, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.c
 def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, KV_INDEX, KEY_NORMS, scale_log2,
                             seq_q, heads, group_size, q_tiles, items, ITEM_ORDER, ITEM_COUNTER, stride_cb, stride_ch,
                             stride_ib, stride_ih, stride_iq, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                            stride_nb, stride_nh, K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
-                            stride_vs, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr, SUB_N: gl.constexpr,
-                            TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                            stride_nb, stride_nh, Q, K, V, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh,
+                            stride_ks, stride_vb, stride_vh, stride_vs, BLOCK_Q: gl.constexpr, BLOCK_KV: gl.constexpr,
+                            SUB_N: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr = True,
                             EMULATE_EXP2: gl.constexpr = False, O_THROUGH_TMA: gl.constexpr = False,
                             FIXED_OFFSETS: gl.constexpr = False, CHECK_RISE: gl.constexpr = False,
                             PERSISTENT: gl.constexpr = False, CLAIMED: gl.constexpr = False,
-                            KEY_SPLIT: gl.constexpr = 1, Q_BUFFERS: gl.constexpr = 1, MMA_SUMS: gl.constexpr = False):
+                            KEY_SPLIT: gl.constexpr = 1, Q_BUFFERS: gl.constexpr = 1, MMA_SUMS: gl.constexpr = False,
+                            RELEASE_Q: gl.constexpr = False):
     """Grid (cdiv(Sq, 128) = q_tiles, launch.batch_head_axes(B, H)), a program a work item (a query tile of a head);
     under PERSISTENT (see PERSISTENT_DIMS) (programs, 1, 1), each taking the items at positions program_id(0) + n *
     programs of ITEM_ORDER int32 [items = q_tiles * B * H] (query_tile_order) in turn, else ITEM_ORDER None; under
@@ -1072,11 +1105,12 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     multiple of SUB_N; OVERLAP: see OVERLAPPED; EMULATE_EXP2: see _exp2.
     FIXED_OFFSETS (see FIXED_OFFSET_DIMS) without CHECK_RISE (RISE_CHECKED_DTYPES): KEY_NORMS fp32 [B, Hkv,
     KEY_NORM_PARTS] (last dim contiguous, key_norm_parts), whose maximum over the parts bounds a kv head's key norms;
-    else None. K and V: k and v's pointers (strides stride_k* / stride_v*, last dim contiguous), which only
-    CHECK_RISE's cold walk again reads. KEY_SPLIT 2 (KEY_SPLIT_DIMS, KEY_SPLIT_CAUSAL_DIMS): four consumers, a pair of
-    them on each half of the key tiles (_consumer_item). Q_BUFFERS 2 (Q_BUFFER_DIMS): two Q buffers, which successive
-    items take in turn (_q_buffer). MMA_SUMS (MMA_ROW_SUM_DIMS, MMA_ROW_SUM_CAUSAL_DIMS): the fixed walk's row sums
-    from the tensor cores, P times a tile of ones a stage."""
+    else None. Q, K and V: q, k and v's pointers (strides stride_q* / stride_k* / stride_v*, last dim contiguous),
+    which only CHECK_RISE's cold walk again reads. KEY_SPLIT 2 (KEY_SPLIT_DIMS, KEY_SPLIT_CAUSAL_DIMS): four
+    consumers, a pair of them on each half of the key tiles (_consumer_item). Q_BUFFERS 2 (Q_BUFFER_DIMS): two Q
+    buffers, which successive items take in turn (_q_buffer). MMA_SUMS (MMA_ROW_SUM_DIMS, MMA_ROW_SUM_CAUSAL_DIMS):
+    the fixed walk's row sums from the tensor cores, P times a tile of ones a stage. RELEASE_Q (EARLY_Q_RELEASE_DIMS):
+    each consumer gives its half of Q back after its walk's last Q K^T."""
     gl.static_assert(Q_BUFFERS == 1 or KEY_SPLIT == 1, "a split walk's merge buffers hold one item's rows")
     q_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2 * Q_BUFFERS] + Q_DESC.block_type.shape, Q_DESC.layout)
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
@@ -1127,32 +1161,39 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
     # the partitions' arguments, grouped by what reads them: descriptors, the ring and its barriers, the kv lists
-    # (_program), out and Lse (_finish), the key norms' bound, and k and v by pointer (_walk_again)
+    # (_program), out and Lse (_finish), the key norms' bound, and q, k and v by pointer (_walk_again)
     shared = ((Q_DESC, K_DESC, V_DESC, O_DESC),
               (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, item_smem),
               (KV_COUNT, KV_INDEX, heads, group_size, q_tiles, items, ITEM_ORDER, ITEM_COUNTER, stride_cb, stride_ch,
                stride_ib, stride_ih, stride_iq),
               (Out, Lse, seq_q, stride_ob, stride_oh, stride_os, stride_lb, stride_lh),
               (KEY_NORMS, stride_nb, stride_nh),
-              (K, V, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs), scale_log2, merge, ones)
+              (Q, K, V, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+               stride_vs), scale_log2, merge, ones)
     if KEY_SPLIT > 1:
         gl.warp_specialize([
             (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, FIRST, MMA_SUMS)),
+                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, FIRST, MMA_SUMS,
+                         RELEASE_Q)),
             (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, FIRST, MMA_SUMS)),
+                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, FIRST, MMA_SUMS,
+                         RELEASE_Q)),
             (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, SECOND, MMA_SUMS)),
+                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, SECOND, MMA_SUMS,
+                         RELEASE_Q)),
             (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, SECOND, MMA_SUMS)),
+                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, SECOND, MMA_SUMS,
+                         RELEASE_Q)),
             (_loader, (shared, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, PERSISTENT, CLAIMED)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (shared, FIRST, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, FIRST, MMA_SUMS)),
+                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, FIRST, MMA_SUMS,
+                         RELEASE_Q)),
             (_consumer, (shared, SECOND, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, OVERLAP, EMULATE_EXP2,
-                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, FIRST, MMA_SUMS)),
+                         O_THROUGH_TMA, FIXED_OFFSETS, CHECK_RISE, PERSISTENT, CLAIMED, KEY_SPLIT, FIRST, MMA_SUMS,
+                         RELEASE_Q)),
             (_loader, (shared, BLOCK_Q, BLOCK_KV, SUB_N, TILE_N, STAGES, CAUSAL, PERSISTENT, CLAIMED)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -1292,7 +1333,8 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
             **stride_args("v", v, "bhs"), BLOCK_Q=block_q, BLOCK_KV=block_kv,
             SUB_N=chosen.sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap, STAGES=chosen.stages(dim),
             CAUSAL=chosen.causal, FIXED_OFFSETS=chosen.fixed_offsets, CONSUMER_REGS=chosen.consumer_regs(),
-            LOADER_REGS=LOADER_REGS, KEY_SPLIT=chosen.key_split, **settings, **unused)
+            LOADER_REGS=LOADER_REGS, KEY_SPLIT=chosen.key_split, **settings,
+            **{**stride_args("q", q, "bhs"), **unused})  # (q's strides None where unused)
         # O_DESC only when out goes through the TMA unit; else None: no descriptor to build or encode on relaunches
         if settings["O_THROUGH_TMA"]:
             descriptors["O_DESC"] = host_descriptor(out, CONSUMER_ROWS)
@@ -1302,7 +1344,8 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
         else:
             grid = (q_tiles, *launch.batch_head_axes(batch, heads))
         return grid, descriptors, static
-    # K and V by pointer too, for the cold walk again with running maxima of a walk whose rise was too large
+    # K and V by pointer too (and Q where it goes back early), for the cold walk again with running maxima of a walk
+    # whose rise was too large
     tensors = dict(Q_DESC=q, K_DESC=k, V_DESC=v, Out=out, Lse=lse, KV_COUNT=kv_count, KV_INDEX=kv_index, K=k, V=v)
     # the module's settings as this call takes them: constexprs of the kernel, and so part of its launch plan's key
     settings = _settings(chosen, q.dtype, dim)
@@ -1313,6 +1356,8 @@ def attention_forward_ws(q, k, v, kv_count, kv_index, block_q: int, block_kv: in
         tensors["KEY_NORMS"] = key_norms
     if settings["O_THROUGH_TMA"]:
         tensors["O_DESC"] = out
+    if settings["RELEASE_Q"]:
+        tensors["Q"] = q
     if settings["PERSISTENT"]:
         tensors["ITEM_ORDER"] = cached_query_tile_order(kv_count, batch, heads, heads // k.shape[1], block_q, q_tiles,
                                                         chosen.causal)
@@ -1395,9 +1440,9 @@ def grid_settings(grid: Optional[str]) -> dict:
 def _settings(chosen: Plan, dtype: torch.dtype, dim: int, claimed: Optional[bool] = None) -> dict:
     """The kernel's constexprs that the module's settings decide for a launch of plan `chosen` at dtype and head dim
     `dim` (EMULATED_EXP2_DIMS, O_THROUGH_TMA, RISE_CHECKED_DTYPES, _DIMS and _CAUSAL_DIMS, PERSISTENT_DIMS,
-    CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS, Q_BUFFER_DIMS, MMA_ROW_SUM_DIMS and _CAUSAL_DIMS): what attention_forward_ws
-    launches with and compile_sm90 compiles by default. claimed: whether the items are claimed (None: as
-    CLAIMED_DIMS or CLAIMED_CAUSAL_DIMS say), which makes the grid persistent."""
+    CLAIMED_DIMS and CLAIMED_CAUSAL_DIMS, Q_BUFFER_DIMS, MMA_ROW_SUM_DIMS and _CAUSAL_DIMS, EARLY_Q_RELEASE_DIMS):
+    what attention_forward_ws launches with and compile_sm90 compiles by default. claimed: whether the items are
+    claimed (None: as CLAIMED_DIMS or CLAIMED_CAUSAL_DIMS say), which makes the grid persistent."""
     if claimed is None:
         claimed = _claims(dim, chosen.causal)
     persistent = claimed or (dim in PERSISTENT_DIMS and not chosen.causal)
@@ -1405,7 +1450,17 @@ def _settings(chosen: Plan, dtype: torch.dtype, dim: int, claimed: Optional[bool
     return dict(EMULATE_EXP2=dim in EMULATED_EXP2_DIMS, O_THROUGH_TMA=O_THROUGH_TMA,
                 CHECK_RISE=chosen.fixed_offsets and dtype in RISE_CHECKED_DTYPES
                 and dim in (RISE_CHECKED_CAUSAL_DIMS if chosen.causal else RISE_CHECKED_DIMS),
-                PERSISTENT=persistent, CLAIMED=claimed, Q_BUFFERS=q_buffers, MMA_SUMS=_mma_sums(chosen, dim, q_buffers))
+                PERSISTENT=persistent, CLAIMED=claimed, Q_BUFFERS=q_buffers, MMA_SUMS=_mma_sums(chosen, dim, q_buffers),
+                RELEASE_Q=_releases_q_early(chosen, dim, persistent, O_THROUGH_TMA))
+
+
+def _releases_q_early(chosen: Plan, dim: int, persistent: bool, o_through_tma: bool) -> bool:
+    """Whether a launch of plan `chosen` at head dim `dim` has its consumers give Q back after their walks' last
+    Q K^T (EARLY_Q_RELEASE_DIMS): only on a persistent grid, where a next item can load, with one consumer pair, with
+    out not going through Q's buffer (o_through_tma), and not under is_causal, whose launches are a program a tile
+    (CLAIMED_CAUSAL_DIMS) and whose claimed D=64 build, with it, keeps 104 bytes of stack (Triton 3.9; 88 without)."""
+    return (dim in EARLY_Q_RELEASE_DIMS and persistent and chosen.key_split == 1 and not o_through_tma
+            and not chosen.causal)
 
 
 def _mma_sums(chosen: Plan, dim: int, q_buffers: int) -> bool:
@@ -1423,12 +1478,14 @@ def _q_buffers(chosen: Plan, dim: int, persistent: bool) -> int:
 
 
 def _unused_arguments(chosen: Plan, settings: dict) -> dict:
-    """{name: None} for the kernel's tensor arguments that a launch of plan `chosen` with `settings` (_settings)
-    leaves out: out's descriptor unless O_THROUGH_TMA, the key norms unless a bound keeps the offsets fixed (fixed
-    offsets without CHECK_RISE), the items' order off the persistent grid, and its counter unless CLAIMED. The
-    launcher passes them as None and compile_sm90 as constexpr None, so that both build the same kernel."""
+    """{name: None} for the kernel's arguments that a launch of plan `chosen` with `settings` (_settings) leaves out:
+    out's descriptor unless O_THROUGH_TMA, the key norms unless a bound keeps the offsets fixed (fixed offsets without
+    CHECK_RISE), the items' order off the persistent grid, its counter unless CLAIMED, and q's pointer and strides
+    unless RELEASE_Q. The launcher passes them as None and compile_sm90 as constexpr None, so that both build the
+    same kernel."""
     taken = dict(O_DESC=settings["O_THROUGH_TMA"], KEY_NORMS=chosen.fixed_offsets and not settings["CHECK_RISE"],
-                 ITEM_ORDER=settings["PERSISTENT"], ITEM_COUNTER=settings["CLAIMED"])
+                 ITEM_ORDER=settings["PERSISTENT"], ITEM_COUNTER=settings["CLAIMED"], Q=settings["RELEASE_Q"],
+                 stride_qb=settings["RELEASE_Q"], stride_qh=settings["RELEASE_Q"], stride_qs=settings["RELEASE_Q"])
     return {name: None for name, takes in taken.items() if not takes}
 
 
@@ -1481,6 +1538,7 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
                 for name, value in settings.items()}
     settings["Q_BUFFERS"] = q_buffers or _q_buffers(chosen, dim, settings["PERSISTENT"])
     settings["MMA_SUMS"] = _mma_sums(chosen, dim, settings["Q_BUFFERS"])
+    settings["RELEASE_Q"] = _releases_q_early(chosen, dim, settings["PERSISTENT"], settings["O_THROUGH_TMA"])
     constants = dict(BLOCK_Q=block_q, BLOCK_KV=block_kv, SUB_N=sub_n, TILE_N=chosen.tile_n, OVERLAP=chosen.overlap,
                      STAGES=chosen.stages(dim), CAUSAL=causal, CONSUMER_REGS=chosen.consumer_regs(),
                      LOADER_REGS=LOADER_REGS, FIXED_OFFSETS=chosen.fixed_offsets, KEY_SPLIT=chosen.key_split,
@@ -1493,8 +1551,8 @@ def compile_sm90(block_q: int, block_kv: int, dtype: torch.dtype = torch.bfloat1
             signature[param.name] = descriptor_signature(dtype, CONSUMER_ROWS if param.name in ("Q_DESC", "O_DESC")
                                                          else sub_n, dim)
         else:
-            signature[param.name] = {"Out": f"*{name}", "K": f"*{name}", "V": f"*{name}", "Lse": "*fp32",
-                                     "KV_COUNT": "*i32", "KV_INDEX": "*i32", "ITEM_ORDER": "*i32",
+            signature[param.name] = {"Out": f"*{name}", "Q": f"*{name}", "K": f"*{name}", "V": f"*{name}",
+                                     "Lse": "*fp32", "KV_COUNT": "*i32", "KV_INDEX": "*i32", "ITEM_ORDER": "*i32",
                                      "ITEM_COUNTER": "*i32", "KEY_NORMS": "*fp32",
                                      "scale_log2": "fp32"}.get(param.name, "i32")
     source = GluonASTSource(attention_fwd_ws_kernel, signature, constants)
