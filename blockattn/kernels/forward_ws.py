@@ -247,7 +247,9 @@ MMA_ROW_SUM_CAUSAL_DIMS: tuple = (64, )
 # than after them: the loader waits for both halves before it loads the next item's Q and then its first key tiles,
 # which so arrive under this item's end instead of after it. Q is not read again: the cold walk again
 # (_walk_again) loads its rows by pointer. Never with out through Q's buffer (O_THROUGH_TMA), the key split, or under
-# is_causal (_releases_q_early).
+# is_causal (_releases_q_early). Off: written in the sixty-ninth session, when no GPU came, so neither its GPU tests
+# (tests/test_forward_ws.py -k q_given_back_early) nor its timing (`benchmarks/ws_forward_ab.py --setting
+# early-release --cases items`) have run; kernels/README.md, "Q given back early".
 EARLY_Q_RELEASE_DIMS: tuple = ()
 PERSISTENT_PROGRAMS: Optional[int] = None
 
