@@ -1108,11 +1108,12 @@ def attention_fwd_ws_kernel(Q_DESC, K_DESC, V_DESC, O_DESC, Out, Lse, KV_COUNT, 
     FIXED_OFFSETS (see FIXED_OFFSET_DIMS) without CHECK_RISE (RISE_CHECKED_DTYPES): KEY_NORMS fp32 [B, Hkv,
     KEY_NORM_PARTS] (last dim contiguous, key_norm_parts), whose maximum over the parts bounds a kv head's key norms;
     else None. Q, K and V: q, k and v's pointers (strides stride_q* / stride_k* / stride_v*, last dim contiguous),
-    which only CHECK_RISE's cold walk again reads. KEY_SPLIT 2 (KEY_SPLIT_DIMS, KEY_SPLIT_CAUSAL_DIMS): four
-    consumers, a pair of them on each half of the key tiles (_consumer_item). Q_BUFFERS 2 (Q_BUFFER_DIMS): two Q
-    buffers, which successive items take in turn (_q_buffer). MMA_SUMS (MMA_ROW_SUM_DIMS, MMA_ROW_SUM_CAUSAL_DIMS):
-    the fixed walk's row sums from the tensor cores, P times a tile of ones a stage. RELEASE_Q (EARLY_Q_RELEASE_DIMS):
-    each consumer gives its half of Q back after its walk's last Q K^T."""
+    which only CHECK_RISE's cold walk again reads (Q and its strides None unless RELEASE_Q). KEY_SPLIT 2
+    (KEY_SPLIT_DIMS, KEY_SPLIT_CAUSAL_DIMS): four consumers, a pair of them on each half of the key tiles
+    (_consumer_item). Q_BUFFERS 2 (Q_BUFFER_DIMS): two Q buffers, which successive items take in turn (_q_buffer).
+    MMA_SUMS (MMA_ROW_SUM_DIMS, MMA_ROW_SUM_CAUSAL_DIMS): the fixed walk's row sums from the tensor cores, P times a
+    tile of ones a stage. RELEASE_Q (EARLY_Q_RELEASE_DIMS): each consumer gives its half of Q back after its walk's
+    last Q K^T."""
     gl.static_assert(Q_BUFFERS == 1 or KEY_SPLIT == 1, "a split walk's merge buffers hold one item's rows")
     q_smem = gl.allocate_shared_memory(Q_DESC.dtype, [2 * Q_BUFFERS] + Q_DESC.block_type.shape, Q_DESC.layout)
     HEAD_DIM: gl.constexpr = Q_DESC.block_type.shape[3]
