@@ -1487,8 +1487,8 @@ def _unused_arguments(chosen: Plan, settings: dict) -> dict:
     unless RELEASE_Q. The launcher passes them as None and compile_sm90 as constexpr None, so that both build the
     same kernel."""
     taken = dict(O_DESC=settings["O_THROUGH_TMA"], KEY_NORMS=chosen.fixed_offsets and not settings["CHECK_RISE"],
-                 ITEM_ORDER=settings["PERSISTENT"], ITEM_COUNTER=settings["CLAIMED"], Q=settings["RELEASE_Q"],
-                 stride_qb=settings["RELEASE_Q"], stride_qh=settings["RELEASE_Q"], stride_qs=settings["RELEASE_Q"])
+                 ITEM_ORDER=settings["PERSISTENT"], ITEM_COUNTER=settings["CLAIMED"],
+                 **dict.fromkeys(("Q", "stride_qb", "stride_qh", "stride_qs"), settings["RELEASE_Q"]))
     return {name: None for name, takes in taken.items() if not takes}
 
 
